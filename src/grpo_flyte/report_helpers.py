@@ -1,0 +1,467 @@
+"""Self-contained HTML report for a GRPO run.
+
+Renders stat cards, inline SVG line charts, a per-iteration table, the best
+completion and the run config into one HTML document with inline CSS only: no
+scripts, no external styles, fonts or images, so it can be opened anywhere and
+shown in a Flyte report without network access. Everything that comes from data
+is escaped, because completions are untrusted model output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import html
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+
+STATUSES = ("running", "complete", "failed")
+
+# One (chart title, history keys) pair per chart. A chart is drawn only when at
+# least one history row carries one of its keys, so optional metrics cost nothing.
+METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Reward, accuracy and format rate", ("mean_reward", "accuracy", "format_rate")),
+    ("Loss", ("loss",)),
+    ("Held-out evaluation", ("eval_reward", "eval_accuracy")),
+    ("KL divergence", ("kl",)),
+    ("Gradient norm", ("grad_norm",)),
+)
+
+DASH = "\u2013"
+_MINUS = "\u2212"
+
+_STATUS_COLOURS = {"running": "#0969da", "complete": "#1a7f37", "failed": "#cf222e"}
+_SERIES_COLOURS = ("#0969da", "#d4620a", "#1a7f37", "#8250df", "#cf222e", "#6e7781")
+
+# (key, header, kind); kind selects the number formatter.
+_FIXED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("iteration", "Iteration", "int"),
+    ("adapter_version", "Adapter", "int"),
+    ("mean_reward", "Mean reward", "num"),
+    ("accuracy", "Accuracy", "pct"),
+    ("format_rate", "Format rate", "pct"),
+    ("loss", "Loss", "num"),
+    ("num_rollouts", "Rollouts", "int"),
+    ("generate_s", "Generate (s)", "sec"),
+    ("score_s", "Score (s)", "sec"),
+    ("train_s", "Train (s)", "sec"),
+    ("iteration_s", "Iteration (s)", "sec"),
+)
+_FIXED_KEYS = frozenset(key for key, _, _ in _FIXED_COLUMNS)
+
+_CARDS: tuple[tuple[str, str, str], ...] = (
+    ("mean_reward", "Mean reward", "num"),
+    ("accuracy", "Accuracy", "pct"),
+    ("format_rate", "Format rate", "pct"),
+    ("loss", "Loss", "num"),
+    ("adapter_version", "Adapter version", "int"),
+)
+# Colours the delta: a falling loss is good news, a falling reward is not.
+_LOWER_IS_BETTER = frozenset({"loss"})
+_NEUTRAL_DELTA = frozenset({"adapter_version"})
+
+# Chart geometry in SVG user units; the SVG scales to its container width.
+_W, _H = 640, 260
+_LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 14, 40
+_MAX_X_TICKS = 10
+_Y_TICKS = 5
+
+_CSS = """
+*{box-sizing:border-box}
+body{margin:0;background:#f6f8fa;color:#1f2328;
+ font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif}
+main{max-width:1040px;margin:0 auto;padding:24px 16px 48px}
+h1{font-size:24px;margin:0 0 6px;display:flex;align-items:center;gap:12px;flex-wrap:wrap}
+h2{font-size:17px;margin:28px 0 10px}
+.badge{font-size:12px;font-weight:600;text-transform:uppercase;letter-spacing:.04em;
+ color:#fff;border-radius:999px;padding:3px 10px}
+.message{margin:6px 0;white-space:pre-wrap;overflow-wrap:anywhere}
+.message.failed{color:#cf222e}
+.meta{color:#656d76;font-size:12px;margin:4px 0 0}
+.card,.cards>div,figure{background:#fff;border:1px solid #d0d7de;border-radius:8px}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(160px,1fr));gap:12px;margin-top:18px}
+.cards>div{padding:12px 14px}
+.cards .label{color:#656d76;font-size:12px}
+.cards .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums}
+.cards .delta{font-size:12px;color:#656d76}
+.delta.good{color:#1a7f37}.delta.bad{color:#cf222e}
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:12px}
+figure{margin:0;padding:12px}
+figcaption{font-weight:600;margin-bottom:4px}
+.legend{list-style:none;margin:0 0 6px;padding:0;display:flex;gap:14px;flex-wrap:wrap;font-size:12px}
+.swatch{display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:5px}
+svg{width:100%;height:auto;display:block}
+svg text{font-size:11px;fill:#656d76}
+.grid{stroke:#eaeef2}.axis{stroke:#8c959f}
+.scroll{overflow-x:auto}
+table{border-collapse:collapse;width:100%;background:#fff;font-variant-numeric:tabular-nums}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:right;white-space:nowrap}
+th{background:#f6f8fa;font-weight:600}
+.kv th,.kv td{text-align:left;white-space:normal;overflow-wrap:anywhere}
+.kv th{width:30%}
+.card{padding:12px 14px}
+.card dl{display:grid;grid-template-columns:max-content 1fr;gap:4px 12px;margin:0 0 8px}
+.card dt{color:#656d76}.card dd{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}
+pre{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:10px;margin:0;
+ white-space:pre-wrap;overflow-wrap:anywhere;font:12px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.placeholder{background:#fff;border:1px dashed #d0d7de;border-radius:8px;padding:28px;
+ text-align:center;color:#656d76;margin-top:18px}
+"""
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def _esc(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _finite(value: object) -> float | None:
+    """The value as a finite float, or None when it cannot be plotted or compared."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _format(value: object, kind: str) -> str:
+    """Format a table or card value; the result is already HTML-safe."""
+    if value is None:
+        return DASH
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return _esc(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("\u221e" if value > 0 else _MINUS + "\u221e")
+    if kind == "int" and float(value).is_integer():
+        return str(int(value))
+    if kind == "pct":
+        return f"{value * 100:.1f}%"
+    if kind == "sec":
+        return f"{value:.1f}"
+    return f"{value:.4g}"
+
+
+def _delta(last: object, previous: object, kind: str) -> tuple[str, float] | None:
+    """Signed change as text (with a real minus sign) and as a number."""
+    a, b = _finite(last), _finite(previous)
+    if a is None or b is None:
+        return None
+    change = a - b
+    if change == 0:
+        return "no change", 0.0
+    if kind == "pct":
+        text = f"{change * 100:+.1f} pp"
+    elif kind == "int":
+        text = f"{change:+.0f}"
+    else:
+        text = f"{change:+.3g}"
+    return text.replace("-", _MINUS), change
+
+
+def _tick_label(value: float) -> str:
+    if float(value).is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+# --------------------------------------------------------------------------- header
+
+
+def _header(title: str, status: str, message: str | None, n_rows: int) -> str:
+    badge = (
+        f'<span class="badge status-{status}" style="background:{_STATUS_COLOURS[status]}">'
+        f"{status}</span>"
+    )
+    parts = [f"<header><h1>{_esc(title)} {badge}</h1>"]
+    if message:
+        parts.append(f'<p class="message {status}">{_esc(message)}</p>')
+    generated = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    noun = "iteration" if n_rows == 1 else "iterations"
+    parts.append(f'<p class="meta">{n_rows} {noun} finished \u00b7 generated {generated}</p>')
+    parts.append("</header>")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------- cards
+
+
+def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | None) -> str:
+    value = _format(last.get(key), kind)
+    delta_html = ""
+    delta = _delta(last.get(key), previous.get(key), kind) if previous is not None else None
+    if delta is not None:
+        text, change = delta
+        css = ""
+        if change and key not in _NEUTRAL_DELTA:
+            css = " good" if (change > 0) != (key in _LOWER_IS_BETTER) else " bad"
+        delta_html = f'<div class="delta{css}">{text} since previous</div>'
+    return (
+        f'<div class="stat stat-{key}"><div class="label">{label}</div>'
+        f'<div class="value">{value}</div>{delta_html}</div>'
+    )
+
+
+def _cards(history: Sequence[Mapping]) -> str:
+    last = history[-1]
+    previous = history[-2] if len(history) > 1 else None
+    cards = "".join(_card(key, label, kind, last, previous) for key, label, kind in _CARDS)
+    return f'<section class="cards" aria-label="Latest iteration">{cards}</section>'
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def _points(history: Sequence[Mapping], key: str) -> list[tuple[float, float]]:
+    """(iteration, value) pairs, skipping missing and non-finite values."""
+    points = []
+    for position, row in enumerate(history, start=1):
+        y = _finite(row.get(key))
+        if y is None:
+            continue
+        x = _finite(row.get("iteration"))
+        points.append((x if x is not None else float(position), y))
+    return points
+
+
+def _span(values: Sequence[float], headroom: float) -> tuple[float, float]:
+    """A non-empty range covering the values, so scaling never divides by zero."""
+    lo, hi = min(values), max(values)
+    if hi - lo <= 0 or not math.isfinite(hi - lo):
+        pad = abs(lo) * 0.1 or 1.0
+        return lo - pad, hi + pad
+    pad = (hi - lo) * headroom
+    return lo - pad, hi + pad
+
+
+class _Scale:
+    """Maps data coordinates onto the plot area of the SVG."""
+
+    def __init__(self, xs: Sequence[float], ys: Sequence[float]) -> None:
+        self.x0, self.x1 = _span(xs, 0.03)
+        self.y0, self.y1 = _span(ys, 0.06)
+        self.width = _W - _LEFT - _RIGHT
+        self.height = _H - _TOP - _BOTTOM
+
+    def x(self, value: float) -> float:
+        return _LEFT + (value - self.x0) / (self.x1 - self.x0) * self.width
+
+    def y(self, value: float) -> float:
+        return _TOP + (self.y1 - value) / (self.y1 - self.y0) * self.height
+
+
+def _axes(scale: _Scale, xs: Sequence[float]) -> str:
+    bottom, right = _H - _BOTTOM, _W - _RIGHT
+    parts = []
+    for i in range(_Y_TICKS):
+        value = scale.y0 + (scale.y1 - scale.y0) * i / (_Y_TICKS - 1)
+        y = scale.y(value)
+        parts.append(f'<line class="grid" x1="{_LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>')
+        parts.append(
+            f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(value)}</text>'
+        )
+    ticks = sorted(set(xs))
+    step = max(1, math.ceil(len(ticks) / _MAX_X_TICKS))
+    for value in ticks[::step]:
+        x = scale.x(value)
+        parts.append(f'<line class="axis" x1="{x:.1f}" y1="{bottom}" x2="{x:.1f}" y2="{bottom + 4}"/>')
+        parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_tick_label(value)}</text>')
+    parts.append(f'<line class="axis" x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{bottom}"/>')
+    parts.append(f'<line class="axis" x1="{_LEFT}" y1="{bottom}" x2="{right}" y2="{bottom}"/>')
+    parts.append(
+        f'<text x="{_LEFT + scale.width / 2:.1f}" y="{_H - 6}" text-anchor="middle">iteration</text>'
+    )
+    return "".join(parts)
+
+
+def _series_svg(key: str, points: Sequence[tuple[float, float]], colour: str, scale: _Scale) -> str:
+    coords = [(scale.x(x), scale.y(y)) for x, y in points]
+    parts = []
+    # A one-point polyline draws nothing; the circle below keeps the point visible.
+    if len(coords) > 1:
+        joined = " ".join(f"{cx:.1f},{cy:.1f}" for cx, cy in coords)
+        parts.append(
+            f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{joined}"/>'
+        )
+    for (x, y), (cx, cy) in zip(points, coords):
+        tip = f"{_esc(key)}, iteration {_tick_label(x)}: {y:.4g}"
+        parts.append(
+            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{colour}"><title>{tip}</title></circle>'
+        )
+    return "".join(parts)
+
+
+def _legend(keys: Sequence[str]) -> str:
+    items = "".join(
+        f'<li><span class="swatch" style="background:{_SERIES_COLOURS[i % len(_SERIES_COLOURS)]}">'
+        f"</span>{_esc(key)}</li>"
+        for i, key in enumerate(keys)
+    )
+    return f'<ul class="legend">{items}</ul>'
+
+
+def _has_key(history: Sequence[Mapping], key: str) -> bool:
+    return any(row.get(key) is not None for row in history)
+
+
+def _chart(title: str, keys: Sequence[str], history: Sequence[Mapping]) -> str:
+    keys = [key for key in keys if _has_key(history, key)]
+    series = [(key, _points(history, key)) for key in keys]
+    points = [point for _, pts in series for point in pts]
+    # With nothing finite to plot, still draw empty axes rather than fail.
+    scale = _Scale([x for x, _ in points] or [1.0], [y for _, y in points] or [0.0, 1.0])
+    body = "".join(
+        _series_svg(key, pts, _SERIES_COLOURS[i % len(_SERIES_COLOURS)], scale)
+        for i, (key, pts) in enumerate(series)
+    )
+    label = _esc(f"{title}: {', '.join(keys)} by iteration")
+    svg = (
+        f'<svg role="img" aria-label="{label}" viewBox="0 0 {_W} {_H}" '
+        f'preserveAspectRatio="xMidYMid meet">{_axes(scale, [x for x, _ in points])}{body}</svg>'
+    )
+    return f"<figure><figcaption>{_esc(title)}</figcaption>{_legend(keys)}{svg}</figure>"
+
+
+def _charts(history: Sequence[Mapping]) -> str:
+    charts = [
+        _chart(title, keys, history)
+        for title, keys in METRIC_CHARTS
+        if any(_has_key(history, key) for key in keys)
+    ]
+    if not charts:
+        return ""
+    return f'<h2>Metrics</h2><section class="charts">{"".join(charts)}</section>'
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _extra_columns(history: Sequence[Mapping]) -> list[tuple[str, str, str]]:
+    """Numeric keys beyond the fixed columns, in first-seen order."""
+    seen: dict[str, None] = {}
+    for row in history:
+        for key, value in row.items():
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and key not in _FIXED_KEYS:
+                seen.setdefault(str(key), None)
+    return [(key, key, "sec" if key.endswith("_s") else "num") for key in seen]
+
+
+def _table(history: Sequence[Mapping]) -> str:
+    columns = list(_FIXED_COLUMNS) + _extra_columns(history)
+    head = "".join(f'<th scope="col">{_esc(header)}</th>' for _, header, _ in columns)
+    # Newest first: during a long run the latest iteration is what one looks for.
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{_format(row.get(key), kind)}</td>" for key, _, kind in columns) + "</tr>"
+        for row in reversed(history)
+    )
+    return (
+        '<h2>Iterations <span class="meta">(newest first)</span></h2>'
+        f'<div class="scroll"><table class="iterations"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{rows}</tbody></table></div>"
+    )
+
+
+# --------------------------------------------------------------------------- completion and config
+
+
+def _text(value: object) -> str:
+    return DASH if value is None else _esc(value)
+
+
+def _best_completion(best: Mapping | None) -> str:
+    if best is None:
+        return '<h2>Best completion</h2><p class="placeholder">No completion recorded yet.</p>'
+    reward = best.get("reward")
+    reward_text = f"{reward:.4g}" if _finite(reward) is not None else _format(reward, "num")
+    fields = (
+        ("Question", _text(best.get("question"))),
+        ("Expected answer", _text(best.get("answer"))),
+        ("Reward", reward_text),
+    )
+    items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in fields)
+    completion = _text(best.get("completion"))
+    return (
+        '<h2>Best completion of the last iteration</h2>'
+        f'<div class="card best"><dl>{items}</dl><pre class="completion">{completion}</pre></div>'
+    )
+
+
+def _config(config: Mapping[str, object]) -> str:
+    if not config:
+        return '<h2>Run config</h2><p class="placeholder">No config recorded.</p>'
+    rows = "".join(
+        f'<tr><th scope="row">{_esc(key)}</th><td>{_esc(value)}</td></tr>'
+        for key, value in config.items()
+    )
+    return f'<h2>Run config</h2><table class="kv config"><tbody>{rows}</tbody></table>'
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def render_report(
+    *,
+    title: str,
+    status: str,
+    config: dict[str, object],
+    history: list[dict[str, object]],
+    best_completion: dict[str, object] | None = None,
+    message: str | None = None,
+) -> str:
+    """Render the whole run report as one self-contained HTML document."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown report status {status!r}; expected one of {', '.join(STATUSES)}")
+    if history:
+        progress = _cards(history) + _charts(history) + _table(history)
+    else:
+        progress = '<p class="placeholder empty">No iterations finished yet.</p>'
+    body = (
+        _header(title, status, message, len(history))
+        + progress
+        + _best_completion(best_completion)
+        + _config(config)
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>{_esc(title)}</title><style>{_CSS}</style></head>"
+        f"<body><main>{body}</main></body></html>\n"
+    )
+
+
+def write_report_atomic(path: "os.PathLike[str] | str", html: str) -> None:
+    """Write to a temp file in the same directory, fsync, then os.replace, so a reader (or a crash) never sees a half-written report."""
+    if not isinstance(html, str):
+        raise TypeError(f"report html must be str, not {type(html).__name__}")
+    target = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(target)
+    data = html.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp creates 0600; a report is meant to be read by others (viewers, uploaders).
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable; some platforms and filesystems refuse, which is fine.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

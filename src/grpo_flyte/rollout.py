@@ -1,0 +1,354 @@
+"""The `generate` task: one group of completions for one prompt, on a warm, reusable replica.
+
+The engine (vLLM on a GPU, transformers + PEFT otherwise) is built once per replica and cached;
+the LoRA adapter named by the task's input is attached per request. Warm state is only a cache:
+the same inputs give the same rollouts on any replica (the sampling seed is an input).
+
+Each rollout carries the prompt and completion token ids and the per-token sampling log-probs, so
+the trainer never re-tokenizes text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Literal, Protocol
+
+from flyte.io import Dir
+from pydantic import BaseModel
+
+from grpo_flyte.config import RunConfig
+from grpo_flyte.data import Example, render_prompt
+from grpo_flyte.envs import rollout_env
+from grpo_flyte.models import cache_root, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterRef(BaseModel):
+    """A LoRA adapter version: PEFT files plus the optimizer state that produced it."""
+
+    version: int
+    dir: Dir
+
+
+class Rollout(BaseModel):
+    completion_ids: list[int]
+    sampling_logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
+    finish_reason: Literal["stop", "length"]
+    text: str
+
+
+class RolloutGroup(BaseModel):
+    """All completions of one prompt; `index` is the prompt's position within its iteration."""
+
+    index: int
+    example: Example
+    adapter_version: int
+    prompt_ids: list[int]
+    rollouts: list[Rollout]
+    generate_s: float
+
+
+class SamplingRequest(BaseModel):
+    prompt_ids: list[int]
+    group_size: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+
+
+class Generator(Protocol):
+    tokenizer: object
+
+    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]: ...
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend."""
+    if backend != "auto":
+        return backend
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "hf"
+
+
+def cut_at_eos(token_ids: list[int], logprobs: list[float], eos_ids: set[int]) -> tuple[list[int], list[float], str]:
+    """Keep tokens up to and including the first EOS; what follows is padding."""
+    for i, tok in enumerate(token_ids):
+        if tok in eos_ids:
+            return token_ids[: i + 1], logprobs[: i + 1], "stop"
+    return token_ids, logprobs, "length"
+
+
+class HFGenerator:
+    """transformers + PEFT generation; one adapter active at a time, a few kept loaded."""
+
+    def __init__(self, model_path: str, dtype: str, max_adapters: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from grpo_flyte.models import best_device
+
+        self.device = best_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
+        self.base = model.to(self.device).eval()
+        self.model = None  # the PeftModel, once the first adapter is loaded
+        self.adapters: OrderedDict[str, str] = OrderedDict()  # adapter path -> PEFT adapter name
+        self.max_adapters = max_adapters
+        self._next_name = 0
+        eos = self.base.generation_config.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, list) else [eos] if eos is not None else []), self.tokenizer.eos_token_id}
+        self.eos_ids.discard(None)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def _activate(self, adapter_path: str) -> None:
+        from peft import PeftModel
+
+        if adapter_path in self.adapters:
+            self.adapters.move_to_end(adapter_path)
+            self.model.set_adapter(self.adapters[adapter_path])
+            return
+        name = f"adapter{self._next_name}"
+        self._next_name += 1
+        if self.model is None:
+            self.model = PeftModel.from_pretrained(self.base, adapter_path, adapter_name=name, is_trainable=False)
+        else:
+            self.model.load_adapter(adapter_path, adapter_name=name, is_trainable=False)
+        self.model.set_adapter(name)
+        self.model.eval()
+        self.adapters[adapter_path] = name
+        while len(self.adapters) > self.max_adapters:
+            _, old = self.adapters.popitem(last=False)
+            self.model.delete_adapter(old)
+
+    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]:
+        import torch
+        from transformers import GenerationConfig
+
+        self._activate(adapter_path)
+        prompt = torch.tensor([request.prompt_ids] * request.group_size, device=self.device)
+        # A fresh GenerationConfig: a model's own defaults (top_k, repetition penalty, ...) would
+        # change the sampling distribution away from the one the trainer scores.
+        gen_config = GenerationConfig(
+            do_sample=True,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=0,
+            max_new_tokens=request.max_new_tokens,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        torch.manual_seed(request.seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_config
+            )
+        new_tokens = out.sequences[:, prompt.shape[1] :]  # (G, L)
+        step_logprobs = [
+            torch.log_softmax(logits.float() / request.temperature, dim=-1)
+            .gather(-1, new_tokens[:, t : t + 1])
+            .squeeze(-1)
+            for t, logits in enumerate(out.logits)
+        ]
+        logprobs = torch.stack(step_logprobs, dim=1).tolist() if step_logprobs else [[] for _ in range(request.group_size)]
+        rollouts = []
+        for ids, lps in zip(new_tokens.tolist(), logprobs):
+            ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            rollouts.append(Rollout(completion_ids=ids, sampling_logprobs=lps, finish_reason=finish, text=text))
+        return rollouts
+
+
+class VLLMGenerator:
+    """vLLM generation with the adapter attached per request through LoRARequest."""
+
+    def __init__(self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, seed: int):
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError("the vLLM backend needs: pip install 'grpo-flyte[gpu]'") from exc
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=1,
+            max_cpu_loras=max_adapters,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=0.85,
+            seed=seed,
+            # Sampling log-probs after temperature, i.e. of the distribution actually sampled
+            # from, which is what the trainer computes.
+            logprobs_mode="processed_logprobs",
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.lora_ids: OrderedDict[str, int] = OrderedDict()  # adapter path -> LoRARequest int id
+        self.max_adapters = max_adapters
+        self._next_id = 1  # vLLM requires ids >= 1, unique per adapter
+
+    def _lora_request(self, adapter_path: str):
+        from vllm.lora.request import LoRARequest
+
+        if adapter_path not in self.lora_ids:
+            self.lora_ids[adapter_path] = self._next_id
+            self._next_id += 1
+            while len(self.lora_ids) > self.max_adapters:
+                _, old_id = self.lora_ids.popitem(last=False)
+                self.llm.llm_engine.remove_lora(old_id)
+        self.lora_ids.move_to_end(adapter_path)
+        lora_id = self.lora_ids[adapter_path]
+        return LoRARequest(f"adapter{lora_id}", lora_id, adapter_path)
+
+    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=request.group_size,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=-1,
+            max_tokens=request.max_new_tokens,
+            logprobs=0,
+            seed=request.seed,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": request.prompt_ids}],
+            params,
+            lora_request=self._lora_request(adapter_path),
+            use_tqdm=False,
+        )
+        return [vllm_completion_to_rollout(c) for c in outputs[0].outputs]
+
+
+def vllm_completion_to_rollout(completion) -> Rollout:
+    """A vLLM CompletionOutput -> Rollout; the sampled token's log-prob is in each step's dict."""
+    ids = list(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens; was logprobs=0 set?")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids)]
+    finish = "stop" if completion.finish_reason == "stop" else "length"
+    return Rollout(completion_ids=ids, sampling_logprobs=logprobs, finish_reason=finish, text=completion.text)
+
+
+# One engine per replica. The lock serializes use: in local mode every task shares one process,
+# and neither an HF model nor vLLM's LLM may be driven from several threads at once.
+_engine_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _engine(backend: str, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, seed: int) -> Generator:
+    logger.info("building the %s generator for %s (once per replica)", backend, model_path)
+    if backend == "vllm":
+        return VLLMGenerator(model_path, dtype, max_adapters, max_lora_rank, max_model_len, seed)
+    return HFGenerator(model_path, dtype, max_adapters)
+
+
+def get_engine(config: RunConfig, model_path: str) -> Generator:
+    return _engine(
+        resolve_backend(config.backend),
+        model_path,
+        config.torch_dtype_name,
+        config.adapter_cache_size,
+        config.lora_rank,
+        config.max_prompt_tokens + config.max_new_tokens,
+        config.seed,
+    )
+
+
+class LocalDirCache:
+    """Remote directories downloaded once per replica, newest `capacity` kept on disk.
+
+    A directory that is already local (local mode) is used in place and never deleted.
+    """
+
+    def __init__(self, root: Path, capacity: int):
+        self.root = root
+        self.capacity = capacity
+        self.entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def get(self, d: Dir) -> str:
+        if "://" not in d.path:
+            return d.path
+        async with self._lock:
+            if d.path in self.entries:
+                self.entries.move_to_end(d.path)
+                return self.entries[d.path]
+            target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+            shutil.rmtree(target, ignore_errors=True)
+            local = await d.download(str(target))
+            self.entries[d.path] = local
+            while len(self.entries) > self.capacity:
+                _, old = self.entries.popitem(last=False)
+                shutil.rmtree(old, ignore_errors=True)
+            return local
+
+
+_model_dirs = LocalDirCache(cache_root() / "replica" / f"models-{os.getpid()}", capacity=1)
+_adapter_dirs = LocalDirCache(cache_root() / "replica" / f"adapters-{os.getpid()}", capacity=8)
+
+
+def tokenize_prompt(tokenizer, example: Example, config: RunConfig) -> list[int]:
+    text = render_prompt(example.question, config.prompt_format, tokenizer)
+    # The chat template already wrote the special tokens; the plain template gets the tokenizer's.
+    ids = tokenizer(text, add_special_tokens=config.prompt_format == "plain")["input_ids"]
+    if len(ids) > config.max_prompt_tokens:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={config.max_prompt_tokens}: "
+            f"{example.question[:80]!r}"
+        )
+    return list(ids)
+
+
+def generate_group(
+    config: RunConfig, model_path: str, example: Example, adapter_path: str, seed: int
+) -> tuple[list[int], list[Rollout]]:
+    with _engine_lock:
+        engine = get_engine(config, model_path)
+        prompt_ids = tokenize_prompt(engine.tokenizer, example, config)
+        request = SamplingRequest(
+            prompt_ids=prompt_ids,
+            group_size=config.group_size,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_new_tokens=config.max_new_tokens,
+            seed=seed,
+        )
+        return prompt_ids, engine.generate(request, adapter_path)
+
+
+@rollout_env.task(retries=2)
+async def generate(
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, example: Example, index: int, seed: int
+) -> RolloutGroup:
+    """Sample `config.group_size` completions of one prompt with the given adapter."""
+    started = time.perf_counter()
+    model_path = await _model_dirs.get(base_model)
+    adapter_path = await _adapter_dirs.get(adapter.dir)
+    # Blocking generation runs off the event loop so a warm replica's heartbeat (and, locally, the
+    # other tasks) keep running.
+    prompt_ids, rollouts = await asyncio.to_thread(generate_group, config, model_path, example, adapter_path, seed)
+    return RolloutGroup(
+        index=index,
+        example=example,
+        adapter_version=adapter.version,
+        prompt_ids=prompt_ids,
+        rollouts=rollouts,
+        generate_s=time.perf_counter() - started,
+    )

@@ -1,0 +1,281 @@
+"""Tests for the self-contained HTML run report."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from html.parser import HTMLParser
+
+import pytest
+
+from grpo_flyte import report_helpers
+from grpo_flyte.report_helpers import METRIC_CHARTS, render_report, write_report_atomic
+
+MINUS = "\u2212"
+
+
+def _row(iteration: int, **overrides: object) -> dict[str, object]:
+    row: dict[str, object] = {
+        "iteration": iteration,
+        "adapter_version": iteration,
+        "mean_reward": 0.25 * iteration,
+        "accuracy": 0.25 * iteration,
+        "format_rate": 0.5 + 0.1 * iteration,
+        "loss": 0.85 - 0.05 * iteration,
+        "num_rollouts": 64,
+        "generate_s": 12.34,
+        "score_s": 0.56,
+        "train_s": 7.89,
+        "iteration_s": 21.0,
+    }
+    row.update(overrides)
+    return row
+
+
+def _render(history, **kwargs) -> str:
+    args = {"title": "Run", "status": "running", "config": {"model": "tiny"}, "history": history}
+    args.update(kwargs)
+    return render_report(**args)
+
+
+class _TagCollector(HTMLParser):
+    """Records every start and end tag, so structure can be asserted on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.starts: list[str] = []
+        self.ends: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.starts.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.starts.append(tag)
+        self.ends.append(tag)
+
+    def handle_endtag(self, tag):
+        self.ends.append(tag)
+
+
+def _parse(document: str) -> _TagCollector:
+    parser = _TagCollector()
+    parser.feed(document)
+    parser.close()
+    return parser
+
+
+def _svgs(document: str) -> dict[str, str]:
+    """SVG markup keyed by its aria-label's chart title."""
+    found = re.findall(r'<svg role="img" aria-label="([^"]*)".*?</svg>', document, flags=re.S)
+    blocks = re.findall(r"<svg .*?</svg>", document, flags=re.S)
+    assert len(found) == len(blocks)
+    return {label.split(":")[0]: block for label, block in zip(found, blocks)}
+
+
+def _section(document: str, start: str, end: str) -> str:
+    return document.split(start, 1)[1].split(end, 1)[0]
+
+
+def test_empty_history_shows_placeholder_and_no_charts():
+    document = _render([])
+    assert "No iterations finished yet" in document
+    assert "<polyline" not in document
+    assert "<svg" not in document
+    assert "<table class=\"iterations\"" not in document
+    assert 'class="cards"' not in document
+    assert "tiny" in document  # config card still shown
+
+
+def test_two_rows_cards_charts_and_table():
+    history = [_row(1), _row(2)]  # mean_reward 0.25 -> 0.5, loss 0.8 -> 0.75
+    document = _render(history, status="complete")
+
+    assert re.search(r'<span class="badge status-complete"[^>]*>complete</span>', document)
+
+    cards = _section(document, 'class="cards"', "</section>")
+    reward_card = _section(cards, "stat-mean_reward", "</div></div>")
+    assert ">0.5<" in reward_card
+    assert "+0.25 since previous" in reward_card
+    loss_card = _section(cards, "stat-loss", "</div></div>")
+    assert f"{MINUS}0.05 since previous" in loss_card
+    assert "good" in loss_card  # falling loss is good news
+    accuracy_card = _section(cards, "stat-accuracy", "</div></div>")
+    assert "50.0%" in accuracy_card
+    assert "+25.0 pp" in accuracy_card
+    assert "+1 since previous" in _section(cards, "stat-adapter_version", "</div></div>")
+
+    svgs = _svgs(document)
+    assert set(svgs) == {"Reward, accuracy and format rate", "Loss"}
+    assert svgs["Reward, accuracy and format rate"].count("<circle") == 6
+    assert svgs["Reward, accuracy and format rate"].count("<polyline") == 3
+    assert svgs["Loss"].count("<circle") == 2
+    assert "Held-out evaluation" not in document
+
+    body = _section(document, "<tbody>", "</tbody>")
+    assert body.count("<tr>") == 2
+    first_cells = re.findall(r"<tr><td>(\d+)</td>", body)
+    assert first_cells == ["2", "1"]  # newest first
+    assert "12.3" in body and "12.34" not in body  # seconds with one decimal
+
+
+def test_single_row_has_no_delta_but_visible_point():
+    document = _render([_row(1)])
+    assert "since previous" not in document
+    svgs = _svgs(document)
+    assert svgs["Loss"].count("<circle") == 1
+    assert "<polyline" not in svgs["Loss"]
+
+
+def test_extra_key_adds_chart_and_column_absent_key_omits_chart():
+    history = [_row(1, eval_accuracy=0.4), _row(2, eval_accuracy=0.6, kl=0.01)]
+    document = _render(history)
+    svgs = _svgs(document)
+    assert "Held-out evaluation" in svgs
+    assert svgs["Held-out evaluation"].count("<circle") == 2
+    assert "KL divergence" in svgs and svgs["KL divergence"].count("<circle") == 1
+    assert "Gradient norm" not in svgs
+    headers = re.findall(r'<th scope="col">([^<]*)</th>', document)
+    assert headers[-2:] == ["eval_accuracy", "kl"]  # first-seen order, after fixed columns
+    assert headers[0] == "Iteration"
+
+    plain = _render([_row(1), _row(2)])
+    assert "Held-out evaluation" not in plain
+    assert "eval_accuracy" not in plain
+
+
+def test_missing_values_render_dash_and_are_skipped():
+    history = [_row(1), _row(2, loss=None)]
+    del history[1]["score_s"]
+    document = _render(history)
+    assert _svgs(document)["Loss"].count("<circle") == 1
+    newest = _section(document, "<tbody><tr>", "</tr>")
+    assert newest.count("<td>\u2013</td>") == 2
+
+
+def test_escaping_of_untrusted_strings():
+    evil = "</pre><script>alert(1)</script>"
+    document = render_report(
+        title='<img src=x onerror="1">',
+        status="failed",
+        message="<b>boom</b>",
+        config={"<k>": evil, "lr": 1e-5},
+        history=[_row(1, **{"<weird>": 1.0})],
+        best_completion={"question": evil, "answer": "<i>4</i>", "completion": evil, "reward": 1.0},
+    )
+    assert "<script" not in document.lower()
+    assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in document
+    assert "&lt;img src=x onerror=&quot;1&quot;&gt;" in document
+    assert "&lt;b&gt;boom&lt;/b&gt;" in document
+    assert "&lt;i&gt;4&lt;/i&gt;" in document
+    assert "&lt;k&gt;" in document and "&lt;weird&gt;" in document
+    tags = _parse(document)
+    assert "script" not in tags.starts
+    assert "img" not in tags.starts and "b" not in tags.starts and "i" not in tags.starts
+    assert tags.starts.count("pre") == tags.ends.count("pre") == 1
+
+
+def test_no_external_references():
+    document = _render([_row(1), _row(2)], best_completion={"completion": "see http://x"})
+    without_completion = document.replace("see http://x", "")
+    assert not re.search(r"https?://", without_completion)
+    assert not re.search(r"\b(src|href)=", document)
+
+
+def test_flat_series_and_nan_do_not_crash_and_nan_is_skipped():
+    history = [
+        _row(1, mean_reward=0.5, accuracy=0.5, format_rate=1.0, loss=0.3),
+        _row(2, mean_reward=0.5, accuracy=0.5, format_rate=1.0, loss=math.nan),
+        _row(3, mean_reward=0.5, accuracy=0.5, format_rate=1.0, loss=math.inf),
+    ]
+    document = _render(history)
+    svgs = _svgs(document)
+    assert svgs["Reward, accuracy and format rate"].count("<circle") == 9
+    assert svgs["Loss"].count("<circle") == 1  # nan and inf skipped
+    assert "nan" not in svgs["Loss"].lower() and "inf" not in svgs["Loss"].lower()
+    coordinates = re.findall(r'c[xy]="([^"]+)"', "".join(svgs.values()))
+    assert coordinates and all(math.isfinite(float(value)) for value in coordinates)
+    assert "NaN" in _section(document, "<tbody>", "</tbody>")
+    # The last loss is inf and the previous NaN: no delta can be computed.
+    assert "since previous" not in _section(document, "stat-loss", "</div></div>")
+
+
+def test_all_nan_series_still_renders_axes():
+    document = _render([_row(1, loss=math.nan), _row(2, loss=math.nan)])
+    loss = _svgs(document)["Loss"]
+    assert "<circle" not in loss and "<line" in loss
+
+
+@pytest.mark.parametrize("status", ["done", "", "Running"])
+def test_unknown_status_raises(status):
+    with pytest.raises(ValueError) as excinfo:
+        _render([], status=status)
+    assert repr(status) in str(excinfo.value)
+    assert "running" in str(excinfo.value) and "complete" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("status", ["running", "complete", "failed"])
+def test_each_status_has_its_own_colour(status):
+    document = _render([], status=status)
+    badge = re.search(r'<span class="badge status-(\w+)" style="background:(#\w+)">(\w+)</span>', document)
+    assert badge and badge.group(1) == badge.group(3) == status
+    others = [s for s in ("running", "complete", "failed") if s != status]
+    for other in others:
+        other_badge = re.search(r"background:(#\w+)\">", _render([], status=other))
+        assert other_badge.group(1) != badge.group(2)
+
+
+def test_document_parses_and_svg_tags_balance():
+    history = [_row(i, eval_reward=0.1 * i, eval_accuracy=0.2 * i) for i in range(1, 6)]
+    document = _render(history, best_completion={"question": "q", "answer": "a", "completion": "c", "reward": 1})
+    tags = _parse(document)
+    assert tags.starts.count("svg") == tags.ends.count("svg") == 3
+    assert tags.starts.count("figure") == tags.ends.count("figure") == 3
+    assert tags.starts.count("svg") == len(re.findall(r'<svg role="img" aria-label="[^"]+"', document))
+    for tag in ("html", "body", "main", "table", "tbody", "polyline", "circle", "title"):
+        assert tags.starts.count(tag) == tags.ends.count(tag), tag
+
+
+def test_metric_charts_shape():
+    titles = [title for title, _ in METRIC_CHARTS]
+    assert titles[:2] == ["Reward, accuracy and format rate", "Loss"]
+    assert METRIC_CHARTS[0][1] == ("mean_reward", "accuracy", "format_rate")
+    assert all(isinstance(keys, tuple) and keys for _, keys in METRIC_CHARTS)
+
+
+def test_best_completion_is_shown():
+    best = {"question": "2+2?", "answer": "4", "completion": "<answer>4</answer>", "reward": 0.875}
+    document = _render([_row(1)], best_completion=best)
+    assert "<pre class=\"completion\">&lt;answer&gt;4&lt;/answer&gt;</pre>" in document
+    assert "<dd>2+2?</dd>" in document and "<dd>4</dd>" in document and "<dd>0.875</dd>" in document
+
+
+def test_write_report_atomic_writes_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "report.html"
+    write_report_atomic(target, "<p>one</p>")
+    write_report_atomic(str(target), "<p>two \u2013 ü</p>")
+    assert target.read_text(encoding="utf-8") == "<p>two \u2013 ü</p>"
+    assert os.listdir(tmp_path) == ["report.html"]
+
+
+def test_write_report_atomic_rejects_non_str_and_keeps_old(tmp_path):
+    target = tmp_path / "report.html"
+    write_report_atomic(target, "old")
+    with pytest.raises(TypeError):
+        write_report_atomic(target, b"new")  # type: ignore[arg-type]
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["report.html"]
+
+
+def test_write_report_atomic_failed_replace_keeps_old(tmp_path, monkeypatch):
+    target = tmp_path / "report.html"
+    write_report_atomic(target, "old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(report_helpers.os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk on fire"):
+        write_report_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert os.listdir(tmp_path) == ["report.html"]
