@@ -55,7 +55,7 @@ class _CliBase(BaseSettings):
     )
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, *_sources):
+    def settings_customise_sources(cls, settings_cls, init_settings, **_other_sources):
         # Flags only: an environment variable named like a field (SEED, MODEL) must not leak in.
         return (init_settings,)
 

@@ -138,6 +138,7 @@ class LocalRunFiles:
             staging = Path(tempfile.mkdtemp(prefix=".adapter-", dir=self.root))
             try:
                 shutil.copytree(adapter.dir.path, staging, dirs_exist_ok=True)
+                os.chmod(staging, 0o755)
                 shutil.rmtree(self.root / ADAPTER_DIR, ignore_errors=True)
                 os.replace(staging, self.root / ADAPTER_DIR)
             finally:
@@ -157,6 +158,7 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the run's files are meant to be read
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -25,10 +25,9 @@ from pydantic import BaseModel
 from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import train_env
-from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterRef, LocalDirCache
-from grpo_flyte.models import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ async def publish_dir(build, name: str) -> Dir:
         staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
         try:
             await asyncio.to_thread(build, staging)
+            os.chmod(staging, 0o755)
             shutil.rmtree(final, ignore_errors=True)  # left by an attempt that died before the checkpoint
             os.replace(staging, final)
         finally:
