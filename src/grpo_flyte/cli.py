@@ -101,7 +101,11 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
         saved_file = run_dir / CONFIG_FILE
         if not saved_file.is_file():
             raise UserError(f"--resume: {str(saved_file)!r} not found; expected the folder of an earlier local run")
-        saved = RunConfig.model_validate_json(saved_file.read_text())
+        try:
+            saved = RunConfig.model_validate_json(saved_file.read_text())
+        except (ValidationError, UnicodeDecodeError) as exc:
+            detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise UserError(f"--resume: {str(saved_file)!r} is not a valid saved config: {detail}") from None
         changed = sorted(f for f in explicit if f != "num_iterations" and getattr(config, f) != getattr(saved, f))
         if changed:
             flags = ", ".join("--" + f.replace("_", "-") for f in changed)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
@@ -82,14 +82,12 @@ class RunConfig(BaseModel):
         4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded."
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> RunConfig:
-        dataset = self.dataset
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, dataset: str) -> str:
         if dataset != ARITHMETIC_DATASET and not dataset.endswith(".jsonl"):
-            raise ValueError(
-                f"dataset={dataset!r} is not supported: expected 'arithmetic' or a path ending in .jsonl"
-            )
-        return self
+            raise ValueError("not supported; expected 'arithmetic' or a path ending in .jsonl")
+        return dataset
 
     @property
     def torch_dtype_name(self) -> str:
@@ -105,16 +103,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {str(p)!r}: no such file (expected a YAML or JSON file of config fields)")
-    text = p.read_text()
     try:
+        text = p.read_text(encoding="utf-8")
         if p.suffix.lower() == ".json":
             data = json.loads(text)
         else:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
-        raise ConfigError(f"--config {str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {exc}") from None
+    except Exception as exc:  # UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
+        detail = " ".join(str(exc).split())  # parser messages span lines; ours is one
+        raise ConfigError(f"--config {str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -142,9 +141,10 @@ def format_validation_error(exc: ValidationError) -> str:
         if err.get("type") == "extra_forbidden":
             lines.append(f"{where}: unknown option (see --help for the list)")
             continue
-        if "input" in err and err.get("type") != "value_error":
-            field = RunConfig.model_fields.get(loc[0]) if loc else None
-            hint = f" ({field.description.rstrip('.')})" if field and field.description else ""
+        if "input" in err and loc:
+            field = RunConfig.model_fields.get(loc[0])
+            custom = err.get("type") == "value_error"  # our own validators already say what is expected
+            hint = f" ({field.description.rstrip('.')})" if field and field.description and not custom else ""
             lines.append(f"{where}={err['input']!r}: {msg}{hint}")
         else:
             lines.append(f"{where}: {msg}" if loc else msg)
@@ -157,3 +157,13 @@ def make_config(**values: Any) -> RunConfig:
         return RunConfig(**values)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+def config_table_markdown() -> str:
+    """The README's config table, generated from RunConfig (a test keeps the README in sync)."""
+    rows = ["| flag | default | description |", "| --- | --- | --- |"]
+    for name, field in RunConfig.model_fields.items():
+        default = field.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        rows.append(f"| `{flag(name)}` | `{shown}` | {field.description} |")
+    return "\n".join(rows)

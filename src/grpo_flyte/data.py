@@ -73,23 +73,26 @@ def load_jsonl(path: str | Path) -> list[Example]:
     if not p.is_file():
         raise DatasetError(f"--dataset {str(p)!r}: no such file (expected 'arithmetic' or a .jsonl file)")
     examples = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"--dataset {str(p)!r} line {lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object with 'question' and 'answer'")
-            question, answer = row.get("question"), row.get("answer")
-            if not isinstance(question, str) or not question.strip():
-                raise DatasetError(f"{where}: 'question' must be a non-empty string, got {question!r}")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int)) or not _INTEGER.fullmatch(str(answer).strip()):
-                raise DatasetError(f"{where}: 'answer' must be an integer (the reward compares integers), got {answer!r}")
-            examples.append(Example(question=question, answer=str(answer).strip()))
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"--dataset {str(p)!r}: not UTF-8 text (byte {exc.start})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"--dataset {str(p)!r} line {lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: expected a JSON object with 'question' and 'answer'")
+        question, answer = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not question.strip():
+            raise DatasetError(f"{where}: 'question' must be a non-empty string, got {question!r}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int)) or not _INTEGER.fullmatch(str(answer).strip()):
+            raise DatasetError(f"{where}: 'answer' must be an integer (the reward compares integers), got {answer!r}")
+        examples.append(Example(question=question, answer=str(answer).strip()))
     if not examples:
         raise DatasetError(f"--dataset {str(p)!r}: the file has no examples")
     return examples

@@ -71,7 +71,7 @@ class SamplingRequest(BaseModel):
 class Generator(Protocol):
     tokenizer: object
 
-    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]: ...
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]: ...
 
 
 def resolve_backend(backend: str) -> str:
@@ -134,44 +134,52 @@ class HFGenerator:
             _, old = self.adapters.popitem(last=False)
             self.model.delete_adapter(old)
 
-    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]:
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+        """One batched generate for several groups sharing an adapter and sampling settings."""
         import torch
         from transformers import GenerationConfig
 
         self._activate(adapter_path)
-        prompt = torch.tensor([request.prompt_ids] * request.group_size, device=self.device)
+        first = requests[0]
+        prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
+        width = max(len(p) for p in prompts)
+        # Left padding: every row's last prompt token sits at the same position.
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         # A fresh GenerationConfig: a model's own defaults (top_k, repetition penalty, ...) would
         # change the sampling distribution away from the one the trainer scores.
         gen_config = GenerationConfig(
             do_sample=True,
-            temperature=request.temperature,
-            top_p=request.top_p,
+            temperature=first.temperature,
+            top_p=first.top_p,
             top_k=0,
-            max_new_tokens=request.max_new_tokens,
+            max_new_tokens=first.max_new_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             output_logits=True,
             return_dict_in_generate=True,
         )
-        torch.manual_seed(request.seed)
+        torch.manual_seed(first.seed)
         with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_config
-            )
-        new_tokens = out.sequences[:, prompt.shape[1] :]  # (G, L)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
+        new_tokens = out.sequences[:, width:]  # (rows, L)
         step_logprobs = [
-            torch.log_softmax(logits.float() / request.temperature, dim=-1)
+            torch.log_softmax(logits.float() / first.temperature, dim=-1)
             .gather(-1, new_tokens[:, t : t + 1])
             .squeeze(-1)
             for t, logits in enumerate(out.logits)
         ]
-        logprobs = torch.stack(step_logprobs, dim=1).tolist() if step_logprobs else [[] for _ in range(request.group_size)]
+        logprobs = torch.stack(step_logprobs, dim=1).tolist() if step_logprobs else [[] for _ in prompts]
         rollouts = []
         for ids, lps in zip(new_tokens.tolist(), logprobs):
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             rollouts.append(Rollout(completion_ids=ids, sampling_logprobs=lps, finish_reason=finish, text=text))
-        return rollouts
+        groups, start = [], 0
+        for r in requests:
+            groups.append(rollouts[start : start + r.group_size])
+            start += r.group_size
+        return groups
 
 
 class VLLMGenerator:
@@ -214,25 +222,28 @@ class VLLMGenerator:
         lora_id = self.lora_ids[adapter_path]
         return LoRARequest(f"adapter{lora_id}", lora_id, adapter_path)
 
-    def generate(self, request: SamplingRequest, adapter_path: str) -> list[Rollout]:
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=request.group_size,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=-1,
-            max_tokens=request.max_new_tokens,
-            logprobs=0,
-            seed=request.seed,
-        )
+        params = [
+            SamplingParams(
+                n=r.group_size,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=-1,
+                max_tokens=r.max_new_tokens,
+                logprobs=0,
+                seed=r.seed,
+            )
+            for r in requests
+        ]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": request.prompt_ids}],
+            [{"prompt_token_ids": r.prompt_ids} for r in requests],
             params,
             lora_request=self._lora_request(adapter_path),
             use_tqdm=False,
         )
-        return [vllm_completion_to_rollout(c) for c in outputs[0].outputs]
+        return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
 
 
 def vllm_completion_to_rollout(completion) -> Rollout:
@@ -316,21 +327,70 @@ def tokenize_prompt(tokenizer, example: Example, config: RunConfig) -> list[int]
     return list(ids)
 
 
+class _Pending:
+    """A group waiting for the engine; whichever thread gets the engine first generates for all."""
+
+    def __init__(self, engine: Generator, request: SamplingRequest, adapter_path: str):
+        self.engine, self.request, self.adapter_path = engine, request, adapter_path
+        self.result: list[Rollout] | None = None
+        self.error: BaseException | None = None
+
+    def batches_with(self, other: _Pending) -> bool:
+        a, b = self.request, other.request
+        return (
+            self.engine is other.engine
+            and self.adapter_path == other.adapter_path
+            and (a.temperature, a.top_p, a.max_new_tokens) == (b.temperature, b.top_p, b.max_new_tokens)
+        )
+
+
+_pending: list[_Pending] = []
+_pending_lock = threading.Lock()
+# How long a request waits for others of the same iteration to join its batch.
+COALESCE_WINDOW_S = 0.05
+
+
 def generate_group(
     config: RunConfig, model_path: str, example: Example, adapter_path: str, seed: int
 ) -> tuple[list[int], list[Rollout]]:
+    """Generate one group; concurrent calls in one process (local mode) share one batched generate.
+
+    Decoding is a loop of small steps, so one batch of all groups costs little more than one
+    group. With a batch of one (a reusable replica runs concurrency=1) the seed fixes the output;
+    in a shared batch the rows also depend on their batch mates.
+    """
     with _engine_lock:
         engine = get_engine(config, model_path)
         prompt_ids = tokenize_prompt(engine.tokenizer, example, config)
-        request = SamplingRequest(
-            prompt_ids=prompt_ids,
-            group_size=config.group_size,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            max_new_tokens=config.max_new_tokens,
-            seed=seed,
-        )
-        return prompt_ids, engine.generate(request, adapter_path)
+    request = SamplingRequest(
+        prompt_ids=prompt_ids,
+        group_size=config.group_size,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_new_tokens=config.max_new_tokens,
+        seed=seed,
+    )
+    mine = _Pending(engine, request, adapter_path)
+    with _pending_lock:
+        _pending.append(mine)
+    time.sleep(COALESCE_WINDOW_S)
+    with _engine_lock:
+        with _pending_lock:
+            batch = [p for p in _pending if p is mine or (mine in _pending and p.batches_with(mine))]
+            for p in batch:
+                _pending.remove(p)
+        if batch:
+            try:
+                results = mine.engine.generate_many([p.request for p in batch], adapter_path)
+                for p, rollouts in zip(batch, results, strict=True):
+                    p.result = rollouts
+            except BaseException as exc:
+                for p in batch:
+                    p.error = exc
+    if mine.error is not None:
+        raise mine.error
+    assert mine.result is not None
+    return prompt_ids, mine.result
 
 
 @rollout_env.task(retries=2)

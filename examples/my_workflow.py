@@ -1,0 +1,33 @@
+"""Use grpo_flyte's tasks inside your own Flyte workflow.
+
+Your environment declares `depends_on=[driver_env]` so the GRPO environments (and their images) are
+deployed with it; your task then awaits `train_rl` like any other task and gets the adapter back.
+
+    flyte run examples/my_workflow.py finetune_and_report       # on your cluster
+    python examples/my_workflow.py                             # in local mode, on this machine
+"""
+
+import flyte
+from flyte.io import Dir
+
+from grpo_flyte.config import RunConfig
+from grpo_flyte.driver import train_rl
+from grpo_flyte.envs import driver_env
+from grpo_flyte.rollout import AdapterRef
+
+env = flyte.TaskEnvironment(name="my-team-finetune", depends_on=[driver_env])
+
+
+@env.task
+async def finetune_and_report(base_model: Dir, num_iterations: int = 2) -> AdapterRef:
+    config = RunConfig(num_iterations=num_iterations, prompts_per_iter=2, group_size=4, max_new_tokens=64)
+    adapter = await train_rl(config=config, base_model=base_model)
+    print(f"trained adapter v{adapter.version} at {adapter.dir.path}")
+    return adapter
+
+
+if __name__ == "__main__":
+    from grpo_flyte.models import embedded_model_dir
+
+    run = flyte.with_runcontext(mode="local").run(finetune_and_report, base_model=Dir(path=str(embedded_model_dir())))
+    print(run.outputs()[0])

@@ -1,0 +1,356 @@
+"""Tests for the command line: parse_args in-process, `python -m grpo_flyte.driver` in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_flyte.cli import UserError, parse_args
+from grpo_flyte.config import ConfigError, RunConfig
+
+# --------------------------------------------------------------------------- parse_args
+
+
+def test_flags_map_to_fields():
+    options, config, explicit = parse_args(
+        [
+            "--local",
+            "--run-dir", "out/run1",
+            "--model", "/models/tiny",
+            "--dataset", "train.jsonl",
+            "--num-iterations", "7",
+            "--prompts-per-iter", "3",
+            "--group-size", "5",
+            "--max-new-tokens", "64",
+            "--temperature", "0.7",
+            "--learning-rate", "0.002",
+            "--lora-rank", "4",
+            "--seed", "42",
+            "--backend", "hf",
+            "--prompt-format", "plain",
+        ]
+    )  # fmt: skip
+    assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "config": None}
+    assert config.model == "/models/tiny"
+    assert config.dataset == "train.jsonl"
+    assert config.num_iterations == 7
+    assert config.prompts_per_iter == 3
+    assert config.group_size == 5
+    assert config.max_new_tokens == 64
+    assert config.temperature == 0.7
+    assert config.learning_rate == 0.002
+    assert config.lora_rank == 4
+    assert config.seed == 42
+    assert config.backend == "hf"
+    assert config.prompt_format == "plain"
+    assert explicit == {
+        "model", "dataset", "num_iterations", "prompts_per_iter", "group_size", "max_new_tokens",
+        "temperature", "learning_rate", "lora_rank", "seed", "backend", "prompt_format",
+    }  # fmt: skip
+    # everything not given keeps its default
+    assert config.top_p == RunConfig().top_p
+    assert config.lora_alpha == RunConfig().lora_alpha
+
+
+def test_no_flags_gives_defaults():
+    options, config, explicit = parse_args([])
+    assert options == {"local": False, "run_dir": None, "resume": False, "config": None}
+    assert config == RunConfig()
+    assert explicit == set()
+
+
+def test_explicit_contains_only_given_flags():
+    options, config, explicit = parse_args(["--local", "--resume", "--run-dir", "d", "--num-iterations", "20"])
+    # run options are not config fields
+    assert explicit == {"num_iterations"}
+    assert options["resume"] is True and options["local"] is True
+    assert config.num_iterations == 20
+
+
+def test_flag_equal_to_default_is_still_explicit():
+    _, config, explicit = parse_args(["--seed", str(RunConfig().seed)])
+    assert explicit == {"seed"}
+
+
+def test_config_file_values_overridden_by_flags(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("seed: 5\ngroup_size: 3\nlearning_rate: 0.01\nprompt_format: plain\n")
+    default_seed = RunConfig().seed
+    options, config, explicit = parse_args(
+        ["--config", str(cfg), "--group-size", "8", "--seed", str(default_seed)]
+    )
+    assert options["config"] == cfg
+    assert config.group_size == 8  # flag beats the file
+    assert config.seed == default_seed  # a flag equal to the default still beats the file
+    assert config.learning_rate == 0.01  # file beats the default
+    assert config.prompt_format == "plain"
+    assert explicit == {"group_size", "seed"}  # file values are not "given on the command line"
+
+
+def test_json_config_file(tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"num_iterations": 2, "lora_target_modules": ["q_proj"]}))
+    _, config, explicit = parse_args(["--config", str(cfg)])
+    assert config.num_iterations == 2
+    assert config.lora_target_modules == ("q_proj",)
+    assert explicit == set()
+
+
+def test_bad_value_in_config_file_is_a_config_error(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("group_size: 1\n")
+    with pytest.raises(ConfigError, match="--group-size"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_unknown_key_in_config_file(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("bogus_key: 1\n")
+    with pytest.raises(ConfigError, match="--bogus-key"):
+        parse_args(["--config", str(cfg)])
+
+
+def test_unknown_flag_is_named():
+    with pytest.raises(UserError) as exc:
+        parse_args(["--bogus-flag"])
+    assert "--bogus-flag" in str(exc.value)
+
+
+def test_non_integer_value_names_the_flag():
+    with pytest.raises(UserError) as exc:
+        parse_args(["--group-size", "abc"])
+    assert "--group-size" in str(exc.value)
+    assert "abc" in str(exc.value)
+
+
+def test_missing_value_names_the_flag():
+    with pytest.raises(UserError, match="--group-size"):
+        parse_args(["--group-size"])
+
+
+def test_out_of_range_flag_is_a_config_error():
+    with pytest.raises(ConfigError) as exc:
+        parse_args(["--group-size", "1"])
+    assert re.search(r"--group-size\W+1\b", str(exc.value))
+
+
+def test_environment_variables_do_not_leak_into_config(monkeypatch):
+    monkeypatch.setenv("SEED", "9")
+    monkeypatch.setenv("GROUP_SIZE", "3")
+    monkeypatch.setenv("MODEL", "/elsewhere")
+    monkeypatch.setenv("LOCAL", "true")
+    options, config, explicit = parse_args([])
+    assert config == RunConfig()
+    assert options["local"] is False
+    assert explicit == set()
+
+
+# --------------------------------------------------------------------------- subprocess: --help
+
+HELP_FLAGS = [
+    "--local", "--run-dir", "--resume", "--config", "--model", "--dataset", "--num-iterations",
+    "--prompts-per-iter", "--group-size", "--max-new-tokens", "--temperature", "--learning-rate",
+    "--lora-rank", "--seed", "--backend",
+]  # fmt: skip
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GRPO_FLYTE_CACHE"] = str(tmp_path / "grpo-cache")  # must never be created on these paths
+    env["COLUMNS"] = "100"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def help_text(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("help")
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_flyte.driver", "--help"],
+        capture_output=True, text=True, cwd=tmp, env=_env(tmp), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp.iterdir()) == []
+    return proc.stdout
+
+
+def _option_blocks(help_text: str) -> dict[str, str]:
+    """Flag -> its help block (whitespace collapsed) from the 'options:' section."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        m = re.match(r"^  (--[a-z0-9-]+)", line)
+        if m:
+            current = m.group(1)
+            blocks[current] = line
+        elif current:
+            blocks[current] += " " + line
+    return {k: " ".join(v.split()) for k, v in blocks.items()}
+
+
+def test_help_lists_the_flags(help_text):
+    assert help_text.startswith("usage: python -m grpo_flyte.driver")
+    blocks = _option_blocks(help_text)
+    for f in HELP_FLAGS:
+        assert f in blocks, f
+
+
+def test_help_has_every_config_field_with_default(help_text):
+    blocks = _option_blocks(help_text)
+    for name, field in RunConfig.model_fields.items():
+        f = "--" + name.replace("_", "-")
+        assert f in blocks, f"{name} has no flag {f}"
+        block = blocks[f]
+        assert f"(default: {field.default})" in block, (f, block)
+        # the description (single source of help text) is shown; compare its first words
+        first_words = " ".join(field.description.split()[:3])
+        assert first_words in block, (f, block)
+
+
+# --------------------------------------------------------------------------- subprocess: bad input
+
+
+def _make_bad_jsonl(d: Path) -> None:
+    (d / "bad.jsonl").write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": oops}\n')
+
+
+def _make_empty_dir(d: Path) -> None:
+    (d / "D").mkdir()
+
+
+def _make_existing_run(d: Path) -> None:
+    (d / "D").mkdir()
+    (d / "D" / "config.json").write_text(RunConfig().model_dump_json())
+
+
+def _make_file_run_dir(d: Path) -> None:
+    (d / "D").write_text("not a folder")
+
+
+def _make_bad_yaml(d: Path) -> None:
+    (d / "bad.yaml").write_text("group_size: [3\n")
+
+
+# (id, argv, setup, words the one-line message must contain); run as `python -m grpo_flyte.driver`
+BAD_INPUT = [
+    ("group-size-1", ["--local", "--group-size", "1", "--run-dir", "D"], None, ["--group-size", "1"]),
+    ("missing-dataset", ["--local", "--dataset", "missing.jsonl", "--run-dir", "D"], None, ["missing.jsonl"]),
+    ("bad-jsonl", ["--local", "--dataset", "bad.jsonl"], _make_bad_jsonl, ["bad.jsonl", "line 2"]),
+    ("bogus-flag", ["--local", "--bogus-flag"], None, ["--bogus-flag"]),
+    ("no-model-dir", ["--local", "--model", "/no/such/dir", "--run-dir", "D"], None, ["/no/such/dir"]),
+    ("resume-no-run-dir", ["--local", "--resume"], None, ["--resume", "--run-dir"]),
+    ("resume-no-config", ["--local", "--resume", "--run-dir", "D"], _make_empty_dir, ["config.json"]),
+]
+# more bad input, checked in-process through cli.main (same code path, no interpreter start-up)
+BAD_INPUT_IN_PROCESS = [
+    ("group-size-abc", ["--local", "--group-size", "abc", "--run-dir", "D"], None, ["--group-size", "abc"]),
+    ("run-dir-holds-run", ["--local", "--run-dir", "D"], _make_existing_run, ["--run-dir", "--resume"]),
+    ("run-dir-is-file", ["--local", "--run-dir", "D"], _make_file_run_dir, ["--run-dir", "file"]),
+    ("run-dir-without-local", ["--run-dir", "D"], None, ["--local"]),
+    ("resume-changed-config", ["--local", "--resume", "--run-dir", "D", "--seed", "99"], _make_existing_run, ["--seed"]),
+    ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["x.csv"]),
+]
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory):
+    """Launch every bad-input command at once (they are independent) and collect the results."""
+    procs = {}
+    for case_id, argv, setup, _ in BAD_INPUT:
+        cwd = tmp_path_factory.mktemp(case_id)
+        if setup:
+            setup(cwd)
+        before = _snapshot(cwd)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo_flyte.driver", *argv],
+            cwd=cwd, env=_env(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        procs[case_id] = (proc, cwd, before)
+    results = {}
+    for case_id, (proc, cwd, before) in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results[case_id] = (proc.returncode, out, err, cwd, before)
+    return results
+
+
+def _check_bad_input(result, words):
+    rc, out, err, cwd, before = result
+    assert "Traceback" not in err and "Traceback" not in out, err
+    assert rc == 2, (rc, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:"), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    # nothing created or changed: no run dir, no ./runs/<time>, no model conversion in the cache
+    assert _snapshot(cwd) == before
+    assert not (cwd / "grpo-cache").exists()
+
+
+@pytest.mark.parametrize(("case_id", "argv", "setup", "words"), BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_exits_2_with_one_line(bad_input_results, case_id, argv, setup, words):
+    _check_bad_input(bad_input_results[case_id], words)
+
+
+def _main_in(tmp_path, monkeypatch, capsys, argv, setup):
+    from grpo_flyte.cli import main
+
+    if setup:
+        setup(tmp_path)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRPO_FLYTE_CACHE", str(tmp_path / "grpo-cache"))
+    rc = main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err, tmp_path, before
+
+
+@pytest.mark.parametrize(
+    ("case_id", "argv", "setup", "words"), BAD_INPUT_IN_PROCESS, ids=[c[0] for c in BAD_INPUT_IN_PROCESS]
+)
+def test_bad_input_in_process(tmp_path, monkeypatch, capsys, case_id, argv, setup, words):
+    _check_bad_input(_main_in(tmp_path, monkeypatch, capsys, argv, setup), words)
+
+
+def test_bad_yaml_config_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    argv = ["--local", "--config", "bad.yaml", "--run-dir", "D"]
+    _check_bad_input(_main_in(tmp_path, monkeypatch, capsys, argv, _make_bad_yaml), ["bad.yaml"])
+
+
+def test_bad_yaml_config_exits_2_without_writing(tmp_path, monkeypatch, capsys):
+    # the parts of the contract that do hold for an invalid YAML file
+    argv = ["--local", "--config", "bad.yaml", "--run-dir", "D"]
+    rc, out, err, cwd, before = _main_in(tmp_path, monkeypatch, capsys, argv, _make_bad_yaml)
+    assert rc == 2
+    assert err.startswith("error: --config") and "bad.yaml" in err
+    assert _snapshot(cwd) == before
+
+
+def _make_stale_run(d: Path) -> None:
+    # config.json of an earlier run that no longer validates (hand-edited, or a renamed field)
+    (d / "D").mkdir()
+    (d / "D" / "config.json").write_text('{"group_size": 6, "old_field": 1}')
+
+
+def test_resume_with_invalid_saved_config_is_a_user_error(tmp_path, monkeypatch, capsys):
+    argv = ["--local", "--resume", "--run-dir", "D"]
+    result = _main_in(tmp_path, monkeypatch, capsys, argv, _make_stale_run)
+    _check_bad_input(result, ["config.json"])

@@ -1,0 +1,170 @@
+"""Unit tests for RunConfig, make_config and load_config_file."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from grpo_flyte.config import ConfigError, RunConfig, flag, load_config_file, make_config
+
+
+def test_defaults_are_valid():
+    config = make_config()
+    assert config == RunConfig()
+    assert config.model == "embedded"
+    assert config.dataset == "arithmetic"
+    assert config.group_size >= 2
+    # derived values: prompts_per_iter * group_size, and 'auto' dtype means bfloat16
+    assert config.rollouts_per_iter == config.prompts_per_iter * config.group_size
+    assert config.torch_dtype_name == "bfloat16"
+    assert make_config(dtype="float32").torch_dtype_name == "float32"
+
+
+def test_make_config_sets_fields():
+    config = make_config(group_size=3, prompts_per_iter=5, temperature=0.7, dataset="data/train.jsonl")
+    assert (config.group_size, config.prompts_per_iter, config.temperature) == (3, 5, 0.7)
+    assert config.rollouts_per_iter == 15  # 5 prompts x 3 completions
+    assert config.dataset == "data/train.jsonl"
+
+
+def test_group_size_1_names_flag_and_value():
+    with pytest.raises(ConfigError) as exc:
+        make_config(group_size=1)
+    msg = str(exc.value)
+    assert "--group-size" in msg
+    assert re.search(r"--group-size\W+1\b", msg), msg
+    assert "\n" not in msg
+
+
+def test_unknown_field_is_named():
+    with pytest.raises(ConfigError) as exc:
+        make_config(bogus_option=3)
+    assert "--bogus-option" in str(exc.value)
+    assert "unknown" in str(exc.value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0])
+def test_temperature_must_be_positive(value):
+    with pytest.raises(ConfigError, match="--temperature"):
+        make_config(temperature=value)
+
+
+def test_several_problems_in_one_message():
+    with pytest.raises(ConfigError) as exc:
+        make_config(group_size=1, lora_rank=0)
+    assert "--group-size" in str(exc.value) and "--lora-rank" in str(exc.value)
+
+
+@pytest.mark.parametrize("dataset", ["foo.csv", "data.json", "gsm8k"])
+def test_dataset_must_be_arithmetic_or_jsonl(dataset):
+    with pytest.raises(ConfigError) as exc:
+        make_config(dataset=dataset)
+    msg = str(exc.value)
+    # the message names the value and says what is accepted
+    assert f"dataset={dataset!r}" in msg
+    assert "arithmetic" in msg and ".jsonl" in msg
+
+
+@pytest.mark.parametrize("field", ["prompt_format", "dtype", "backend"])
+def test_literal_fields_reject_other_values(field):
+    with pytest.raises(ConfigError, match=flag(field)):
+        make_config(**{field: "nonsense"})
+
+
+def test_flag_name():
+    assert flag("max_new_tokens") == "--max-new-tokens"
+
+
+def test_run_config_is_frozen():
+    config = RunConfig()
+    with pytest.raises(ValidationError):
+        config.group_size = 8
+    assert config.group_size == RunConfig().group_size
+    assert hash(config) == hash(RunConfig())  # frozen models are hashable
+
+
+def test_run_config_json_round_trip():
+    config = make_config(seed=7, lora_target_modules=["q_proj", "v_proj"])
+    assert config.lora_target_modules == ("q_proj", "v_proj")
+    assert RunConfig.model_validate_json(config.model_dump_json()) == config
+
+
+# --------------------------------------------------------------------------- load_config_file
+
+
+def test_load_yaml(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("group_size: 3\ntemperature: 0.5\nlora_target_modules: [q_proj]\n")
+    data = load_config_file(p)
+    assert data == {"group_size": 3, "temperature": 0.5, "lora_target_modules": ["q_proj"]}
+    assert make_config(**data).lora_target_modules == ("q_proj",)
+
+
+def test_load_json(tmp_path):
+    p = tmp_path / "run.json"
+    p.write_text('{"seed": 11, "model": "/models/x"}')
+    assert load_config_file(str(p)) == {"seed": 11, "model": "/models/x"}
+
+
+def test_load_empty_yaml_is_empty_mapping(tmp_path):
+    p = tmp_path / "empty.yml"
+    p.write_text("")
+    assert load_config_file(p) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "what"),
+    [
+        ("list.yaml", "- group_size\n- 3\n", "mapping"),
+        ("list.json", "[1, 2]", "mapping"),
+        ("scalar.yaml", "just a string\n", "mapping"),
+        ("bad.yaml", "group_size: [3\n", "not valid yaml"),
+        ("bad.json", '{"seed": 1,}', "not valid json"),
+    ],
+)
+def test_load_bad_files_name_the_file(tmp_path, name, text, what):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_config_file(p)
+    assert str(p) in str(exc.value)
+    assert what in str(exc.value)
+
+
+def test_invalid_yaml_message_is_one_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("group_size: [3\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config_file(p)
+    assert "\n" not in str(exc.value)
+
+
+def test_invalid_json_message_is_one_line(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text('{"seed": 1,}')
+    with pytest.raises(ConfigError) as exc:
+        load_config_file(p)
+    assert "\n" not in str(exc.value)
+
+
+def test_load_missing_file_names_it(tmp_path):
+    p = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as exc:
+        load_config_file(p)
+    assert str(p) in str(exc.value)
+    assert "no such file" in str(exc.value)
+
+
+def test_load_directory_is_not_a_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config_file(tmp_path)
+
+
+def test_load_not_utf8_is_a_config_error(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"model: caf\xe9\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config_file(p)
+    assert str(p) in str(exc.value)

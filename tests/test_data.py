@@ -1,0 +1,286 @@
+"""Unit tests for grpo_flyte.data: the arithmetic task, .jsonl loading, sampling, prompt rendering."""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from grpo_flyte.data import (
+    ARITHMETIC_EVAL_SIZE,
+    PLAIN_TEMPLATE,
+    SYSTEM_PROMPT,
+    DatasetError,
+    Example,
+    arithmetic_problems,
+    arithmetic_split,
+    load_jsonl,
+    load_train_examples,
+    render_prompt,
+    sample_prompts,
+)
+
+_QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return arithmetic_split("train"), arithmetic_split("eval")
+
+
+# --------------------------------------------------------------------------- arithmetic task
+
+
+def test_arithmetic_split_sizes_and_disjoint(splits):
+    train, evals = splits
+    assert ARITHMETIC_EVAL_SIZE == 500
+    assert len(evals) == 500
+    # a+b and a-b for 1 <= a, b <= 99: 2 * 99 * 99 = 19602; a*b for 2 <= a, b <= 20: 19 * 19 = 361
+    assert len(train) + len(evals) == 19602 + 361
+    train_q = {e.question for e in train}
+    eval_q = {e.question for e in evals}
+    assert len(train_q) == len(train)
+    assert len(eval_q) == len(evals)
+    assert train_q.isdisjoint(eval_q)
+
+
+def test_arithmetic_answers_are_correct(splits):
+    seen_ops = Counter()
+    for ex in [*splits[0], *splits[1]]:
+        m = _QUESTION.fullmatch(ex.question)
+        assert m, ex.question
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        seen_ops[op] += 1
+        assert ex.answer == str(_OPS[op](a, b)), ex
+        if op == "*":
+            assert 2 <= a <= 20 and 2 <= b <= 20
+        else:
+            assert 1 <= a <= 99 and 1 <= b <= 99
+    assert seen_ops == {"+": 99 * 99, "-": 99 * 99, "*": 19 * 19}
+
+
+def test_arithmetic_split_is_deterministic_and_shuffled(splits):
+    assert arithmetic_split("eval") == splits[1]
+    assert arithmetic_split("train") == splits[0]
+    assert load_train_examples("arithmetic") == splits[0]
+    # shuffled: the eval split is not just the first 500 generated problems (all "1 + b"/"1 - b")
+    assert {_QUESTION.fullmatch(e.question).group(2) for e in splits[1]} == {"+", "-", "*"}
+    assert arithmetic_problems()[:500] == splits[1]
+
+
+def test_arithmetic_split_is_the_same_in_another_process(splits):
+    # Resumed and remote runs rebuild the split in a new interpreter, with another hash seed.
+    code = (
+        "from grpo_flyte.data import arithmetic_split, sample_prompts\n"
+        "ev = arithmetic_split('eval')\n"
+        "print(ev[0].question); print(ev[-1].question)\n"
+        "print(sample_prompts(ev, seed=3, iteration=7, num=1)[0].question)\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    here = sample_prompts(splits[1], seed=3, iteration=7, num=1)[0].question
+    assert out.stdout.splitlines() == [splits[1][0].question, splits[1][-1].question, here]
+
+
+def test_arithmetic_split_unknown():
+    with pytest.raises(ValueError, match="test"):
+        arithmetic_split("test")
+
+
+# --------------------------------------------------------------------------- sample_prompts
+
+
+def _examples(n: int) -> list[Example]:
+    return [Example(question=f"q{i}", answer=str(i)) for i in range(n)]
+
+
+def test_sample_prompts_deterministic_in_seed_and_iteration():
+    ex = _examples(50)
+    a = sample_prompts(ex, seed=1, iteration=3, num=8)
+    b = sample_prompts(list(ex), seed=1, iteration=3, num=8)
+    assert a == b
+    assert len(a) == 8
+    assert sample_prompts(ex, seed=2, iteration=3, num=8) != a
+    assert sample_prompts(ex, seed=1, iteration=4, num=8) != a
+
+
+def test_sample_prompts_is_a_slice_of_one_permutation():
+    # iteration i, num k takes positions [i*k, (i+1)*k) of the epoch's order, so two iterations of
+    # 4 prompts equal one "iteration" of 8.
+    ex = _examples(20)
+    first = sample_prompts(ex, seed=5, iteration=0, num=4) + sample_prompts(ex, seed=5, iteration=1, num=4)
+    assert first == sample_prompts(ex, seed=5, iteration=0, num=8)
+
+
+def test_sample_prompts_each_example_once_per_epoch():
+    ex = _examples(5)
+    # num=2 over 5 examples: iterations 0..4 draw positions 0..9 = exactly two epochs; iteration 2
+    # straddles the boundary (positions 4 and 5).
+    picks = [e for it in range(5) for e in sample_prompts(ex, seed=9, iteration=it, num=2)]
+    assert len(picks) == 10
+    assert sorted(e.question for e in picks[:5]) == [f"q{i}" for i in range(5)]
+    assert sorted(e.question for e in picks[5:]) == [f"q{i}" for i in range(5)]
+    # a larger num than the dataset still covers each example once per epoch
+    big = sample_prompts(ex, seed=9, iteration=0, num=10)
+    assert Counter(e.question for e in big) == {f"q{i}": 2 for i in range(5)}
+
+
+def test_sample_prompts_epochs_are_reshuffled():
+    ex = _examples(30)
+    epoch0 = sample_prompts(ex, seed=0, iteration=0, num=30)
+    epoch1 = sample_prompts(ex, seed=0, iteration=1, num=30)
+    assert sorted(e.question for e in epoch0) == sorted(e.question for e in epoch1)
+    assert epoch0 != epoch1
+
+
+def test_sample_prompts_empty_dataset():
+    with pytest.raises(ValueError):
+        sample_prompts([], seed=0, iteration=0, num=1)
+
+
+# --------------------------------------------------------------------------- load_jsonl
+
+
+def _write(tmp_path, name: str, lines: list[str]):
+    p = tmp_path / name
+    p.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return p
+
+
+def test_load_jsonl_ok_with_blank_lines_and_integer_answers(tmp_path):
+    p = _write(
+        tmp_path,
+        "ok.jsonl",
+        [
+            json.dumps({"question": "What is 2 + 2?", "answer": "4"}),
+            "",
+            "   ",
+            json.dumps({"question": "What is 3 - 5?", "answer": -2}),
+            json.dumps({"question": "Big?", "answer": " 1000 ", "extra": "ignored"}),
+        ],
+    )
+    examples = load_jsonl(p)
+    assert examples == [
+        Example(question="What is 2 + 2?", answer="4"),
+        Example(question="What is 3 - 5?", answer="-2"),
+        Example(question="Big?", answer="1000"),
+    ]
+    assert load_train_examples(str(p)) == examples
+
+
+def test_load_jsonl_missing_file(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(missing)
+    assert str(missing) in str(exc.value)
+    assert "no such file" in str(exc.value)
+
+
+def test_load_jsonl_bad_json_names_file_and_line(tmp_path):
+    good = json.dumps({"question": "q", "answer": "1"})
+    p = _write(tmp_path, "bad.jsonl", [good, good, '{"question": "q", "answer": '])
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(p)
+    msg = str(exc.value)
+    assert str(p) in msg
+    assert "line 3" in msg
+    assert "\n" not in msg
+
+
+def test_load_jsonl_line_numbers_count_blank_lines(tmp_path):
+    good = json.dumps({"question": "q", "answer": "1"})
+    p = _write(tmp_path, "blank.jsonl", [good, "", "not json"])
+    with pytest.raises(DatasetError, match="line 3"):
+        load_jsonl(p)
+
+
+@pytest.mark.parametrize(
+    ("row", "what"),
+    [
+        ({"question": "q"}, "answer"),
+        ({"question": "q", "answer": "four"}, "answer"),
+        ({"question": "q", "answer": "1.5"}, "answer"),
+        ({"question": "q", "answer": 1.5}, "answer"),
+        ({"question": "q", "answer": True}, "answer"),
+        ({"question": "q", "answer": None}, "answer"),
+        ({"question": "", "answer": "1"}, "question"),
+        ({"answer": "1"}, "question"),
+        (["q", "1"], "JSON object"),
+    ],
+)
+def test_load_jsonl_bad_rows(tmp_path, row, what):
+    p = _write(tmp_path, "rows.jsonl", [json.dumps({"question": "fine", "answer": "2"}), json.dumps(row)])
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(p)
+    msg = str(exc.value)
+    assert str(p) in msg and "line 2" in msg and what in msg
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_load_jsonl_empty_file(tmp_path, content):
+    p = tmp_path / "empty.jsonl"
+    p.write_text(content)
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(p)
+    assert str(p) in str(exc.value)
+    assert "no examples" in str(exc.value)
+
+
+# --------------------------------------------------------------------------- render_prompt
+
+
+class FakeChatTokenizer:
+    chat_template = "{{ messages }}"
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        self.calls.append((messages, tokenize, add_generation_prompt))
+        return "<chat>" + "|".join(f"{m['role']}:{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_render_prompt_plain_needs_no_tokenizer():
+    text = render_prompt("What is 2 + 3?", "plain", tokenizer=None)
+    assert text.startswith("Question: What is 2 + 3?\n")
+    assert "####" in text
+    assert text.endswith("Answer:")
+    assert "{question}" in PLAIN_TEMPLATE
+
+
+def test_render_prompt_chat_uses_the_template_with_system_prompt():
+    tok = FakeChatTokenizer()
+    text = render_prompt("What is 2 + 3?", "chat", tok)
+    assert tok.calls == [
+        (
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 2 + 3?"}],
+            False,
+            True,
+        )
+    ]
+    assert text == f"<chat>system:{SYSTEM_PROMPT}|user:What is 2 + 3?<assistant>"
+    assert "####" in SYSTEM_PROMPT
+
+
+@pytest.mark.parametrize("template", [None, ""])
+def test_render_prompt_chat_without_template(template):
+    tok = FakeChatTokenizer()
+    tok.chat_template = template
+    with pytest.raises(ValueError, match="--prompt-format"):
+        render_prompt("What is 1 + 1?", "chat", tok)
+    assert tok.calls == []
+
+
+def test_load_jsonl_not_utf8_is_a_dataset_error(tmp_path):
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes(b'{"question": "q", "answer": "1"}\n{"question": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DatasetError) as exc:
+        load_jsonl(p)
+    assert str(p) in str(exc.value)

@@ -1,0 +1,176 @@
+"""End-to-end runs in Flyte local mode: tiny random model for speed, the embedded SmolLM2 once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import flyte
+import pytest
+from flyte.io import Dir
+
+from grpo_flyte.cli import main as cli_main
+from grpo_flyte.config import RunConfig
+from grpo_flyte.data import Example
+from grpo_flyte.reward import RewardParts, ScoredGroup
+from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
+from grpo_flyte.trainer import TrainStepResult, init_adapter, peft_model, train_step
+
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def lora_tensors(adapter_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(jsonl_dataset), "--num-iterations", "2"]
+    assert cli_main([*args, *TINY, "--run-dir", str(run_dir)]) == 0
+
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["num_iterations"] == 2 and config["group_size"] == 3
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert [r["adapter_version"] for r in rows] == [1, 2]
+    required = {"mean_reward", "accuracy", "format_rate", "loss", "num_rollouts", "generate_s", "score_s", "train_s", "iteration_s"}
+    for row in rows:
+        assert required <= row.keys()
+        assert row["num_rollouts"] == 2 * 3
+        assert 0 <= row["accuracy"] <= 1 and 0 <= row["format_rate"] <= 1
+        assert row["iteration_s"] >= row["generate_s"] + row["train_s"] - 1e-6
+    report = (run_dir / "report.html").read_text()
+    assert "complete" in report and "<svg" in report
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(base, run_dir / "adapter")
+    assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 2
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+
+
+test_env = flyte.TaskEnvironment(name="grpo_flyte-test")
+_snapshot: dict = {}
+
+
+@test_env.task
+async def init_then_step(config: RunConfig, base: Dir, scored: list[ScoredGroup]) -> tuple[AdapterRef, TrainStepResult]:
+    """init_adapter, a snapshot of the base weights, then one train_step."""
+    v0 = await init_adapter(config, base)
+    model = peft_model(config, base.path)
+    _snapshot.update({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n})
+    return v0, await train_step(config, base, v0, scored)
+
+
+def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
+    """One GRPO step on hand-made scored groups with varied rewards."""
+    import torch
+
+    config = RunConfig(model=str(tiny_model_dir), group_size=2, learning_rate=1e-2, dtype="float32")
+
+    def scored(index: int) -> ScoredGroup:
+        rollouts = [
+            Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a"),
+            Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b"),
+        ]
+        group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
+                             prompt_ids=[1, 5, 6, 7], rollouts=rollouts, generate_s=0.0)
+        parts = [RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
+        return ScoredGroup(group=group, rewards=parts)
+
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        init_then_step, config=config, base=Dir(path=str(tiny_model_dir)), scored=[scored(0), scored(1)]
+    )
+    snapshot = _snapshot
+    v0, result = run.outputs()
+    assert result.adapter.version == 1 and result.num_contributing == 4 and result.num_rollouts == 4
+    assert result.num_tokens == 2 * (3 + 2)  # every completion token, EOS included
+    assert result.grad_norm > 0
+    before, after = lora_tensors(Path(v0.dir.path)), lora_tensors(Path(result.adapter.dir.path))
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
+    assert all(torch.equal(before[k], torch.zeros_like(before[k])) for k in before if "lora_B" in k)
+    assert (Path(result.adapter.dir.path) / "optimizer.pt").is_file()
+    model = peft_model(config, str(tiny_model_dir))
+    base_params = {n: p for n, p in model.named_parameters() if "lora_" not in n}
+    assert snapshot and base_params.keys() == snapshot.keys()
+    assert all(not p.requires_grad for p in base_params.values())
+    assert all(torch.equal(base_params[n].detach(), snapshot[n]) for n in snapshot)
+
+
+def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
+    assert cli_main([*common, "--num-iterations", "1"]) == 0
+    first_adapter = lora_tensors(run_dir / "adapter")
+    assert cli_main([*common, "--num-iterations", "3", "--resume"]) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert [r["adapter_version"] for r in rows] == [1, 2, 3]
+    assert json.loads((run_dir / "config.json").read_text())["num_iterations"] == 3
+    assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 3
+    assert lora_tensors(run_dir / "adapter").keys() == first_adapter.keys()
+
+
+def test_resume_rejects_a_changed_config(tmp_path, tiny_model_dir, capsys):
+    run_dir = tmp_path / "run"
+    common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
+    assert cli_main([*common, "--num-iterations", "1"]) == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    assert cli_main([*common, "--resume", "--learning-rate", "0.5"]) == 2
+    assert "--learning-rate" in capsys.readouterr().err
+    assert cli_main([*common, "--num-iterations", "2"]) == 2  # a second run into the same folder
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "6", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_flyte.driver", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished or died before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(read_metrics(run_dir))
+    assert 1 <= killed_at < 6
+
+    assert cli_main([*args, "--resume"]) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    versions = [r["adapter_version"] for r in rows]
+    assert versions == sorted(set(versions)) and versions[0] == 1
+    assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == versions[-1]
+    # Old adapter versions are pruned (adapters_to_keep=3 by default).
+    kept = sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir() if not p.name.startswith("."))
+    assert kept == ["v0004", "v0005", "v0006"]
+
+
+@pytest.mark.slow
+def test_embedded_model_short_run(tmp_path, embedded_dir):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--num-iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24"]
+    assert cli_main([*args, "--run-dir", str(run_dir)]) == 0
+    (row,) = read_metrics(run_dir)
+    assert row["num_rollouts"] == 4 and row["adapter_version"] == 1
+    # A real instruct model writes text, not noise: the report shows one of its completions.
+    report = (run_dir / "report.html").read_text()
+    assert "What is" in report
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,0 +1,171 @@
+"""The four TaskEnvironments, serialized offline with flyte.extras.serialize_env (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flyte.extras
+import pytest
+from flyte.models import SerializationContext
+from google.protobuf.json_format import MessageToDict
+
+import grpo_flyte
+import grpo_flyte.driver  # noqa: F401  (declares every task on its environment)
+from grpo_flyte import envs
+
+SRC = Path(grpo_flyte.__file__).resolve().parents[1]
+ALL_ENVS = [envs.rollout_env, envs.reward_env, envs.train_env, envs.driver_env]
+
+
+@pytest.fixture(scope="module")
+def specs():
+    """task name ("<env>.<function>") -> flyteidl2 TaskTemplate, for every task of the four envs."""
+    ctx = SerializationContext(version="test", root_dir=SRC)
+    out = {}
+    for env in ALL_ENVS:
+        for spec in flyte.extras.serialize_env(env, ctx):
+            out[spec.task_template.id.name] = spec.task_template
+    return out
+
+
+def _requests(tt) -> dict[str, str]:
+    """{"CPU": "4", "MEMORY": "24Gi", "GPU": "1"}: resource names are enums, MessageToDict names them."""
+    return {r["name"]: r["value"] for r in MessageToDict(tt.container.resources).get("requests", [])}
+
+
+def test_env_names_are_prefixed():
+    assert [e.name for e in ALL_ENVS] == [
+        "grpo_flyte-rollout",
+        "grpo_flyte-reward",
+        "grpo_flyte-train",
+        "grpo_flyte-driver",
+    ]
+
+
+def test_every_expected_task_is_declared(specs):
+    assert set(specs) == {
+        "grpo_flyte-rollout.generate",
+        "grpo_flyte-reward.score_group",
+        "grpo_flyte-train.init_adapter",
+        "grpo_flyte-train.train_step",
+        "grpo_flyte-driver.train_rl",
+    }
+    for name, tt in specs.items():
+        assert name.split(".")[0].startswith("grpo_flyte-")
+        # the resolver finds each task by module and function name, relative to src/
+        args = list(tt.container.args)
+        module = args[args.index("mod") + 1]
+        assert module.startswith("grpo_flyte."), args
+        assert args[args.index("instance") + 1] == name.split(".")[1]
+
+
+def test_generate_is_a_warm_actor_pool(specs):
+    tt = specs["grpo_flyte-rollout.generate"]
+    assert tt.type == "actor"
+    custom = MessageToDict(tt.custom)
+    assert custom["type"] == "actor"
+    assert custom["name"] == "grpo_flyte-rollout"
+    spec = custom["spec"]
+    assert (spec["min_replica_count"], spec["replica_count"]) == (1, 4)
+    assert spec["parallelism"] == 1  # concurrency=1: one engine, one request at a time
+    assert spec["ttl_seconds"] == 300
+    assert spec["scaledown_ttl_seconds"] == 120
+
+
+def test_generate_has_one_l4_gpu_and_hf_secret(specs):
+    tt = specs["grpo_flyte-rollout.generate"]
+    req = _requests(tt)
+    assert req["GPU"] == "1"
+    assert req["CPU"] == str(envs.settings.rollout_cpu)
+    assert req["MEMORY"] == envs.settings.rollout_memory
+    assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
+    secrets = [(s.key, s.env_var) for s in tt.security_context.secrets]
+    assert secrets == [(envs.settings.hf_token_secret, "HF_TOKEN")]
+
+
+@pytest.mark.parametrize("task", ["train_step", "init_adapter"])
+def test_train_tasks_have_a_gpu(specs, task):
+    tt = specs[f"grpo_flyte-train.{task}"]
+    assert _requests(tt)["GPU"] == "1"
+    assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
+    assert tt.type != "actor"  # the train env is not reusable
+    assert [s.env_var for s in tt.security_context.secrets] == ["HF_TOKEN"]
+
+
+def test_score_group_is_cpu_only(specs):
+    tt = specs["grpo_flyte-reward.score_group"]
+    req = _requests(tt)
+    assert "GPU" not in req
+    assert req["CPU"] == "1"
+    assert not tt.HasField("extended_resources") or not tt.extended_resources.gpu_accelerator.device
+    assert list(tt.security_context.secrets) == []
+    assert tt.metadata.retries.retries == 2
+
+
+def test_driver_has_report_and_depends_on_the_workers(specs):
+    tt = specs["grpo_flyte-driver.train_rl"]
+    assert tt.metadata.generates_deck.value is True
+    assert "GPU" not in _requests(tt)
+    deps = envs.driver_env.depends_on
+    assert len(deps) == 3
+    for env in (envs.rollout_env, envs.reward_env, envs.train_env):
+        assert any(d is env for d in deps), env.name
+    # only the driver reports
+    for name, other in specs.items():
+        if name != "grpo_flyte-driver.train_rl":
+            assert other.metadata.generates_deck.value is False, name
+
+
+def test_all_envs_share_one_image(specs):
+    images = {tt.container.image for tt in specs.values()}
+    assert len(images) == 1
+
+
+# --------------------------------------------------------------------------- fresh interpreter
+
+_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import grpo_flyte.driver, grpo_flyte.cli
+    heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm") if m in sys.modules)
+    import flyte.extras
+    from flyte.models import SerializationContext
+    from grpo_flyte import envs
+    ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
+    dev = {}
+    for env in (envs.rollout_env, envs.train_env):
+        for spec in flyte.extras.serialize_env(env, ctx):
+            tt = spec.task_template
+            dev[tt.id.name] = tt.extended_resources.gpu_accelerator.device
+    print(json.dumps({"heavy": heavy, "flyte": "flyte" in sys.modules, "devices": dev}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def probe_a100():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
+    env["GRPO_FLYTE_ROLLOUT_GPU"] = "A100:1"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_driver_leaves_heavy_libraries_out(probe_a100):
+    assert probe_a100["flyte"] is True
+    assert probe_a100["heavy"] == []
+
+
+def test_rollout_gpu_env_var_changes_the_device(probe_a100):
+    devices = probe_a100["devices"]
+    assert devices["grpo_flyte-rollout.generate"] == "nvidia-tesla-a100"
+    # the train env has its own variable and keeps the default
+    assert devices["grpo_flyte-train.train_step"] == "nvidia-l4"

@@ -1,0 +1,278 @@
+"""Unit tests for the GRPO math in grpo_flyte.grpo (CPU torch, hand-computed expectations)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from grpo_flyte.grpo import (
+    TrainSequence,
+    group_advantages,
+    pad_batch,
+    plan_micro_batches,
+    policy_gradient_loss,
+    token_logprobs,
+)
+
+EPS = 1e-4
+
+
+# --------------------------------------------------------------------------- group_advantages
+
+
+def test_group_advantages_two_right_two_wrong():
+    # rewards [1, 0, 0, 1]: mean = 2/4 = 0.5; deviations +-0.5; population variance
+    # = (4 * 0.25) / 4 = 0.25 -> std = 0.5; A = +-0.5 / (0.5 + eps)
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0], EPS)
+    a = 0.5 / (0.5 + EPS)
+    assert adv == pytest.approx([a, -a, -a, a], rel=1e-12)
+
+
+def test_group_advantages_uses_population_std_not_sample_std():
+    # rewards [2, 0, 1]: mean 1; deviations [1, -1, 0]; population variance (1 + 1 + 0) / 3 = 2/3
+    # (the sample variance would be 2/2 = 1, giving 1 / (1 + eps) instead)
+    std = math.sqrt(2.0 / 3.0)
+    adv = group_advantages([2.0, 0.0, 1.0], EPS)
+    assert adv == pytest.approx([1.0 / (std + EPS), -1.0 / (std + EPS), 0.0], rel=1e-12)
+    assert adv[0] != pytest.approx(1.0 / (1.0 + EPS), rel=1e-6)
+
+
+def test_group_advantages_eps_is_added_to_std():
+    # rewards [1, 0]: mean 0.5, std 0.5; with eps = 0.5 the advantages are +-0.5 / 1.0
+    assert group_advantages([1.0, 0.0], 0.5) == pytest.approx([0.5, -0.5], rel=1e-12)
+
+
+@pytest.mark.parametrize("rewards", [[0.0, 0.0, 0.0], [1.2, 1.2], [0.1, 0.1, 0.1], [7.0]])
+def test_group_advantages_zero_spread_is_exactly_zero(rewards):
+    # 0.1 + 0.1 + 0.1 != 0.3 in floating point: a mean-subtracting implementation would give tiny
+    # nonzero values divided by (0 + eps), i.e. spurious signal. They must be exactly 0.
+    adv = group_advantages(rewards, EPS)
+    assert adv == [0.0] * len(rewards)
+    assert all(a == 0.0 for a in adv)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_group_advantages_non_finite_raises(bad):
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages([1.0, bad, 0.0], EPS)
+
+
+def test_group_advantages_empty():
+    assert group_advantages([], EPS) == []
+
+
+def test_group_advantages_sum_to_zero_and_keep_order():
+    rewards = [0.2, 1.2, 0.0, 1.0, 0.2]
+    adv = group_advantages(rewards, EPS)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-12)
+    # the order of advantages follows the order of rewards
+    assert sorted(range(5), key=lambda i: adv[i]) == sorted(range(5), key=lambda i: (rewards[i], i))
+
+
+# --------------------------------------------------------------------------- plan_micro_batches
+
+
+def test_plan_micro_batches_hand_example():
+    # lengths [3, 10, 5, 10, 2], budget 20. Longest first (ties by index): 1, 3, 2, 0, 4.
+    # [1]; +3: 10*2 = 20 <= 20 -> [1, 3]; +2: 10*3 = 30 > 20 -> close; [2]; +0: 5*2 = 10;
+    # +4: 5*3 = 15 -> [2, 0, 4]
+    assert plan_micro_batches([3, 10, 5, 10, 2], 20) == [[1, 3], [2, 0, 4]]
+
+
+def test_plan_micro_batches_oversize_sequence_alone():
+    # 50 > 16: alone. Then [1]; +2: 4*2 = 8 <= 16 -> [1, 2]
+    assert plan_micro_batches([50, 4, 4], 16) == [[0], [1, 2]]
+    # two oversize sequences do not share a batch: 50 * 2 > 16
+    assert plan_micro_batches([40, 50], 16) == [[1], [0]]
+
+
+def test_plan_micro_batches_empty():
+    assert plan_micro_batches([], 100) == []
+
+
+def test_plan_micro_batches_properties_random():
+    rng = random.Random(1234)
+    for _ in range(50):
+        n = rng.randint(1, 40)
+        lengths = [rng.randint(1, 120) for _ in range(n)]
+        budget = rng.randint(64, 512)
+        batches = plan_micro_batches(lengths, budget)
+        flat = [i for b in batches for i in b]
+        assert sorted(flat) == list(range(n)), "every index exactly once"
+        for b in batches:
+            assert b, "no empty batch"
+            longest = max(lengths[i] for i in b)
+            assert len(b) == 1 or longest * len(b) <= budget, (lengths, budget, b)
+            # within a batch, longest first
+            assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+        # batches are in length order: everything in batch k is >= everything in batch k+1
+        for b1, b2 in zip(batches, batches[1:]):
+            assert min(lengths[i] for i in b1) >= max(lengths[i] for i in b2)
+
+
+# --------------------------------------------------------------------------- pad_batch
+
+PAD = EOS = 2  # a tokenizer whose pad token is its EOS token
+
+
+def _two_rows():
+    a = TrainSequence(prompt_ids=[5, 6, 7], completion_ids=[8, EOS], advantage=1.0)  # P=3, C=2
+    b = TrainSequence(prompt_ids=[9], completion_ids=[EOS], advantage=-1.0)  # P=1, C=1 (just EOS)
+    return a, b
+
+
+def test_pad_batch_layout_and_mask_with_pad_equal_eos():
+    a, b = _two_rows()
+    batch = pad_batch([a, b], pad_id=PAD)
+    # width = max(3 + 2, 1 + 1) = 5
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, EOS], [9, EOS, PAD, PAD, PAD]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # predict_mask covers t in [P-1, P+C-2]: row a: 2..3; row b: 0..0
+    assert batch.predict_mask.tolist() == [
+        [False, False, True, True, False],
+        [True, False, False, False, False],
+    ]
+    assert batch.predict_mask.dtype == torch.bool
+    # position t predicts token t+1: row a targets at 2, 3 are 8, EOS; row b target at 0 is EOS
+    assert batch.targets[0, 2].item() == 8
+    assert batch.targets[0, 3].item() == EOS
+    assert batch.targets[1, 0].item() == EOS
+    # the selected targets are exactly the completion tokens, EOS (== pad id) included
+    assert batch.targets[batch.predict_mask].tolist() == [8, EOS, EOS]
+    assert batch.row_of_token.tolist() == [0, 0, 1]
+
+
+def test_pad_batch_mask_counts_match_completion_lengths():
+    rng = random.Random(7)
+    seqs = [
+        TrainSequence(
+            prompt_ids=[rng.randint(3, 50) for _ in range(rng.randint(1, 6))],
+            completion_ids=[rng.randint(3, 50) for _ in range(rng.randint(1, 6))] + [PAD],
+            advantage=1.0,
+        )
+        for _ in range(6)
+    ]
+    batch = pad_batch(seqs, pad_id=PAD)
+    for row, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        expected = [p - 1 <= t <= p + c - 2 for t in range(batch.predict_mask.shape[1])]
+        assert batch.predict_mask[row].tolist() == expected
+        assert batch.targets[row][batch.predict_mask[row]].tolist() == s.completion_ids
+        assert (batch.row_of_token == row).sum().item() == c
+    assert batch.row_of_token.shape[0] == batch.predict_mask.sum().item()
+
+
+@pytest.mark.parametrize(
+    "seq",
+    [
+        TrainSequence(prompt_ids=[1, 2], completion_ids=[], advantage=1.0),
+        TrainSequence(prompt_ids=[], completion_ids=[3], advantage=1.0),
+    ],
+)
+def test_pad_batch_rejects_empty_prompt_or_completion(seq):
+    with pytest.raises(ValueError):
+        pad_batch([seq], pad_id=0)
+
+
+# --------------------------------------------------------------------------- token_logprobs
+
+
+def test_token_logprobs_by_hand_with_temperature_2():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [2.0, 0.0, -2.0]])
+    targets = torch.tensor([2, 0])
+    out = token_logprobs(logits, targets, temperature=2.0)
+    # row 0: logits / 2 = [0.5, 1, 1.5]; target 2 -> 1.5 - log(e^0.5 + e^1 + e^1.5)
+    # row 1: logits / 2 = [1, 0, -1];   target 0 -> 1 - log(e^1 + e^0 + e^-1)
+    expected = [
+        1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5)),
+        1.0 - math.log(math.exp(1.0) + 1.0 + math.exp(-1.0)),
+    ]
+    assert out.shape == (2,)
+    assert out.tolist() == pytest.approx(expected, abs=1e-6)
+    ref = torch.log_softmax(logits / 2.0, dim=-1)[torch.arange(2), targets]
+    assert torch.allclose(out, ref)
+    # temperature matters: at T=1 row 0 would be 3 - log(e + e^2 + e^3)
+    t1 = 3.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert out[0].item() != pytest.approx(t1, abs=1e-3)
+
+
+def test_token_logprobs_is_float32_for_low_precision_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.bfloat16)
+    out = token_logprobs(logits, torch.tensor([1]), temperature=1.0)
+    assert out.dtype == torch.float32
+    expected = 2.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert out.item() == pytest.approx(expected, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- policy_gradient_loss
+
+
+def test_policy_gradient_loss_hand_computed_value_and_gradient():
+    # sequence 0: 2 completion tokens, A = +1; sequence 1: 1 token, A = -2; S = 2
+    logprobs = torch.tensor([-0.5, -1.5, -0.25], requires_grad=True)
+    row = torch.tensor([0, 0, 1])
+    adv = torch.tensor([1.0, -2.0])
+    lengths = torch.tensor([2, 1])
+    loss = policy_gradient_loss(logprobs, row, adv, lengths, num_sequences=2)
+    # L = -(1/2) * [ (+1) * (1/2) * (-0.5 - 1.5) + (-2) * (1/1) * (-0.25) ]
+    #   = -(1/2) * [ -1 + 0.5 ] = 0.25
+    assert loss.item() == pytest.approx(0.25, abs=1e-7)
+    loss.backward()
+    # dL/dlogp = -(1/S) * A_row / |o_row|: [-(1/2)(1/2), -(1/2)(1/2), -(1/2)(-2/1)] = [-.25, -.25, 1]
+    assert logprobs.grad.tolist() == pytest.approx([-0.25, -0.25, 1.0], abs=1e-7)
+
+
+def test_policy_gradient_loss_num_sequences_scales():
+    logprobs = torch.tensor([-1.0])
+    # S = 4: L = -(1/4) * (3 * (1/1) * -1) = 0.75
+    loss = policy_gradient_loss(logprobs, torch.tensor([0]), torch.tensor([3.0]), torch.tensor([1]), num_sequences=4)
+    assert loss.item() == pytest.approx(0.75)
+
+
+def _loss_for(seqs, logits_by_seq, pad_id, num_sequences, temperature):
+    """Pad `seqs`, gather per-token log-probs from the given per-sequence logits, return the loss."""
+    batch = pad_batch(seqs, pad_id)
+    width = batch.input_ids.shape[1]
+    vocab = logits_by_seq[0].shape[-1]
+    logits = torch.zeros(len(seqs), width, vocab)
+    for b, lg in enumerate(logits_by_seq):
+        logits[b, : lg.shape[0]] = lg
+    lp = token_logprobs(logits[batch.predict_mask], batch.targets[batch.predict_mask], temperature)
+    adv = torch.tensor([s.advantage for s in seqs])
+    lengths = torch.tensor([len(s.completion_ids) for s in seqs])
+    return policy_gradient_loss(lp, batch.row_of_token, adv, lengths, num_sequences)
+
+
+def test_micro_batch_losses_sum_to_full_batch_loss():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 11
+    seqs = [
+        TrainSequence(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 0], advantage=1.5),
+        TrainSequence(prompt_ids=[6], completion_ids=[7, 0], advantage=-0.5),
+        TrainSequence(prompt_ids=[8, 9], completion_ids=[10, 3, 3, 0], advantage=0.25),
+        TrainSequence(prompt_ids=[2, 2, 2, 2], completion_ids=[0], advantage=-1.25),
+    ]
+    # each sequence's logits depend only on the sequence (as a causal LM's would), not on padding
+    logits_by_seq = [torch.randn(s.length, vocab, generator=gen) for s in seqs]
+    total = len(seqs)
+    full = _loss_for(seqs, logits_by_seq, 0, total, temperature=0.7)
+
+    plan = plan_micro_batches([s.length for s in seqs], token_budget=12)
+    assert len(plan) > 1  # the point of the test: more than one micro-batch
+    split = sum(
+        _loss_for([seqs[i] for i in mb], [logits_by_seq[i] for i in mb], 0, total, temperature=0.7) for mb in plan
+    )
+    assert split.item() == pytest.approx(full.item(), abs=1e-6)
+
+    # and the full loss equals the formula written out per sequence
+    expected = 0.0
+    for s, lg in zip(seqs, logits_by_seq):
+        p = len(s.prompt_ids)
+        lp = torch.log_softmax(lg / 0.7, dim=-1)
+        mean_lp = sum(lp[p - 1 + t, tok].item() for t, tok in enumerate(s.completion_ids)) / len(s.completion_ids)
+        expected += s.advantage * mean_lp
+    expected = -expected / total
+    assert full.item() == pytest.approx(expected, abs=1e-5)
