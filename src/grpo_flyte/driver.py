@@ -127,7 +127,7 @@ class LocalRunFiles:
         # Rewritten whole from the checkpointed history: a resumed run records each iteration once.
         if self.root:
             text = "".join(json.dumps(row) + "\n" for row in history)
-            _write_atomic(self.root / METRICS_FILE, text)
+            write_report_atomic(self.root / METRICS_FILE, text)  # any text file: temp, fsync, rename
 
     def write_report(self, html: str) -> None:
         if self.root:
@@ -151,18 +151,6 @@ class LocalRunFiles:
         for old in path.parent.glob("v[0-9]*"):
             if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - keep:
                 shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the run's files are meant to be read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 async def publish_report(config: RunConfig, state: LoopState, files: LocalRunFiles, status: str, message: str | None = None) -> None:
