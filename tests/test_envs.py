@@ -169,3 +169,27 @@ def test_rollout_gpu_env_var_changes_the_device(probe_a100):
     assert devices["grpo_flyte-rollout.generate"] == "nvidia-tesla-a100"
     # the train env has its own variable and keeps the default
     assert devices["grpo_flyte-train.train_step"] == "nvidia-l4"
+
+
+def test_remote_dry_run_resolves_and_bundles_the_package(tmp_path):
+    """An offline remote dry run: inputs serialize, the task resolves as grpo_flyte.driver, the code bundles."""
+    code = """
+from pathlib import Path
+import flyte
+from flyte.io import Dir
+from grpo_flyte.config import RunConfig
+from grpo_flyte.data import Example
+from grpo_flyte.driver import train_rl
+flyte.init(root_dir=Path(%r))
+run = flyte.with_runcontext(mode="remote", dry_run=True).run(
+    train_rl, config=RunConfig(num_iterations=3), base_model=Dir(path="s3://bucket/model"),
+    examples=[Example(question="q", answer="1")])
+args = list(run.task_spec.task_template.container.args)
+print("MOD", args[args.index("mod") + 1], args[args.index("instance") + 1])
+print("FILES", sorted(Path(f).name for f in run.code_bundle.files))
+""" % str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "MOD grpo_flyte.driver train_rl" in out.stdout
+    for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py"):
+        assert name in out.stdout
