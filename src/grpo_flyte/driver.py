@@ -14,10 +14,8 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from pydantic import BaseModel
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example, load_train_examples, sample_prompts
 from grpo_flyte.envs import driver_env
+from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.report_helpers import render_report, write_report_atomic
 from grpo_flyte.reward import ScoredGroup, score_group
 from grpo_flyte.rollout import AdapterRef, generate
@@ -135,14 +134,7 @@ class LocalRunFiles:
 
     def export_adapter(self, adapter: AdapterRef) -> None:
         if self.root and "://" not in adapter.dir.path:
-            staging = Path(tempfile.mkdtemp(prefix=".adapter-", dir=self.root))
-            try:
-                shutil.copytree(adapter.dir.path, staging, dirs_exist_ok=True)
-                os.chmod(staging, 0o755)
-                shutil.rmtree(self.root / ADAPTER_DIR, ignore_errors=True)
-                os.replace(staging, self.root / ADAPTER_DIR)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            build_dir_atomic(self.root / ADAPTER_DIR, lambda d: shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True))
 
     def prune_adapters(self, current: AdapterRef, keep: int) -> None:
         path = Path(current.dir.path)

@@ -11,11 +11,10 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from grpo_flyte.config import EMBEDDED_MODEL
+from grpo_flyte.files import build_dir_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +63,16 @@ def embedded_model_dir() -> Path:
     plain = AutoModelForCausalLM.from_config(config)
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config.eos_token_id = tokenizer.eos_token_id
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    try:
+
+    def save(staging: Path) -> None:
         plain.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)  # atomic: a concurrent or killed conversion never leaves half a model
+
+    try:
+        build_dir_atomic(target, save, replace=False)
     except OSError:
-        if not (target / "config.json").is_file():
+        if not (target / "config.json").is_file():  # else a concurrent conversion finished first
             raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import train_env
+from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterRef, LocalDirCache
@@ -142,16 +142,8 @@ async def publish_dir(build, name: str) -> Dir:
     ctx = flyte.ctx()
     raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
     if raw and "://" not in raw:
-        final = Path(raw) / "adapters" / name
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-        try:
-            await asyncio.to_thread(build, staging)
-            os.chmod(staging, 0o755)
-            shutil.rmtree(final, ignore_errors=True)  # left by an attempt that died before the checkpoint
-            os.replace(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        # Replaces a folder left by an attempt that died before the checkpoint.
+        final = await asyncio.to_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
         return await Dir.from_local(str(final))
     with tempfile.TemporaryDirectory() as tmp:
         await asyncio.to_thread(build, Path(tmp))
