@@ -44,7 +44,7 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
 
 @pytest.fixture
 def jsonl_dataset(tmp_path) -> Path:
-    rows = [{"question": f"What is {a} + {b}?", "answer": a + b} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    rows = [{"question": f"What is {a} + {b}?", "answer": a + b} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 7)]]
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

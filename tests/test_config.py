@@ -7,7 +7,13 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from grpo_flyte.config import ConfigError, RunConfig, flag, load_config_file, make_config
+from grpo_flyte.config import (
+    ConfigError,
+    RunConfig,
+    flag,
+    load_config_file,
+    make_config,
+)
 
 
 def test_defaults_are_valid():
@@ -168,3 +174,20 @@ def test_load_not_utf8_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load_config_file(p)
     assert str(p) in str(exc.value)
+
+
+@pytest.mark.parametrize("field", ["loss_type", "truncated"])
+def test_objective_literals_reject_other_values(field):
+    with pytest.raises(ConfigError, match=flag(field)):
+        make_config(**{field: "nonsense"})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("epsilon", 0.0), ("epsilon", 1.0), ("epsilon_high", 0.0), ("updates_per_iter", 0), ("beta", -0.1),
+     ("is_cap", 0.5), ("eval_size", -1), ("eval_every", -1), ("min_informative_groups", -1)],
+)
+def test_objective_bounds_name_flag_and_value(field, value):
+    with pytest.raises(ConfigError) as info:
+        make_config(**{field: value})
+    assert f"{flag(field)}={value!r}" in str(info.value)

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from grpo_flyte.data import (
+    ANSWER_INSTRUCTION,
     ARITHMETIC_EVAL_SIZE,
     PLAIN_TEMPLATE,
     SYSTEM_PROMPT,
@@ -24,6 +25,8 @@ from grpo_flyte.data import (
     load_train_examples,
     render_prompt,
     sample_prompts,
+    topup_prompts,
+    train_eval_split,
 )
 
 _QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
@@ -260,12 +263,15 @@ def test_render_prompt_chat_uses_the_template_with_system_prompt():
     text = render_prompt("What is 2 + 3?", "chat", tok)
     assert tok.calls == [
         (
-            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 2 + 3?"}],
+            [
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"What is 2 + 3? {ANSWER_INSTRUCTION}"},
+            ],
             False,
             True,
         )
     ]
-    assert text == f"<chat>system:{SYSTEM_PROMPT}|user:What is 2 + 3?<assistant>"
+    assert text == f"<chat>system:{SYSTEM_PROMPT}|user:What is 2 + 3? {ANSWER_INSTRUCTION}<assistant>"
     assert "####" in SYSTEM_PROMPT
 
 
@@ -284,3 +290,43 @@ def test_load_jsonl_not_utf8_is_a_dataset_error(tmp_path):
     with pytest.raises(DatasetError) as exc:
         load_jsonl(p)
     assert str(p) in str(exc.value)
+
+
+# --------------------------------------------------------------------------- train/eval split, top-up
+
+
+def test_arithmetic_eval_split_is_the_held_out_prefix():
+    train, held_out = train_eval_split("arithmetic", None, 7)
+    assert held_out == arithmetic_split("eval")[:7]
+    assert train == arithmetic_split("train")
+
+
+def test_arithmetic_eval_size_above_the_held_out_split_is_named():
+    with pytest.raises(DatasetError, match=r"--eval-size=501.*at most 500"):
+        train_eval_split("arithmetic", None, 501)
+
+
+def test_file_dataset_holds_out_a_fixed_sample(tmp_path):
+    rows = [Example(question=f"q{i}", answer=str(i)) for i in range(20)]
+    train, held_out = train_eval_split("data.jsonl", rows, 5)
+    assert len(held_out) == 5 and len(train) == 15
+    assert not set(train) & set(held_out) and set(train) | set(held_out) == set(rows)
+    assert train_eval_split("data.jsonl", rows, 5) == (train, held_out)  # the same in every run
+    assert held_out != rows[:5]  # a seeded sample, not the head of the file
+    assert train_eval_split("data.jsonl", rows, 0) == (rows, [])
+
+
+def test_file_dataset_too_small_for_eval_size(tmp_path):
+    rows = [Example(question=f"q{i}", answer=str(i)) for i in range(4)]
+    with pytest.raises(DatasetError, match=r"--eval-size=4.*4 examples.*below 4"):
+        train_eval_split("data.jsonl", rows, 4)
+
+
+def test_topup_prompts_depend_on_seed_iteration_and_round_only():
+    examples = [Example(question=f"q{i}", answer=str(i)) for i in range(50)]
+    a = topup_prompts(examples, seed=1, iteration=3, round_=0, num=4)
+    assert a == topup_prompts(examples, seed=1, iteration=3, round_=0, num=4)
+    assert len(a) == 4 and len(set(a)) == 4
+    assert a != topup_prompts(examples, seed=1, iteration=3, round_=1, num=4)
+    assert a != topup_prompts(examples, seed=1, iteration=4, round_=0, num=4)
+    assert len(topup_prompts(examples[:3], seed=1, iteration=0, round_=0, num=10)) == 3

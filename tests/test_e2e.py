@@ -21,7 +21,7 @@ from grpo_flyte.reward import RewardParts, ScoredGroup
 from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
 from grpo_flyte.trainer import TrainStepResult, init_adapter, peft_model, train_step
 
-TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3"]
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2"]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -42,16 +42,30 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["num_iterations"] == 2 and config["group_size"] == 3
     rows = read_metrics(run_dir)
-    assert [r["iteration"] for r in rows] == [1, 2]
-    assert [r["adapter_version"] for r in rows] == [1, 2]
-    required = {"mean_reward", "accuracy", "format_rate", "loss", "num_rollouts", "generate_s", "score_s", "train_s", "iteration_s"}
-    for row in rows:
-        assert required <= row.keys()
+    assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the held-out evaluation before training
+    assert [r["adapter_version"] for r in rows] == [0, 1, 2]
+    required = {
+        "mean_reward", "accuracy", "format_rate", "loss", "num_rollouts", "generate_s", "score_s", "train_s",
+        "iteration_s", "kl", "clip_fraction", "is_ratio_mean", "is_ratio_max", "entropy", "grad_norm",
+        "frac_zero_std_groups", "completion_len_mean", "completion_len_max", "truncated_fraction",
+        "generate_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s",
+    }
+    evaluated = {"eval_reward", "eval_accuracy", "eval_format_rate", "eval_size", "eval_reward_ci95", "eval_s"}
+    assert evaluated <= rows[0].keys() and "mean_reward" not in rows[0]
+    for row in rows[1:]:
+        assert required <= row.keys(), required - row.keys()
         assert row["num_rollouts"] == 2 * 3
         assert 0 <= row["accuracy"] <= 1 and 0 <= row["format_rate"] <= 1
         assert row["iteration_s"] >= row["generate_s"] + row["train_s"] - 1e-6
+        assert 0 <= row["frac_zero_std_groups"] <= 1 and 0 <= row["truncated_fraction"] <= 1
+        assert row["completion_len_max"] <= 8  # --max-new-tokens 8
+    assert "eval_reward" not in rows[1] and evaluated <= rows[2].keys()  # eval_every 10: first and last only
+    for iteration in (0, 2):
+        answers = [json.loads(x) for x in (run_dir / "eval" / f"iter-{iteration:04d}.jsonl").read_text().splitlines()]
+        assert len(answers) == 2 and {"question", "answer", "completion", "reward", "correct"} <= answers[0].keys()
+        assert rows[iteration]["eval_reward"] == pytest.approx(sum(a["reward"] for a in answers) / 2)
     report = (run_dir / "report.html").read_text()
-    assert "complete" in report and "<svg" in report
+    assert "complete" in report and "<svg" in report and "Held-out evaluation" in report
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -97,8 +111,14 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
     snapshot = _snapshot
     v0, result = run.outputs()
     assert result.adapter.version == 1 and result.num_contributing == 4 and result.num_rollouts == 4
-    assert result.num_tokens == 2 * (3 + 2)  # every completion token, EOS included
-    assert result.grad_norm > 0
+    stats = result.stats
+    assert stats.num_tokens == 2 * (3 + 2)  # every completion token, EOS included
+    assert stats.grad_norm > 0 and stats.num_updates == 1
+    # v0 has lora_B = 0, so the policy is the reference exactly, and one update never clips
+    assert stats.kl == 0.0 and stats.clip_fraction == 0.0
+    # the hand-made sampling log-probs (-1.0) differ from the trainer's: the ratio is measured
+    assert stats.is_ratio_max > 0 and stats.is_ratio_max != pytest.approx(1.0)
+    assert stats.entropy > 0
     before, after = lora_tensors(Path(v0.dir.path)), lora_tensors(Path(result.adapter.dir.path))
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
@@ -111,6 +131,35 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
     assert all(torch.equal(base_params[n].detach(), snapshot[n]) for n in snapshot)
 
 
+def test_several_updates_per_iteration_clip_and_drift_from_the_reference(tmp_path, tiny_model_dir):
+    config = RunConfig(
+        model=str(tiny_model_dir), group_size=3, learning_rate=5e-2, dtype="float32", updates_per_iter=2,
+        beta=0.1, epsilon=1e-4, epsilon_high=1e-4,
+    )
+    a = Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a")
+    b = Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b")
+    right = RewardParts(reward=1.0, correct=True, format=False)
+    wrong = RewardParts(reward=0.0, correct=False, format=False)
+    groups = [
+        ScoredGroup(
+            group=RolloutGroup(index=i, example=Example(question="q", answer="1"), adapter_version=0,
+                               prompt_ids=[1, 5, 6, 7], rollouts=[a, b, a], generate_s=0.0),
+            rewards=[right, wrong, right],
+        )
+        for i in range(2)
+    ]
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        init_then_step, config=config, base=Dir(path=str(tiny_model_dir)), scored=groups
+    )
+    _, result = run.outputs()
+    # Sequences a+ b- a+ a+ b- a+ are dealt into minibatches [a+ a+ b-] and [b- a+ a+]: two
+    # optimizer steps. The first raises a's probability, so in the second the a+ tokens have a
+    # ratio above 1 + epsilon_high (clipped), and the policy has left the reference (KL > 0).
+    assert result.stats.num_updates == 2
+    assert result.stats.kl > 0
+    assert result.stats.clip_fraction > 0
+
+
 def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
@@ -118,8 +167,10 @@ def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
     first_adapter = lora_tensors(run_dir / "adapter")
     assert cli_main([*common, "--num-iterations", "3", "--resume"]) == 0
     rows = read_metrics(run_dir)
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert [r["adapter_version"] for r in rows] == [1, 2, 3]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert [r["adapter_version"] for r in rows] == [0, 1, 2, 3]
+    # evaluated before training, at the end of the first run, and at the end of the extension
+    assert [r["iteration"] for r in rows if "eval_reward" in r] == [0, 1, 3]
     assert json.loads((run_dir / "config.json").read_text())["num_iterations"] == 3
     assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 3
     assert lora_tensors(run_dir / "adapter").keys() == first_adapter.keys()
@@ -143,33 +194,49 @@ def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+        if metrics.is_file() and metrics.read_text().count("\n") >= 2:  # eval row + iteration 1
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished or died before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    killed_at = len(read_metrics(run_dir))
+    killed_at = len(read_metrics(run_dir)) - 1
     assert 1 <= killed_at < 6
 
     assert cli_main([*args, "--resume"]) == 0
     rows = read_metrics(run_dir)
-    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
     versions = [r["adapter_version"] for r in rows]
-    assert versions == sorted(set(versions)) and versions[0] == 1
+    assert versions == sorted(set(versions)) and versions[0] == 0
     assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == versions[-1]
     # Old adapter versions are pruned (adapters_to_keep=3 by default).
     kept = sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir() if not p.name.startswith("."))
     assert kept == ["v0004", "v0005", "v0006"]
 
 
+def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "1", "--eval-size", "0",
+            "--min-informative-groups", "2", "--max-topup-rounds", "1", "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    (row,) = read_metrics(run_dir)  # --eval-size 0: no evaluation rows
+    assert row["num_groups"] == 2 + row["topup_groups"] and row["num_rollouts"] == 3 * row["num_groups"]
+    informative_total = round(row["num_groups"] * (1 - row["frac_zero_std_groups"]))
+    # a random tiny model rarely earns any reward, so the first round lacks informative groups;
+    # one round at most tops up what was missing and no more
+    assert 0 <= row["topup_groups"] <= 2
+    assert row["topup_groups"] > 0 or informative_total >= 2
+    assert not (run_dir / "eval").exists()
+
+
 @pytest.mark.slow
 def test_embedded_model_short_run(tmp_path, embedded_dir):
     run_dir = tmp_path / "run"
     args = ["--local", "--num-iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24"]
-    assert cli_main([*args, "--run-dir", str(run_dir)]) == 0
-    (row,) = read_metrics(run_dir)
+    assert cli_main([*args, "--eval-size", "4", "--run-dir", str(run_dir)]) == 0
+    before, row = read_metrics(run_dir)
     assert row["num_rollouts"] == 4 and row["adapter_version"] == 1
+    assert before["eval_size"] == row["eval_size"] == 4
     # A real instruct model writes text, not noise: the report shows one of its completions.
     report = (run_dir / "report.html").read_text()
     assert "What is" in report

@@ -15,7 +15,7 @@ from flyte.models import SerializationContext
 from google.protobuf.json_format import MessageToDict
 
 import grpo_flyte
-import grpo_flyte.driver  # noqa: F401  (declares every task on its environment)
+import grpo_flyte.driver
 from grpo_flyte import envs
 
 SRC = Path(grpo_flyte.__file__).resolve().parents[1]

@@ -9,12 +9,18 @@ import pytest
 import torch
 
 from grpo_flyte.grpo import (
+    LossNormalizer,
     TrainSequence,
+    aggregate_loss,
     group_advantages,
+    grpo_token_loss,
+    kl_k3,
     pad_batch,
     plan_micro_batches,
-    policy_gradient_loss,
+    split_minibatches,
     token_logprobs,
+    token_logprobs_and_entropy,
+    truncated_is_weights,
 )
 
 EPS = 1e-4
@@ -52,6 +58,13 @@ def test_group_advantages_zero_spread_is_exactly_zero(rewards):
     adv = group_advantages(rewards, EPS)
     assert adv == [0.0] * len(rewards)
     assert all(a == 0.0 for a in adv)
+
+
+def test_group_advantages_without_std_scaling_dr_grpo():
+    # rewards [1, 0, 0, 1]: A = r - 0.5, not divided by the std (0.5)
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], EPS, scale_by_std=False) == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages([1.2, 0.2, 0.2], EPS, scale_by_std=False) == pytest.approx([2 / 3, -1 / 3, -1 / 3])
+    assert group_advantages([0.1, 0.1, 0.1], EPS, scale_by_std=False) == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -207,32 +220,151 @@ def test_token_logprobs_is_float32_for_low_precision_logits():
     assert out.item() == pytest.approx(expected, abs=1e-6)
 
 
-# --------------------------------------------------------------------------- policy_gradient_loss
+# --------------------------------------------------------------------------- grpo_token_loss
 
 
-def test_policy_gradient_loss_hand_computed_value_and_gradient():
-    # sequence 0: 2 completion tokens, A = +1; sequence 1: 1 token, A = -2; S = 2
-    logprobs = torch.tensor([-0.5, -1.5, -0.25], requires_grad=True)
-    row = torch.tensor([0, 0, 1])
-    adv = torch.tensor([1.0, -2.0])
-    lengths = torch.tensor([2, 1])
-    loss = policy_gradient_loss(logprobs, row, adv, lengths, num_sequences=2)
-    # L = -(1/2) * [ (+1) * (1/2) * (-0.5 - 1.5) + (-2) * (1/1) * (-0.25) ]
-    #   = -(1/2) * [ -1 + 0.5 ] = 0.25
-    assert loss.item() == pytest.approx(0.25, abs=1e-7)
-    loss.backward()
-    # dL/dlogp = -(1/S) * A_row / |o_row|: [-(1/2)(1/2), -(1/2)(1/2), -(1/2)(-2/1)] = [-.25, -.25, 1]
-    assert logprobs.grad.tolist() == pytest.approx([-0.25, -0.25, 1.0], abs=1e-7)
+def test_clipped_token_loss_hand_computed_values_gradients_and_clip_mask():
+    # ratios r = exp(logp - old) = [0.5, 0.5, 1.5, 1.5, 1.25]; A = [+1, -1, +1, -1, +1];
+    # epsilon = 0.2 -> lower bound 0.8, epsilon_high = 0.3 -> upper bound 1.3
+    ratios = torch.tensor([0.5, 0.5, 1.5, 1.5, 1.25])
+    old = torch.tensor([-1.0, -2.0, -0.5, -1.5, -0.7])
+    logp = (old + ratios.log()).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0])
+    loss, clipped = grpo_token_loss(logp, old, adv, epsilon=0.2, epsilon_high=0.3)
+    # token 0: min(0.5*1, 0.8*1) = 0.5      -> loss -0.5, unclipped (the lower clip binds only for A < 0)
+    # token 1: min(-0.5, -0.8)   = -0.8     -> loss +0.8, clipped
+    # token 2: min(1.5, 1.3)     = 1.3      -> loss -1.3, clipped
+    # token 3: min(-1.5, -1.3)   = -1.5     -> loss +1.5, unclipped
+    # token 4: 1.25 is inside [0.8, 1.3]    -> loss -1.25, unclipped
+    assert loss.tolist() == pytest.approx([-0.5, 0.8, -1.3, 1.5, -1.25], abs=1e-6)
+    assert clipped.tolist() == [False, True, True, False, False]
+    loss.sum().backward()
+    # d(-r*A)/dlogp = -A*r where unclipped, 0 where the clipped (constant) branch wins
+    assert logp.grad.tolist() == pytest.approx([-0.5, 0.0, 0.0, 1.5, -1.25], abs=1e-6)
 
 
-def test_policy_gradient_loss_num_sequences_scales():
-    logprobs = torch.tensor([-1.0])
-    # S = 4: L = -(1/4) * (3 * (1/1) * -1) = 0.75
-    loss = policy_gradient_loss(logprobs, torch.tensor([0]), torch.tensor([3.0]), torch.tensor([1]), num_sequences=4)
-    assert loss.item() == pytest.approx(0.75)
+def test_token_loss_with_ratio_one_is_the_policy_gradient():
+    # old = logp (detached): r = 1, value -A, gradient -A (REINFORCE with a baseline)
+    logp = torch.tensor([-0.3, -2.0], requires_grad=True)
+    loss, clipped = grpo_token_loss(logp, logp.detach(), torch.tensor([2.0, -0.5]), 0.2, 0.2)
+    assert loss.tolist() == pytest.approx([-2.0, 0.5])
+    assert not clipped.any()
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-2.0, 0.5])
 
 
-def _loss_for(seqs, logits_by_seq, pad_id, num_sequences, temperature):
+def test_token_loss_importance_weights_and_kl_term():
+    logp = torch.tensor([math.log(0.5), math.log(0.2)], requires_grad=True)
+    ref = torch.tensor([math.log(0.25), math.log(0.2)])
+    kl = kl_k3(logp, ref)
+    # kl_0 = exp(ref - logp) - (ref - logp) - 1 = 0.5 - ln(0.5) - 1 = ln 2 - 0.5; kl_1 = 0 (same prob)
+    assert kl.tolist() == pytest.approx([math.log(2) - 0.5, 0.0], abs=1e-6)
+    weights = torch.tensor([2.0, 0.5])
+    loss, _ = grpo_token_loss(logp, logp.detach(), torch.tensor([1.0, 1.0]), 0.2, 0.2, weights, kl, beta=0.1)
+    # -w * (r * A) + beta * kl with r = 1: [-2 + 0.1 (ln 2 - 0.5), -0.5 + 0]
+    assert loss.tolist() == pytest.approx([-2.0 + 0.1 * (math.log(2) - 0.5), -0.5], abs=1e-6)
+    loss.sum().backward()
+    # d/dlogp: -w*A*r + beta * (1 - exp(ref - logp)) = [-2 + 0.1 * (1 - 0.5), -0.5 + 0]
+    assert logp.grad.tolist() == pytest.approx([-2.0 + 0.05, -0.5], abs=1e-6)
+
+
+def test_token_loss_beta_without_kl_is_an_error():
+    logp = torch.tensor([-1.0])
+    with pytest.raises(ValueError, match="KL"):
+        grpo_token_loss(logp, logp, torch.tensor([1.0]), 0.2, 0.2, beta=0.5)
+
+
+def test_kl_k3_is_zero_for_equal_policies_and_positive_otherwise():
+    a = torch.tensor([-0.1, -3.0, -7.5])
+    assert kl_k3(a, a).tolist() == [0.0, 0.0, 0.0]
+    assert (kl_k3(a, a + torch.tensor([0.3, -0.2, 1.0])) > 0).all()
+
+
+def test_truncated_is_weights_cap_and_raw_ratio():
+    old = torch.tensor([math.log(0.3), math.log(0.1), math.log(0.4)])
+    samp = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.4)])
+    weights, rho = truncated_is_weights(old, samp, cap=2.0)
+    # rho = p_trainer / p_generator = [3, 0.5, 1]; the weight is capped at 2
+    assert rho.tolist() == pytest.approx([3.0, 0.5, 1.0], rel=1e-6)
+    assert weights.tolist() == pytest.approx([2.0, 0.5, 1.0], rel=1e-6)
+    assert not weights.requires_grad
+
+
+def test_truncated_is_weights_rejects_a_cap_below_one():
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weights(torch.zeros(1), torch.zeros(1), cap=0.5)
+
+
+# --------------------------------------------------------------------------- aggregate_loss
+
+# token losses [1, 2, 3 | 4, 5]: sequence 0 has 3 tokens, sequence 1 has 2; S = 2, T = 5, L = 4
+_TOKEN_LOSS = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+_ROWS = torch.tensor([0, 0, 0, 1, 1])
+_LENGTHS = torch.tensor([3, 2])
+_NORM = LossNormalizer(num_sequences=2, num_tokens=5, max_completion_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "expected"),
+    [
+        ("grpo", 0.5 * ((1 + 2 + 3) / 3 + (4 + 5) / 2)),  # (1/2)(2 + 4.5) = 3.25
+        ("dr_grpo", 15 / (2 * 4)),  # 1.875
+        ("dapo", 15 / 5),  # 3.0
+    ],
+)
+def test_aggregate_loss_hand_computed(loss_type, expected):
+    value = aggregate_loss(_TOKEN_LOSS, _ROWS, _LENGTHS, loss_type, _NORM)
+    assert value.item() == pytest.approx(expected)
+
+
+def test_aggregate_loss_variants_weight_long_and_short_completions_differently():
+    # The gradient each token gets: grpo 1/(S|o_i|), dr_grpo 1/(S L), dapo 1/T.
+    grads = {}
+    for loss_type in ("grpo", "dr_grpo", "dapo"):
+        x = _TOKEN_LOSS.clone().requires_grad_(True)
+        aggregate_loss(x, _ROWS, _LENGTHS, loss_type, _NORM).backward()
+        grads[loss_type] = x.grad.tolist()
+    assert grads["grpo"] == pytest.approx([1 / 6] * 3 + [1 / 4] * 2)
+    assert grads["dr_grpo"] == pytest.approx([1 / 8] * 5)
+    assert grads["dapo"] == pytest.approx([1 / 5] * 5)
+
+
+def test_aggregate_loss_unknown_type():
+    with pytest.raises(ValueError, match="'ppo'"):
+        aggregate_loss(_TOKEN_LOSS, _ROWS, _LENGTHS, "ppo", _NORM)
+
+
+def test_token_logprobs_and_entropy_hand_computed():
+    # p = [1/4, 3/4] at T = 1: H = -(1/4 ln 1/4 + 3/4 ln 3/4); uniform over 4: H = ln 4
+    logits = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]])
+    logits4 = torch.zeros(1, 4)
+    lp, h = token_logprobs_and_entropy(logits, torch.tensor([1, 0]), temperature=1.0)
+    assert lp.tolist() == pytest.approx([math.log(0.75), math.log(0.5)], abs=1e-6)
+    assert h[0].item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+    assert h[1].item() == pytest.approx(math.log(2), abs=1e-6)
+    assert token_logprobs_and_entropy(logits4, torch.tensor([2]), 1.0)[1].item() == pytest.approx(math.log(4), abs=1e-6)
+
+
+# --------------------------------------------------------------------------- minibatches
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "expected"),
+    [(5, 2, [[0, 2, 4], [1, 3]]), (2, 4, [[0], [1]]), (3, 1, [[0, 1, 2]]), (0, 3, [])],
+)
+def test_split_minibatches(n, k, expected):
+    assert split_minibatches(n, k) == expected
+
+
+def test_split_minibatches_needs_one():
+    with pytest.raises(ValueError, match="num_minibatches"):
+        split_minibatches(4, 0)
+
+
+# --------------------------------------------------------------------------- micro-batching
+
+
+def _loss_for(seqs, logits_by_seq, old_by_seq, pad_id, norm, temperature, loss_type):
     """Pad `seqs`, gather per-token log-probs from the given per-sequence logits, return the loss."""
     batch = pad_batch(seqs, pad_id)
     width = batch.input_ids.shape[1]
@@ -241,12 +373,15 @@ def _loss_for(seqs, logits_by_seq, pad_id, num_sequences, temperature):
     for b, lg in enumerate(logits_by_seq):
         logits[b, : lg.shape[0]] = lg
     lp = token_logprobs(logits[batch.predict_mask], batch.targets[batch.predict_mask], temperature)
-    adv = torch.tensor([s.advantage for s in seqs])
+    old = torch.cat(old_by_seq)
+    adv = torch.tensor([s.advantage for s in seqs])[batch.row_of_token]
     lengths = torch.tensor([len(s.completion_ids) for s in seqs])
-    return policy_gradient_loss(lp, batch.row_of_token, adv, lengths, num_sequences)
+    token_loss, _ = grpo_token_loss(lp, old, adv, 0.2, 0.3)
+    return aggregate_loss(token_loss, batch.row_of_token, lengths, loss_type, norm)
 
 
-def test_micro_batch_losses_sum_to_full_batch_loss():
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
     gen = torch.Generator().manual_seed(0)
     vocab = 11
     seqs = [
@@ -257,22 +392,32 @@ def test_micro_batch_losses_sum_to_full_batch_loss():
     ]
     # each sequence's logits depend only on the sequence (as a causal LM's would), not on padding
     logits_by_seq = [torch.randn(s.length, vocab, generator=gen) for s in seqs]
-    total = len(seqs)
-    full = _loss_for(seqs, logits_by_seq, 0, total, temperature=0.7)
+    old_by_seq = [torch.randn(len(s.completion_ids), generator=gen) * 0.2 - 2.0 for s in seqs]
+    norm = LossNormalizer(len(seqs), sum(len(s.completion_ids) for s in seqs), max_completion_tokens=6)
+    full = _loss_for(seqs, logits_by_seq, old_by_seq, 0, norm, 0.7, loss_type)
 
     plan = plan_micro_batches([s.length for s in seqs], token_budget=12)
     assert len(plan) > 1  # the point of the test: more than one micro-batch
     split = sum(
-        _loss_for([seqs[i] for i in mb], [logits_by_seq[i] for i in mb], 0, total, temperature=0.7) for mb in plan
+        _loss_for([seqs[i] for i in mb], [logits_by_seq[i] for i in mb], [old_by_seq[i] for i in mb], 0, norm, 0.7, loss_type)
+        for mb in plan
     )
     assert split.item() == pytest.approx(full.item(), abs=1e-6)
 
     # and the full loss equals the formula written out per sequence
-    expected = 0.0
-    for s, lg in zip(seqs, logits_by_seq):
+    per_sequence = []
+    for s, lg, old in zip(seqs, logits_by_seq, old_by_seq):
         p = len(s.prompt_ids)
         lp = torch.log_softmax(lg / 0.7, dim=-1)
-        mean_lp = sum(lp[p - 1 + t, tok].item() for t, tok in enumerate(s.completion_ids)) / len(s.completion_ids)
-        expected += s.advantage * mean_lp
-    expected = -expected / total
+        terms = []
+        for t, tok in enumerate(s.completion_ids):
+            r = math.exp(lp[p - 1 + t, tok].item() - old[t].item())
+            terms.append(-min(r * s.advantage, min(max(r, 0.8), 1.3) * s.advantage))
+        per_sequence.append(terms)
+    if loss_type == "grpo":
+        expected = sum(sum(t) / len(t) for t in per_sequence) / len(seqs)
+    elif loss_type == "dr_grpo":
+        expected = sum(sum(t) for t in per_sequence) / (len(seqs) * 6)
+    else:
+        expected = sum(sum(t) for t in per_sequence) / norm.num_tokens
     assert full.item() == pytest.approx(expected, abs=1e-5)

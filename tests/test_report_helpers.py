@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from grpo_flyte import report_helpers
+from grpo_flyte import files
 from grpo_flyte.report_helpers import METRIC_CHARTS, render_report, write_report_atomic
 
 MINUS = "\u2212"
@@ -67,8 +67,8 @@ def _parse(document: str) -> _TagCollector:
 
 def _svgs(document: str) -> dict[str, str]:
     """SVG markup keyed by its aria-label's chart title."""
-    found = re.findall(r'<svg role="img" aria-label="([^"]*)".*?</svg>', document, flags=re.S)
-    blocks = re.findall(r"<svg .*?</svg>", document, flags=re.S)
+    found = re.findall(r'<svg role="img" aria-label="([^"]*)".*?</svg>', document, flags=re.DOTALL)
+    blocks = re.findall(r"<svg .*?</svg>", document, flags=re.DOTALL)
     assert len(found) == len(blocks)
     return {label.split(":")[0]: block for label, block in zip(found, blocks)}
 
@@ -274,8 +274,25 @@ def test_write_report_atomic_failed_replace_keeps_old(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(report_helpers.os, "replace", broken_replace)
+    monkeypatch.setattr(files.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk on fire"):
         write_report_atomic(target, "new")
     assert target.read_text() == "old"
     assert os.listdir(tmp_path) == ["report.html"]
+
+
+def test_held_out_cards_compare_with_the_first_evaluation():
+    history = [
+        {"iteration": 0, "adapter_version": 0, "eval_reward": 0.2, "eval_accuracy": 0.1},
+        {**_row(1)},
+        {**_row(2), "eval_reward": 0.45, "eval_accuracy": 0.15},
+    ]
+    document = _render(history, status="complete")
+    cards = _section(document, 'class="cards"', "</section>")
+    held_out = _section(cards, "stat-eval_reward", "</div></div>")
+    assert ">0.45<" in held_out and "+0.25 since iteration 0" in held_out
+    assert "+5.0 pp since iteration 0" in _section(cards, "stat-eval_accuracy", "</div></div>")
+    # the training cards compare iterations 2 and 1, not the evaluation-only row
+    assert "+0.25 since previous" in _section(cards, "stat-mean_reward", "</div></div>")
+    assert "2 iterations finished" in document
+    assert "Held-out evaluation" in _svgs(document)

@@ -114,3 +114,28 @@ def test_score_group_empty_group():
         generate_s=0.0,
     )
     assert asyncio.run(score_group(group)).rewards == []
+
+
+# --------------------------------------------------------------------------- training rewards
+
+
+def _group(finishes: list[str], rewards: list[float]) -> ScoredGroup:
+    rollouts = [Rollout(completion_ids=[1], sampling_logprobs=[-0.1], finish_reason=f, text="x") for f in finishes]
+    group = RolloutGroup(index=0, example=Example(question="q", answer="1"), adapter_version=0,
+                         prompt_ids=[5], rollouts=rollouts, generate_s=0.0)
+    parts = [RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2)) for r in rewards]
+    return ScoredGroup(group=group, rewards=parts)
+
+
+def test_training_rewards_zero_truncated_completions():
+    sg = _group(["stop", "length", "length"], [1.2, 0.2, 0.0])
+    assert sg.training_rewards("zero_reward") == [1.2, 0.0, 0.0]
+    assert sg.training_rewards("keep") == [1.2, 0.2, 0.0]
+    assert sg.training_rewards("mask") == [1.2, 0.2, 0.0]  # masking happens in the trainer
+
+
+def test_informative_depends_on_the_truncation_policy():
+    # the only reward comes from a truncated completion: with zero_reward every member scores 0
+    sg = _group(["length", "stop"], [0.2, 0.0])
+    assert sg.informative("keep")
+    assert not sg.informative("zero_reward")

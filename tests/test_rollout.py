@@ -10,7 +10,13 @@ from types import SimpleNamespace
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.rollout import LocalDirCache, Rollout, cut_at_eos, resolve_backend, vllm_completion_to_rollout
+from grpo_flyte.rollout import (
+    LocalDirCache,
+    Rollout,
+    cut_at_eos,
+    resolve_backend,
+    vllm_completion_to_rollout,
+)
 
 # --------------------------------------------------------------------------- cut_at_eos
 

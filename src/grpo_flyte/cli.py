@@ -26,7 +26,7 @@ from grpo_flyte.config import (
     load_config_file,
     make_config,
 )
-from grpo_flyte.data import DatasetError, load_jsonl
+from grpo_flyte.data import DatasetError, load_jsonl, train_eval_split
 from grpo_flyte.models import ModelError
 
 logger = logging.getLogger("grpo_flyte")
@@ -89,7 +89,10 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
 
 
 def _read_examples(config: RunConfig):
-    return None if config.dataset == ARITHMETIC_DATASET else load_jsonl(config.dataset)
+    """The rows of a file dataset (None for 'arithmetic'), checked against --eval-size up front."""
+    examples = None if config.dataset == ARITHMETIC_DATASET else load_jsonl(config.dataset)
+    train_eval_split(config.dataset, examples, config.eval_size)
+    return examples
 
 
 def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> tuple[Path, RunConfig, str | None]:

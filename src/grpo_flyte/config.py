@@ -36,23 +36,76 @@ class RunConfig(BaseModel):
             "file with 'question' and 'answer' fields."
         ),
     )
-    num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations (one optimizer step each).")
+    num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
     prompts_per_iter: int = Field(4, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     group_size: int = Field(
-        6, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
+        8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
     )
-    max_new_tokens: int = Field(128, ge=1, le=32_768, description="Completion length limit in tokens.")
+    max_new_tokens: int = Field(64, ge=1, le=32_768, description="Completion length limit in tokens.")
     max_prompt_tokens: int = Field(
         512, ge=8, le=131_072, description="Longest prompt accepted, in tokens; longer prompts fail the generate task."
     )
-    temperature: float = Field(1.0, gt=0.0, le=5.0, description="Sampling temperature (also used for trainer log-probs).")
+    temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     prompt_format: Literal["chat", "plain"] = Field(
-        "chat", description="'chat': the tokenizer's chat template with a system prompt; 'plain': a text template."
+        "chat",
+        description=(
+            "'chat': the tokenizer's chat template, a system prompt, and the question followed by the "
+            "answer-format instruction; 'plain': a text template."
+        ),
     )
-    learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        "grpo",
+        description=(
+            "Loss aggregation: 'grpo' (mean over each completion's tokens, then over completions), "
+            "'dr_grpo' (token sum / (completions x max_new_tokens), advantages not divided by the std), "
+            "'dapo' (mean over all completion tokens of the batch)."
+        ),
+    )
+    epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range below 1: the ratio is clipped at 1 - epsilon.")
+    epsilon_high: float = Field(
+        0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high."
+    )
+    updates_per_iter: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Optimizer steps per iteration, each on one minibatch of the iteration's rollouts (clipping acts when > 1).",
+    )
+    beta: float = Field(
+        0.0, ge=0.0, le=100.0, description="KL penalty weight against the base model (the adapter disabled)."
+    )
+    is_correction: bool = Field(
+        True,
+        description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",
+    )
+    is_cap: float = Field(2.0, ge=1.0, le=1000.0, description="Upper bound of the importance weight.")
+    truncated: Literal["zero_reward", "mask", "keep"] = Field(
+        "zero_reward",
+        description=(
+            "Completions cut off at max_new_tokens: 'zero_reward' trains on them as reward 0, 'mask' "
+            "leaves them out of the loss (DAPO's overlong filtering), 'keep' uses their reward."
+        ),
+    )
+    min_informative_groups: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description=(
+            "Top the batch up with fresh prompts until it has this many groups whose rewards differ "
+            "(0: off); see --max-topup-rounds."
+        ),
+    )
+    max_topup_rounds: int = Field(2, ge=0, le=100, description="Extra generate rounds at most per iteration for the top-up.")
+    eval_every: int = Field(
+        10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training)."
+    )
+    eval_size: int = Field(
+        100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation)."
+    )
     advantage_eps: float = Field(
         1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
     )
@@ -136,8 +189,7 @@ def format_validation_error(exc: ValidationError) -> str:
         loc = [str(part) for part in err.get("loc", ()) if not isinstance(part, int)]
         where = flag(loc[0]) if loc else "config"
         msg = err.get("msg", "invalid value")
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, ") :]
+        msg = msg.removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             lines.append(f"{where}: unknown option (see --help for the list)")
             continue

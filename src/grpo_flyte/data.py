@@ -19,7 +19,10 @@ SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."
 )
-PLAIN_TEMPLATE = "Question: {question}\nEnd your reply with '#### <integer>'.\nAnswer:"
+# Appended to the question in the user turn: a small model follows an instruction there more
+# often than one in the system prompt (measured in the README's learning section).
+ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
+PLAIN_TEMPLATE = "Question: {question}\n" + ANSWER_INSTRUCTION + "\nAnswer:"
 
 # Size of the held-out split of the arithmetic task; it never overlaps the train split.
 ARITHMETIC_EVAL_SIZE = 500
@@ -104,6 +107,44 @@ def load_train_examples(dataset: str) -> list[Example]:
     return load_jsonl(dataset)
 
 
+# File datasets hold out a seeded sample of their rows for evaluation, the same in every run.
+_HOLDOUT_SEED = "grpo_flyte-holdout"
+
+
+def train_eval_split(dataset: str, examples: list[Example] | None, eval_size: int) -> tuple[list[Example], list[Example]]:
+    """The training examples and the first `eval_size` held-out questions of a dataset.
+
+    'arithmetic' has its own held-out split. A file dataset (or `examples` passed in its place)
+    holds out `eval_size` rows chosen with a fixed seed; the rest are the training set.
+    """
+    if examples is None and dataset == ARITHMETIC_DATASET:
+        held_out = arithmetic_split("eval")
+        if eval_size > len(held_out):
+            raise DatasetError(
+                f"--eval-size={eval_size}: the arithmetic task holds out {len(held_out)} questions; "
+                f"expected at most {len(held_out)}"
+            )
+        return arithmetic_split("train"), held_out[:eval_size]
+    rows = examples if examples is not None else load_jsonl(dataset)
+    if eval_size == 0:
+        return list(rows), []
+    if eval_size >= len(rows):
+        raise DatasetError(
+            f"--eval-size={eval_size}: the dataset {dataset!r} has {len(rows)} examples, which leaves none "
+            f"to train on; expected an eval size below {len(rows)} (or 0 for no evaluation)"
+        )
+    order = list(range(len(rows)))
+    random.Random(_HOLDOUT_SEED).shuffle(order)
+    held = set(order[:eval_size])
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in order[:eval_size]]
+
+
+def topup_prompts(examples: list[Example], *, seed: int, iteration: int, round_: int, num: int) -> list[Example]:
+    """Fresh prompts to top up one iteration's batch: a function of (seed, iteration, round) only."""
+    rng = random.Random(f"{seed}:topup:{iteration}:{round_}")
+    return [examples[i] for i in rng.sample(range(len(examples)), min(num, len(examples)))]
+
+
 def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: int) -> list[Example]:
     """The prompts of one iteration: consecutive slices of a seeded permutation, epoch after epoch.
 
@@ -131,5 +172,8 @@ def render_prompt(question: str, prompt_format: str, tokenizer) -> str:
         raise ValueError(
             "prompt_format='chat' but the model's tokenizer has no chat template: use --prompt-format plain"
         )
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"{question} {ANSWER_INSTRUCTION}"},
+    ]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -2,7 +2,9 @@
 
 Per iteration, inside `flyte.group(f"iter-{i}")`:
     sample prompts -> generate (one task per prompt, fanned out) -> score each group as it lands
-    -> one GRPO step -> checkpoint -> metrics and report.
+    -> (optionally top up with fresh prompts until enough groups are informative)
+    -> GRPO step(s) -> (held-out evaluation every `eval_every`) -> checkpoint -> metrics and report.
+The held-out evaluation also runs before the first iteration and after the last.
 
 Run it with `python -m grpo_flyte.driver --local` (this machine, Flyte local mode, the embedded
 model) or without `--local` against the cluster in your Flyte config; `--help` lists every option.
@@ -14,9 +16,11 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import shutil
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +30,20 @@ from flyte.io import Dir
 from pydantic import BaseModel
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example, load_train_examples, sample_prompts
+from grpo_flyte.data import Example, sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.report_helpers import render_report, write_report_atomic
-from grpo_flyte.reward import ScoredGroup, score_group
-from grpo_flyte.rollout import AdapterRef, generate
+from grpo_flyte.reward import ScoredGroup, score_group, score_groups
+from grpo_flyte.rollout import AdapterRef, generate, generate_eval
 from grpo_flyte.trainer import TrainStepResult, init_adapter, train_step
 
 logger = logging.getLogger("grpo_flyte")
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_DIR = "eval"
+# Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
+EVAL_CHUNK = 64
 REPORT_FILE = "report.html"
 ADAPTER_DIR = "adapter"
 
@@ -56,23 +63,52 @@ def rollout_seed(seed: int, iteration: int, index: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def iteration_metrics(iteration: int, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]) -> dict[str, Any]:
+def mean_ci95(values: list[float]) -> tuple[float, float]:
+    """The mean and the half-width of its normal-approximation 95% interval (1.96 standard errors)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return mean, math.inf
+    return mean, 1.96 * statistics.stdev(values) / math.sqrt(n)
+
+
+def _per_second(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
+def iteration_metrics(
+    config: RunConfig, iteration: int, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]
+) -> dict[str, Any]:
     parts = [p for sg in scored for p in sg.rewards]
-    lengths = [len(r.completion_ids) for sg in scored for r in sg.group.rollouts]
+    rollouts = [r for sg in scored for r in sg.group.rollouts]
+    lengths = [len(r.completion_ids) for r in rollouts]
+    stats = result.stats
     return {
         "iteration": iteration,
         "adapter_version": result.adapter.version,
         "mean_reward": statistics.fmean(p.reward for p in parts),
         "accuracy": statistics.fmean(p.correct for p in parts),
         "format_rate": statistics.fmean(p.format for p in parts),
-        "loss": result.loss,
+        "loss": stats.loss,
         "num_rollouts": len(parts),
+        "num_groups": len(scored),
         "num_contributing": result.num_contributing,
-        "grad_norm": result.grad_norm,
-        "num_tokens": result.num_tokens,
+        "frac_zero_std_groups": sum(not sg.informative(config.truncated) for sg in scored) / len(scored),
+        "num_updates": stats.num_updates,
+        "num_tokens": stats.num_tokens,
+        "kl": stats.kl,
+        "clip_fraction": stats.clip_fraction,
+        "is_ratio_mean": stats.is_ratio_mean,
+        "is_ratio_max": stats.is_ratio_max,
+        "entropy": stats.entropy,
+        "grad_norm": stats.grad_norm,
         "completion_len_mean": statistics.fmean(lengths),
         "completion_len_max": max(lengths),
+        "truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
         **timings,
+        "generate_tokens_per_s": _per_second(sum(lengths), timings["generate_s"]),
+        "score_tokens_per_s": _per_second(sum(lengths), sum(sg.score_s for sg in scored)),
+        "train_tokens_per_s": _per_second(stats.num_tokens, timings["train_s"]),
     }
 
 
@@ -86,34 +122,104 @@ def best_completion(scored: list[ScoredGroup]) -> dict[str, Any]:
     }
 
 
-async def run_iteration(
-    config: RunConfig, base_model: Dir, adapter: AdapterRef, prompts: list[Example], iteration: int
-) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float]]:
+async def generate_and_score(
+    generating: list[asyncio.Task], score: Callable[[Any], Awaitable[Any]]
+) -> tuple[list[Any], float, float]:
+    """Score each generate result the moment it lands; on any failure cancel everything in flight.
+
+    Returns the scores in landing order, the seconds until the last generate task finished, and
+    the scoring tail after it.
+    """
     started = time.perf_counter()
-    generating = [
-        asyncio.create_task(generate(config, base_model, adapter, example, i, rollout_seed(config.seed, iteration, i)))
-        for i, example in enumerate(prompts)
-    ]
     scoring: list[asyncio.Task] = []
     try:
-        for next_group in asyncio.as_completed(generating):
-            scoring.append(asyncio.create_task(score_group(await next_group)))
+        for next_result in asyncio.as_completed(generating):
+            scoring.append(asyncio.create_task(score(await next_result)))
         generated = time.perf_counter()
-        scored = sorted(await asyncio.gather(*scoring), key=lambda sg: sg.group.index)
+        results = await asyncio.gather(*scoring)
     except BaseException:
         for task in generating + scoring:
             task.cancel()
         raise
+    return results, generated - started, time.perf_counter() - generated
+
+
+async def run_iteration(
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int
+) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float]]:
+    started = time.perf_counter()
+    prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
+    scored: list[ScoredGroup] = []
+    timings = {"generate_s": 0.0, "score_s": 0.0}  # score_s: the scoring tail after generation
+    for round_ in range(config.max_topup_rounds + 1):
+        first = len(scored)
+        generating = [
+            asyncio.create_task(
+                generate(config, base_model, adapter, ex, first + i, rollout_seed(config.seed, iteration, first + i))
+            )
+            for i, ex in enumerate(prompts)
+        ]
+        landed, gen_s, tail_s = await generate_and_score(generating, score_group)
+        scored.extend(landed)
+        timings["generate_s"] += gen_s
+        timings["score_s"] += tail_s
+        missing = config.min_informative_groups - sum(sg.informative(config.truncated) for sg in scored)
+        if missing <= 0 or round_ == config.max_topup_rounds:
+            break
+        prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
+    scored.sort(key=lambda sg: sg.group.index)
     scored_at = time.perf_counter()
     result = await train_step(config, base_model, adapter, scored)
     finished = time.perf_counter()
-    timings = {
-        "generate_s": generated - started,
-        "score_s": scored_at - generated,  # scoring overlaps generation; this is the tail after it
-        "train_s": finished - scored_at,
-        "iteration_s": finished - started,
-    }
+    timings["topup_groups"] = len(scored) - config.prompts_per_iter
+    timings["train_s"] = finished - scored_at
+    timings["iteration_s"] = finished - started
     return scored, result, timings
+
+
+async def run_eval(
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Greedy answers to the held-out questions on the generate pool: metrics and per-question rows."""
+    started = time.perf_counter()
+    generating = [
+        asyncio.create_task(generate_eval(config, base_model, adapter, questions[i : i + EVAL_CHUNK], i))
+        for i in range(0, len(questions), EVAL_CHUNK)
+    ]
+    landed, _, _ = await generate_and_score(generating, score_groups)
+    scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)
+    rows = [
+        {
+            "question": sg.group.example.question,
+            "answer": sg.group.example.answer,
+            "completion": sg.group.rollouts[0].text,
+            "reward": sg.rewards[0].reward,
+            "correct": sg.rewards[0].correct,
+            "format": sg.rewards[0].format,
+        }
+        for sg in scored
+    ]
+    reward, reward_ci = mean_ci95([r["reward"] for r in rows])
+    accuracy, accuracy_ci = mean_ci95([float(r["correct"]) for r in rows])
+    metrics = {
+        "eval_reward": reward,
+        "eval_reward_ci95": reward_ci,
+        "eval_accuracy": accuracy,
+        "eval_accuracy_ci95": accuracy_ci,
+        "eval_format_rate": statistics.fmean(r["format"] for r in rows),
+        "eval_size": len(rows),
+        "eval_s": time.perf_counter() - started,
+    }
+    return metrics, rows
+
+
+def eval_due(config: RunConfig, iterations_done: int) -> bool:
+    """Whether the held-out evaluation runs after this many iterations (0: before training)."""
+    if config.eval_size == 0:
+        return False
+    if iterations_done in (0, config.num_iterations):
+        return True
+    return config.eval_every > 0 and iterations_done % config.eval_every == 0
 
 
 class LocalRunFiles:
@@ -127,6 +233,12 @@ class LocalRunFiles:
         if self.root:
             text = "".join(json.dumps(row) + "\n" for row in history)
             write_report_atomic(self.root / METRICS_FILE, text)  # any text file: temp, fsync, rename
+
+    def write_eval(self, iteration: int, rows: list[dict[str, Any]]) -> None:
+        """Per-question held-out answers of one evaluation: eval/iter-NNNN.jsonl."""
+        if self.root:
+            text = "".join(json.dumps({"iteration": iteration, **row}) + "\n" for row in rows)
+            write_report_atomic(self.root / EVAL_DIR / f"iter-{iteration:04d}.jsonl", text)
 
     def write_report(self, html: str) -> None:
         if self.root:
@@ -160,11 +272,20 @@ async def publish_report(config: RunConfig, state: LoopState, files: LocalRunFil
 
 
 def progress_line(row: dict[str, Any], total: int) -> str:
+    held_out = (
+        f"held-out reward {row['eval_reward']:.3f} +- {row['eval_reward_ci95']:.3f}  "
+        f"acc {row['eval_accuracy']:.1%}  format {row['eval_format_rate']:.1%}  "
+        f"(n={row['eval_size']}, {row['eval_s']:.1f}s)"
+        if "eval_reward" in row
+        else ""
+    )
+    if "mean_reward" not in row:  # the evaluation before training
+        return f"iter 0/{total}  {held_out}"
     return (
         f"iter {row['iteration']}/{total}  reward {row['mean_reward']:.3f}  acc {row['accuracy']:.1%}  "
         f"format {row['format_rate']:.1%}  loss {row['loss']:+.4f}  len {row['completion_len_mean']:.0f}  "
         f"| generate {row['generate_s']:.1f}s  score {row['score_s']:.1f}s  train {row['train_s']:.1f}s  "
-        f"total {row['iteration_s']:.1f}s"
+        f"total {row['iteration_s']:.1f}s" + (f"\n  {held_out}" if held_out else "")
     )
 
 
@@ -198,7 +319,7 @@ async def train_rl(
     `examples` overrides `config.dataset` (the CLI passes the rows of a .jsonl file this way);
     `run_dir` is where a local run writes its files; `resume_from` is a checkpoint to continue from.
     """
-    dataset = examples if examples is not None else load_train_examples(config.dataset)
+    dataset, held_out = train_eval_split(config.dataset, examples, config.eval_size)
     files = LocalRunFiles(run_dir)
     checkpoint, state = await restore_state(resume_from)
     if state is None:
@@ -206,12 +327,26 @@ async def train_rl(
     else:
         logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
     try:
+        if eval_due(config, 0) and not any(row["iteration"] == 0 for row in state.history):
+            with flyte.group("eval-0"):
+                metrics, answers = await run_eval(config, base_model, state.adapter, held_out)
+            row = {"iteration": 0, "adapter_version": state.adapter.version, **metrics}
+            state = state.model_copy(update={"history": [row, *state.history]})
+            if checkpoint is not None:
+                await checkpoint.save(state.model_dump_json().encode())
+            files.write_eval(0, answers)
+            files.write_metrics(state.history)
+            await publish_report(config, state, files, "running")
+            logger.info(progress_line(row, config.num_iterations))
         while state.iterations_done < config.num_iterations:
             it = state.iterations_done
-            prompts = sample_prompts(dataset, seed=config.seed, iteration=it, num=config.prompts_per_iter)
-            with flyte.group(f"iter-{it}"):
-                scored, result, timings = await run_iteration(config, base_model, state.adapter, prompts, it)
-            row = iteration_metrics(it + 1, scored, result, timings)
+            with flyte.group(f"iter-{it + 1}"):
+                scored, result, timings = await run_iteration(config, base_model, state.adapter, dataset, it)
+                row = iteration_metrics(config, it + 1, scored, result, timings)
+                if eval_due(config, it + 1):
+                    metrics, answers = await run_eval(config, base_model, result.adapter, held_out)
+                    row.update(metrics)
+                    files.write_eval(it + 1, answers)
             state = LoopState(
                 iterations_done=it + 1,
                 adapter=result.adapter,

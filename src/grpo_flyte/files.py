@@ -1,7 +1,8 @@
-"""Directories that appear whole or not at all: built beside their final place, then renamed."""
+"""Files and directories that appear whole or not at all: built beside their final place, then renamed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -26,3 +27,38 @@ def build_dir_atomic(final: Path, build: Callable[[Path], object], *, replace: b
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def write_text_atomic(path: os.PathLike[str] | str, text: str) -> None:
+    """Write to a temp file in the same directory, fsync, then os.replace, so a reader (or a crash)
+    never sees a half-written file. Missing parent directories are created."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, not {type(text).__name__}")
+    target = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(target)
+    os.makedirs(directory, exist_ok=True)
+    data = text.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        # mkstemp creates 0600; these files are meant to be read by others (viewers, uploaders).
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: str) -> None:
+    # Makes the rename itself durable; some platforms and filesystems refuse, which is fine.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

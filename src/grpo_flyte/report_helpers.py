@@ -9,13 +9,12 @@ is escaped, because completions are untrusted model output.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import html
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
+
+from grpo_flyte.files import write_text_atomic
 
 STATUSES = ("running", "complete", "failed")
 
@@ -180,7 +179,7 @@ def _header(title: str, status: str, message: str | None, n_rows: int) -> str:
     parts = [f"<header><h1>{_esc(title)} {badge}</h1>"]
     if message:
         parts.append(f'<p class="message {status}">{_esc(message)}</p>')
-    generated = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    generated = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     noun = "iteration" if n_rows == 1 else "iterations"
     parts.append(f'<p class="meta">{n_rows} {noun} finished \u00b7 generated {generated}</p>')
     parts.append("</header>")
@@ -190,7 +189,7 @@ def _header(title: str, status: str, message: str | None, n_rows: int) -> str:
 # --------------------------------------------------------------------------- cards
 
 
-def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | None) -> str:
+def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | None, since: str = "previous") -> str:
     value = _format(last.get(key), kind)
     delta_html = ""
     delta = _delta(last.get(key), previous.get(key), kind) if previous is not None else None
@@ -199,7 +198,7 @@ def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | No
         css = ""
         if change and key not in _NEUTRAL_DELTA:
             css = " good" if (change > 0) != (key in _LOWER_IS_BETTER) else " bad"
-        delta_html = f'<div class="delta{css}">{text} since previous</div>'
+        delta_html = f'<div class="delta{css}">{text} since {_esc(since)}</div>'
     return (
         f'<div class="stat stat-{key}"><div class="label">{label}</div>'
         f'<div class="value">{value}</div>{delta_html}</div>'
@@ -207,9 +206,17 @@ def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | No
 
 
 def _cards(history: Sequence[Mapping]) -> str:
-    last = history[-1]
-    previous = history[-2] if len(history) > 1 else None
+    trained = [row for row in history if "mean_reward" in row] or list(history)
+    last = trained[-1]
+    previous = trained[-2] if len(trained) > 1 else None
     cards = "".join(_card(key, label, kind, last, previous) for key, label, kind in _CARDS)
+    evaluated = [row for row in history if _finite(row.get("eval_reward")) is not None]
+    if evaluated:
+        first, latest = evaluated[0], evaluated[-1]
+        since = f"iteration {first.get('iteration', 0)}"
+        before = first if latest is not first else None
+        cards += _card("eval_reward", "Held-out reward", "num", latest, before, since)
+        cards += _card("eval_accuracy", "Held-out accuracy", "pct", latest, before, since)
     return f'<section class="cards" aria-label="Latest iteration">{cards}</section>'
 
 
@@ -421,7 +428,7 @@ def render_report(
     else:
         progress = '<p class="placeholder empty">No iterations finished yet.</p>'
     body = (
-        _header(title, status, message, len(history))
+        _header(title, status, message, sum(1 for row in history if "mean_reward" in row))
         + progress
         + _best_completion(best_completion)
         + _config(config)
@@ -434,34 +441,5 @@ def render_report(
     )
 
 
-def write_report_atomic(path: "os.PathLike[str] | str", html: str) -> None:
-    """Write to a temp file in the same directory, fsync, then os.replace, so a reader (or a crash) never sees a half-written report."""
-    if not isinstance(html, str):
-        raise TypeError(f"report html must be str, not {type(html).__name__}")
-    target = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(target)
-    data = html.encode("utf-8")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp creates 0600; a report is meant to be read by others (viewers, uploaders).
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: str) -> None:
-    # Makes the rename itself durable; some platforms and filesystems refuse, which is fine.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+# The report, config.json and metrics.jsonl are all written the same way.
+write_report_atomic = write_text_atomic

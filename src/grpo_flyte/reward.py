@@ -7,6 +7,7 @@ accuracy and format rate without re-parsing text.
 from __future__ import annotations
 
 import re
+import time
 
 from pydantic import BaseModel
 
@@ -28,6 +29,19 @@ class RewardParts(BaseModel):
 class ScoredGroup(BaseModel):
     group: RolloutGroup
     rewards: list[RewardParts]
+    score_s: float = 0.0
+
+    def training_rewards(self, truncated: str) -> list[float]:
+        """The rewards advantages are computed from: with truncated='zero_reward' a completion cut
+        off at the length limit counts as 0 (it never reached its answer)."""
+        if truncated == "zero_reward":
+            return [0.0 if r.finish_reason == "length" else p.reward for r, p in zip(self.group.rollouts, self.rewards, strict=True)]
+        return [p.reward for p in self.rewards]
+
+    def informative(self, truncated: str) -> bool:
+        """Whether the training rewards differ: a group scored all alike has zero advantages."""
+        values = self.training_rewards(truncated)
+        return max(values) != min(values)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -55,8 +69,19 @@ def arithmetic_reward(completion: str, answer: str) -> RewardParts:
     return RewardParts(reward=reward, correct=correct, format=has_format)
 
 
+def score(group: RolloutGroup) -> ScoredGroup:
+    started = time.perf_counter()
+    rewards = [arithmetic_reward(r.text, group.example.answer) for r in group.rollouts]
+    return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
+
+
 @reward_env.task(retries=2)
 async def score_group(group: RolloutGroup) -> ScoredGroup:
     """Score every completion of one prompt group."""
-    answer = group.example.answer
-    return ScoredGroup(group=group, rewards=[arithmetic_reward(r.text, answer) for r in group.rollouts])
+    return score(group)
+
+
+@reward_env.task(retries=2)
+async def score_groups(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+    """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
+    return [score(g) for g in groups]

@@ -66,6 +66,7 @@ class SamplingRequest(BaseModel):
     top_p: float
     max_new_tokens: int
     seed: int
+    greedy: bool = False  # evaluation: the most likely token at every step
 
 
 class Generator(Protocol):
@@ -148,11 +149,10 @@ class HFGenerator:
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         # A fresh GenerationConfig: a model's own defaults (top_k, repetition penalty, ...) would
         # change the sampling distribution away from the one the trainer scores.
+        sampling = {} if first.greedy else {"temperature": first.temperature, "top_p": first.top_p, "top_k": 0}
         gen_config = GenerationConfig(
-            do_sample=True,
-            temperature=first.temperature,
-            top_p=first.top_p,
-            top_k=0,
+            do_sample=not first.greedy,
+            **sampling,
             max_new_tokens=first.max_new_tokens,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
@@ -228,7 +228,7 @@ class VLLMGenerator:
         params = [
             SamplingParams(
                 n=r.group_size,
-                temperature=r.temperature,
+                temperature=0.0 if r.greedy else r.temperature,
                 top_p=r.top_p,
                 top_k=-1,
                 max_tokens=r.max_new_tokens,
@@ -340,7 +340,7 @@ class _Pending:
         return (
             self.engine is other.engine
             and self.adapter_path == other.adapter_path
-            and (a.temperature, a.top_p, a.max_new_tokens) == (b.temperature, b.top_p, b.max_new_tokens)
+            and (a.temperature, a.top_p, a.max_new_tokens, a.greedy) == (b.temperature, b.top_p, b.max_new_tokens, b.greedy)
         )
 
 
@@ -412,3 +412,46 @@ async def generate(
         rollouts=rollouts,
         generate_s=time.perf_counter() - started,
     )
+
+
+def generate_greedy(config: RunConfig, model_path: str, examples: list[Example], adapter_path: str) -> list[tuple[list[int], list[Rollout]]]:
+    """One greedy completion per example, all in one batch."""
+    with _engine_lock:
+        engine = get_engine(config, model_path)
+        requests = [
+            SamplingRequest(
+                prompt_ids=tokenize_prompt(engine.tokenizer, example, config),
+                group_size=1,
+                temperature=config.temperature,
+                top_p=config.top_p,
+                max_new_tokens=config.max_new_tokens,
+                seed=0,
+                greedy=True,
+            )
+            for example in examples
+        ]
+        results = engine.generate_many(requests, adapter_path)
+    return [(r.prompt_ids, rollouts) for r, rollouts in zip(requests, results, strict=True)]
+
+
+@rollout_env.task(retries=2)
+async def generate_eval(
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, examples: list[Example], first_index: int
+) -> list[RolloutGroup]:
+    """Greedy completions of held-out questions, one single-rollout group each, on the warm pool."""
+    started = time.perf_counter()
+    model_path = await _model_dirs.get(base_model)
+    adapter_path = await _adapter_dirs.get(adapter.dir)
+    answered = await asyncio.to_thread(generate_greedy, config, model_path, examples, adapter_path)
+    elapsed = time.perf_counter() - started
+    return [
+        RolloutGroup(
+            index=first_index + i,
+            example=example,
+            adapter_version=adapter.version,
+            prompt_ids=prompt_ids,
+            rollouts=rollouts,
+            generate_s=elapsed,
+        )
+        for i, (example, (prompt_ids, rollouts)) in enumerate(zip(examples, answered, strict=True))
+    ]

@@ -35,14 +35,30 @@ OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "grpo_state.json"
 
 
+class StepStats(BaseModel):
+    """What one iteration's optimizer steps measured (means over updates or tokens)."""
+
+    loss: float = 0.0  # mean over the optimizer steps
+    grad_norm: float = 0.0  # mean pre-clip gradient norm over the optimizer steps
+    num_updates: int = 0
+    num_tokens: int = 0  # completion tokens in the loss
+    kl: float = 0.0  # mean per-token k3 KL to the reference (adapter disabled)
+    clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
+    entropy: float = 0.0  # mean per-token entropy of the trainer's policy
+    is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
+    is_ratio_max: float = 1.0
+
+
 class TrainStepResult(BaseModel):
     adapter: AdapterRef
-    loss: float
     num_rollouts: int
     num_contributing: int  # rollouts with a nonzero advantage
-    num_tokens: int  # completion tokens in the loss
-    grad_norm: float
+    stats: StepStats
     train_s: float
+
+    @property
+    def loss(self) -> float:
+        return self.stats.loss
 
 
 class AdapterError(ValueError):
@@ -168,56 +184,180 @@ async def init_adapter(config: RunConfig, base_model: Dir) -> AdapterRef:
     return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
 
 
-def build_sequences(scored: list[ScoredGroup], eps: float) -> tuple[list[grpo.TrainSequence], int]:
+def build_sequences(scored: list[ScoredGroup], config: RunConfig) -> tuple[list[grpo.TrainSequence], int]:
     """Training sequences with nonzero advantage, in a deterministic order, and the rollout count."""
     sequences = []
     total = 0
+    scale_by_std = config.loss_type != "dr_grpo"
     for sg in sorted(scored, key=lambda s: s.group.index):
-        advantages = grpo.group_advantages([r.reward for r in sg.rewards], eps)
+        rewards = sg.training_rewards(config.truncated)
+        advantages = grpo.group_advantages(rewards, config.advantage_eps, scale_by_std)
         for rollout, adv in zip(sg.group.rollouts, advantages, strict=True):
             total += 1
-            if adv != 0.0 and rollout.completion_ids:
-                sequences.append(grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv))
+            masked = config.truncated == "mask" and rollout.finish_reason == "length"
+            if adv != 0.0 and rollout.completion_ids and not masked:
+                sequences.append(
+                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, rollout.sampling_logprobs)
+                )
     return sequences, total
 
 
-def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: RunConfig) -> tuple[float, float, int]:
-    """One optimizer step over all sequences in length-grouped micro-batches: (loss, grad norm, tokens)."""
+def _completion_logprobs(model, sequences: list[grpo.TrainSequence], temperature: float):
+    """Forward one micro-batch: (log-probs, entropies) of its completion tokens, row after row.
+
+    Only the positions that predict completion tokens go through the vocabulary projection:
+    prompt and padding positions would be most of the work and none of the loss.
+    """
+    device = next(model.parameters()).device
+    inner = model.get_base_model()
+    batch = grpo.pad_batch(sequences, pad_id=0)
+    hidden = inner.get_decoder()(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
+    ).last_hidden_state  # (B, T, H)
+    mask = batch.predict_mask.to(device)
+    logits = inner.get_output_embeddings()(hidden[mask])  # (N, V)
+    logprobs, entropy = grpo.token_logprobs_and_entropy(logits, batch.targets.to(device)[mask], temperature)
+    return logprobs, entropy, batch.row_of_token.to(device)
+
+
+# With beta = 0 the KL only feeds the `kl` metric: the reference pass then runs on a few sequences.
+KL_MONITOR_SEQUENCES = 8
+
+
+def _reference_pass(model, sequences: list[grpo.TrainSequence], config: RunConfig):
+    """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
+    disabled: no second copy of the model) and, when several updates reuse the batch, the old ones.
+
+    Reference log-probs are computed for every sequence when beta > 0 and for an evenly spread
+    sample of KL_MONITOR_SEQUENCES otherwise (None for the rest).
+    """
+    import torch
+
+    n = len(sequences)
+    need_old = config.updates_per_iter > 1
+    if config.beta > 0 or n <= KL_MONITOR_SEQUENCES:
+        with_ref = set(range(n))
+    else:
+        with_ref = {i * n // KL_MONITOR_SEQUENCES for i in range(KL_MONITOR_SEQUENCES)}
+    ref: list = [None] * n
+    old: list = [None] * n
+    todo = [i for i in range(n) if need_old or i in with_ref]
+    with torch.no_grad():
+        for local in grpo.plan_micro_batches([sequences[i].length for i in todo], config.micro_batch_tokens):
+            ids = [todo[k] for k in local]
+            splits = [len(sequences[i].completion_ids) for i in ids]
+            ref_ids = [i for i in ids if i in with_ref]
+            if ref_ids:
+                with model.disable_adapter():
+                    lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ref_ids], config.temperature)
+                for i, x in zip(ref_ids, lp.split([len(sequences[i].completion_ids) for i in ref_ids])):
+                    ref[i] = x
+            if need_old:
+                lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ids], config.temperature)
+                for i, x in zip(ids, lp.split(splits)):
+                    old[i] = x
+    return ref, old
+
+
+class _Totals:
+    """Sums over the micro-batches of one iteration, turned into StepStats at the end."""
+
+    def __init__(self) -> None:
+        self.loss = self.grad_norm = self.kl = self.entropy = self.is_sum = 0.0
+        self.is_max = 0.0
+        self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.updates = 0
+
+    def stats(self) -> StepStats:
+        return StepStats(
+            loss=self.loss / self.updates,
+            grad_norm=self.grad_norm / self.updates,
+            num_updates=self.updates,
+            num_tokens=self.tokens,
+            kl=self.kl / self.kl_tokens if self.kl_tokens else 0.0,
+            clip_fraction=self.clipped / self.tokens,
+            entropy=self.entropy / self.tokens,
+            is_ratio_mean=self.is_sum / self.is_tokens if self.is_tokens else 1.0,
+            is_ratio_max=self.is_max if self.is_tokens else 1.0,
+        )
+
+
+def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, config: RunConfig, totals: _Totals):
+    """The loss of one micro-batch (its share of the minibatch loss); adds its metrics to `totals`.
+
+    ref/old: per sequence of `seqs`, the reference and old log-probs (ref None where not computed;
+    old None: a single update, so the old policy is the current one, detached).
+    """
     import torch
 
     device = next(model.parameters()).device
+    logprobs, entropy, rows = _completion_logprobs(model, seqs, config.temperature)
+    old_lp = torch.cat(old) if old is not None else logprobs.detach()
+    kl = None
+    if any(r is not None for r in ref):
+        has_ref = torch.cat([torch.full((len(s.completion_ids),), r is not None) for r, s in zip(ref, seqs)]).to(device)
+        ref_lp = torch.cat([r if r is not None else torch.zeros(len(s.completion_ids), device=device) for r, s in zip(ref, seqs)])
+        kl = grpo.kl_k3(logprobs, ref_lp) * has_ref
+        totals.kl += float(kl.detach().sum())
+        totals.kl_tokens += int(has_ref.sum())
+    weights = None
+    if all(s.sampling_logprobs is not None for s in seqs):
+        samp = torch.tensor([x for s in seqs for x in s.sampling_logprobs], device=device)
+        capped, rho = grpo.truncated_is_weights(old_lp, samp, config.is_cap)
+        weights = capped if config.is_correction else None
+        totals.is_sum += float(rho.sum())
+        totals.is_max = max(totals.is_max, float(rho.max()))
+        totals.is_tokens += rho.numel()
+    advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
+    token_loss, clipped = grpo.grpo_token_loss(
+        logprobs, old_lp, advantages, config.epsilon, config.epsilon_high, weights, kl, config.beta
+    )
+    lengths = torch.tensor([len(s.completion_ids) for s in seqs], device=device)
+    loss = grpo.aggregate_loss(token_loss, rows, lengths, config.loss_type, norm)
+    totals.entropy += float(entropy.sum())
+    totals.clipped += int(clipped.sum())
+    totals.tokens += logprobs.numel()
+    return loss
+
+
+def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: RunConfig) -> StepStats:
+    """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
+
+    The reference and (with several updates) old log-probs are computed once, before the first
+    step. Each minibatch is forwarded in length-grouped micro-batches whose losses sum to the
+    minibatch loss (`grpo.aggregate_loss`).
+    """
+    import torch
+
+    ref, old = _reference_pass(model, sequences, config)
+    reuse_old = config.updates_per_iter > 1
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    total_loss = 0.0
-    num_tokens = 0
-    inner = model.get_base_model()
-    decoder, lm_head = inner.get_decoder(), inner.get_output_embeddings()
-    for batch_ids in grpo.plan_micro_batches([s.length for s in sequences], config.micro_batch_tokens):
-        batch_seqs = [sequences[i] for i in batch_ids]
-        batch = grpo.pad_batch(batch_seqs, pad_id=0)
-        hidden = decoder(
-            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
-        ).last_hidden_state  # (B, T, H)
-        # The vocabulary projection only at positions that predict completion tokens: prompt and
-        # padding positions would be most of the work and none of the loss.
-        mask = batch.predict_mask.to(device)
-        logits = lm_head(hidden[mask])  # (N, V)
-        logprobs = grpo.token_logprobs(logits, batch.targets.to(device)[mask], config.temperature)
-        loss = grpo.policy_gradient_loss(
-            logprobs,
-            batch.row_of_token.to(device),
-            torch.tensor([s.advantage for s in batch_seqs], device=device),
-            torch.tensor([len(s.completion_ids) for s in batch_seqs], device=device),
-            num_sequences=len(sequences),
+    totals = _Totals()
+    for minibatch in grpo.split_minibatches(len(sequences), config.updates_per_iter):
+        optimizer.zero_grad(set_to_none=True)
+        norm = grpo.LossNormalizer(
+            num_sequences=len(minibatch),
+            num_tokens=sum(len(sequences[i].completion_ids) for i in minibatch),
+            max_completion_tokens=config.max_new_tokens,
         )
-        loss.backward()
-        total_loss += loss.item()
-        num_tokens += int(mask.sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(_trainable(model), config.max_grad_norm)
-    optimizer.step()
+        for local in grpo.plan_micro_batches([sequences[i].length for i in minibatch], config.micro_batch_tokens):
+            ids = [minibatch[k] for k in local]
+            loss = _micro_batch_loss(
+                model,
+                [sequences[i] for i in ids],
+                [ref[i] for i in ids],
+                [old[i] for i in ids] if reuse_old else None,
+                norm,
+                config,
+                totals,
+            )
+            loss.backward()
+            totals.loss += loss.item()
+        totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(_trainable(model), config.max_grad_norm))
+        optimizer.step()
+        totals.updates += 1
     optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return total_loss, float(grad_norm), num_tokens
+    return totals.stats()
 
 
 @train_env.task(retries=2)
@@ -226,25 +366,23 @@ async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, sc
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
-    sequences, num_rollouts = build_sequences(scored, config.advantage_eps)
+    sequences, num_rollouts = build_sequences(scored, config)
     version = adapter.version + 1
-    stats: dict[str, float] = {}
+    measured: list[StepStats] = []
 
     def build(out: Path) -> None:
         with _train_lock:
             model = peft_model(config, model_path)
             optimizer = load_adapter_state(model, adapter_path, config)
             if sequences:
-                stats["loss"], stats["grad_norm"], stats["tokens"] = grpo_step(model, optimizer, sequences, config)
+                measured.append(grpo_step(model, optimizer, sequences, config))
             save_adapter(model, optimizer, version, out)
 
     new_dir = await publish_dir(build, f"v{version:04d}")
     return TrainStepResult(
         adapter=AdapterRef(version=version, dir=new_dir),
-        loss=stats.get("loss", 0.0),
         num_rollouts=num_rollouts,
         num_contributing=len(sequences),
-        num_tokens=int(stats.get("tokens", 0)),
-        grad_norm=stats.get("grad_norm", 0.0),
+        stats=measured[0] if measured else StepStats(),
         train_s=time.perf_counter() - started,
     )

@@ -1,0 +1,113 @@
+"""Does GRPO improve the model? Held-out accuracy and mean reward before and after a fixed budget.
+
+Runs the real loop (`python -m grpo_flyte.driver --local`) on the embedded SmolLM2-135M-Instruct
+and the default arithmetic task with every hyper-parameter at its default, evaluating greedily on
+the held-out split before training, every --eval-every iterations and at the end. Prints the curve,
+the before/after figures with 95% intervals, the paired gain (the same questions before and after),
+and the seconds per iteration; writes them to <run-dir>/learning_curve.json.
+
+    python benchmarks/learning_curve.py                  # the README's figures
+    python benchmarks/learning_curve.py --iterations 5   # a quicker look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from grpo_flyte.cli import main as cli_main
+from grpo_flyte.config import RunConfig
+from grpo_flyte.driver import EVAL_DIR, METRICS_FILE, mean_ci95
+
+# The budget the README reports: it fits in 30 minutes on a 2-core CPU.
+ITERATIONS = 20
+EVAL_EVERY = 5
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(run_dir: Path, wall_s: float) -> dict:
+    rows = read_jsonl(run_dir / METRICS_FILE)
+    evals = [r for r in rows if "eval_reward" in r]
+    first, last = evals[0], evals[-1]
+    before = read_jsonl(run_dir / EVAL_DIR / f"iter-{first['iteration']:04d}.jsonl")
+    after = read_jsonl(run_dir / EVAL_DIR / f"iter-{last['iteration']:04d}.jsonl")
+    if [a["question"] for a in before] != [a["question"] for a in after]:
+        raise RuntimeError("the first and last evaluations asked different questions")
+    gain, gain_ci = mean_ci95([a["reward"] - b["reward"] for a, b in zip(after, before)])
+    acc_gain, acc_gain_ci = mean_ci95([float(a["correct"]) - float(b["correct"]) for a, b in zip(after, before)])
+    trained = [r for r in rows if "iteration_s" in r]
+    return {
+        "eval_questions": len(before),
+        "iterations": len(trained),
+        "curve": [
+            {k: r[k] for k in ("iteration", "eval_reward", "eval_reward_ci95", "eval_accuracy", "eval_accuracy_ci95", "eval_format_rate")}
+            for r in evals
+        ],
+        "reward_gain": gain,
+        "reward_gain_ci95": gain_ci,
+        "accuracy_gain": acc_gain,
+        "accuracy_gain_ci95": acc_gain_ci,
+        "seconds_per_iteration": statistics.fmean(r["iteration_s"] for r in trained),
+        "generate_s_mean": statistics.fmean(r["generate_s"] for r in trained),
+        "train_s_mean": statistics.fmean(r["train_s"] for r in trained),
+        "eval_s_mean": statistics.fmean(r["eval_s"] for r in evals),
+        "wall_s": wall_s,
+        "config": json.loads((run_dir / "config.json").read_text()),
+    }
+
+
+def report(result: dict) -> str:
+    n = result["eval_questions"]
+    lines = [f"held-out evaluation: {n} questions, greedy; +- is a 95% interval (1.96 standard errors)", ""]
+    lines.append("iteration  mean reward        accuracy           format")
+    for p in result["curve"]:
+        lines.append(
+            f"{p['iteration']:>9}  {p['eval_reward']:.3f} +- {p['eval_reward_ci95']:.3f}    "
+            f"{p['eval_accuracy']:6.1%} +- {p['eval_accuracy_ci95']:5.1%}   {p['eval_format_rate']:6.1%}"
+        )
+    first, last = result["curve"][0], result["curve"][-1]
+    lines += [
+        "",
+        f"before (iteration {first['iteration']}): reward {first['eval_reward']:.3f}, accuracy {first['eval_accuracy']:.1%}",
+        f"after (iteration {last['iteration']}):  reward {last['eval_reward']:.3f}, accuracy {last['eval_accuracy']:.1%}",
+        f"paired gain on the same {n} questions: reward {result['reward_gain']:+.3f} +- {result['reward_gain_ci95']:.3f}, "
+        f"accuracy {result['accuracy_gain']:+.1%} +- {result['accuracy_gain_ci95']:.1%}",
+        f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
+        f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
+        f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=ITERATIONS)
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    parser.add_argument("--eval-size", type=int, default=RunConfig.model_fields["eval_size"].default)
+    parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
+    started = time.perf_counter()
+    code = cli_main([
+        "--local", "--run-dir", str(run_dir), "--num-iterations", str(args.iterations),
+        "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
+    ])  # fmt: skip
+    if code != 0:
+        return code
+    result = summarize(run_dir, time.perf_counter() - started)
+    (run_dir / "learning_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(report(result))
+    print(f"\nrun files: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Unit tests for the driver's pure helpers: metrics, intervals, the evaluation schedule, progress."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from flyte.io import Dir
+
+from grpo_flyte.config import RunConfig
+from grpo_flyte.data import Example
+from grpo_flyte.driver import eval_due, iteration_metrics, mean_ci95, progress_line
+from grpo_flyte.reward import RewardParts, ScoredGroup
+from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
+from grpo_flyte.trainer import StepStats, TrainStepResult
+
+
+def test_mean_ci95_hand_computed():
+    # [1, 0, 1, 0]: mean 0.5, sample std sqrt(1/3), half-width 1.96 * sqrt(1/3) / sqrt(4)
+    mean, half = mean_ci95([1.0, 0.0, 1.0, 0.0])
+    assert mean == 0.5
+    assert half == pytest.approx(1.96 * math.sqrt(1 / 3) / 2)
+    assert mean_ci95([0.3, 0.3, 0.3]) == (pytest.approx(0.3), 0.0)
+    assert mean_ci95([0.7]) == (0.7, math.inf)  # one value says nothing about the spread
+
+
+@pytest.mark.parametrize(
+    ("eval_every", "eval_size", "due"),
+    [
+        (10, 100, [0, 10, 20, 25]),
+        (0, 100, [0, 25]),  # before and after only
+        (7, 100, [0, 7, 14, 21, 25]),
+        (10, 0, []),  # no evaluation at all
+    ],
+)
+def test_eval_due(eval_every, eval_size, due):
+    config = RunConfig(num_iterations=25, eval_every=eval_every, eval_size=eval_size)
+    assert [i for i in range(26) if eval_due(config, i)] == due
+
+
+def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list[int]) -> ScoredGroup:
+    rollouts = [
+        Rollout(completion_ids=list(range(n)), sampling_logprobs=[-1.0] * n, finish_reason=f, text="t")
+        for n, f in zip(lengths, finishes)
+    ]
+    group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
+                         prompt_ids=[1], rollouts=rollouts, generate_s=1.0)
+    parts = [RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2)) for r in rewards]
+    return ScoredGroup(group=group, rewards=parts, score_s=0.5)
+
+
+def test_iteration_metrics_hand_computed():
+    config = RunConfig(group_size=2)
+    scored = [
+        _scored(0, [1.2, 0.0], ["stop", "length"], [4, 8]),  # informative
+        _scored(1, [0.0, 0.0], ["stop", "stop"], [2, 6]),  # every completion scored alike
+    ]
+    result = TrainStepResult(
+        adapter=AdapterRef(version=3, dir=Dir(path="/tmp/none")),
+        num_rollouts=4,
+        num_contributing=2,
+        stats=StepStats(loss=0.5, grad_norm=2.0, num_updates=1, num_tokens=12, kl=0.01, clip_fraction=0.25,
+                        entropy=1.5, is_ratio_mean=1.01, is_ratio_max=1.9),
+        train_s=3.0,
+    )
+    timings = {"generate_s": 10.0, "score_s": 0.5, "train_s": 3.0, "iteration_s": 14.0, "topup_groups": 0}
+    row = iteration_metrics(config, 5, scored, result, timings)
+    assert row["mean_reward"] == pytest.approx(1.2 / 4)
+    assert row["accuracy"] == 0.25 and row["format_rate"] == 0.25
+    assert row["frac_zero_std_groups"] == 0.5
+    assert row["truncated_fraction"] == 0.25
+    assert row["completion_len_mean"] == 5.0 and row["completion_len_max"] == 8
+    assert row["generate_tokens_per_s"] == pytest.approx(20 / 10.0)
+    assert row["score_tokens_per_s"] == pytest.approx(20 / 1.0)  # two groups, 0.5 s each
+    assert row["train_tokens_per_s"] == pytest.approx(12 / 3.0)
+    assert (row["kl"], row["clip_fraction"], row["is_ratio_max"], row["adapter_version"]) == (0.01, 0.25, 1.9, 3)
+
+
+def test_iteration_metrics_count_zero_std_after_truncation_policy():
+    # the only nonzero reward is a truncated completion's: with zero_reward the group is uninformative
+    scored = [_scored(0, [0.2, 0.0], ["length", "stop"], [8, 2])]
+    result = TrainStepResult(adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2,
+                             num_contributing=0, stats=StepStats(), train_s=0.0)
+    timings = {"generate_s": 1.0, "score_s": 0.0, "train_s": 0.0, "iteration_s": 1.0}
+    assert iteration_metrics(RunConfig(truncated="zero_reward"), 1, scored, result, timings)["frac_zero_std_groups"] == 1.0
+    assert iteration_metrics(RunConfig(truncated="keep"), 1, scored, result, timings)["frac_zero_std_groups"] == 0.0
+
+
+def test_progress_lines_for_evaluation_and_iteration_rows():
+    evaluated = {"eval_reward": 0.25, "eval_reward_ci95": 0.05, "eval_accuracy": 0.2, "eval_format_rate": 0.5,
+                 "eval_size": 100, "eval_s": 12.0}
+    line = progress_line({"iteration": 0, "adapter_version": 0, **evaluated}, 20)
+    assert line.startswith("iter 0/20") and "held-out reward 0.250 +- 0.050" in line and "n=100" in line
+    row = {"iteration": 3, "mean_reward": 0.5, "accuracy": 0.25, "format_rate": 1.0, "loss": -0.01,
+           "completion_len_mean": 12.0, "generate_s": 1.0, "score_s": 0.1, "train_s": 2.0, "iteration_s": 3.5}
+    assert "held-out" not in progress_line(row, 20)
+    both = progress_line({**row, **evaluated}, 20)
+    assert both.startswith("iter 3/20") and "held-out reward 0.250" in both
