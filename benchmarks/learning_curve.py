@@ -6,8 +6,9 @@ the held-out split before training, every --eval-every iterations and at the end
 the before/after figures with 95% intervals, the paired gain (the same questions before and after),
 and the seconds per iteration; writes them to <run-dir>/learning_curve.json.
 
-    python benchmarks/learning_curve.py                  # the README's figures
-    python benchmarks/learning_curve.py --iterations 5   # a quicker look
+    python benchmarks/learning_curve.py                       # the README's figures
+    python benchmarks/learning_curve.py --iterations 5        # a quicker look
+    python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
 """
 
 from __future__ import annotations
@@ -93,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=RunConfig.model_fields["eval_size"].default)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
-    args = parser.parse_args(argv)
+    args, driver_flags = parser.parse_known_args(argv)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
     started = time.perf_counter()
     code = cli_main([
         "--local", "--run-dir", str(run_dir), "--num-iterations", str(args.iterations),
-        "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size),
+        "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size), *driver_flags,
     ])  # fmt: skip
     if code != 0:
         return code

@@ -58,6 +58,21 @@ def test_flags_map_to_fields():
     assert config.lora_alpha == RunConfig().lora_alpha
 
 
+def test_objective_flags_map_to_fields():
+    _, config, explicit = parse_args(
+        [
+            "--loss-type", "dapo", "--epsilon", "0.1", "--epsilon-high", "0.28", "--updates-per-iter", "2",
+            "--beta", "0.04", "--no-is-correction", "--is-cap", "3", "--truncated", "mask",
+            "--min-informative-groups", "3", "--max-topup-rounds", "1", "--eval-every", "5", "--eval-size", "50",
+        ]
+    )  # fmt: skip
+    assert (config.loss_type, config.epsilon, config.epsilon_high, config.updates_per_iter) == ("dapo", 0.1, 0.28, 2)
+    assert (config.beta, config.is_correction, config.is_cap, config.truncated) == (0.04, False, 3.0, "mask")
+    assert (config.min_informative_groups, config.max_topup_rounds) == (3, 1)
+    assert (config.eval_every, config.eval_size) == (5, 50)
+    assert "is_correction" in explicit and "truncated" in explicit
+
+
 def test_no_flags_gives_defaults():
     options, config, explicit = parse_args([])
     assert options == {"local": False, "run_dir": None, "resume": False, "config": None}
@@ -234,6 +249,10 @@ def _make_file_run_dir(d: Path) -> None:
     (d / "D").write_text("not a folder")
 
 
+def _make_small_jsonl(d: Path) -> None:
+    (d / "small.jsonl").write_text("".join(f'{{"question": "What is {i} + 1?", "answer": {i + 1}}}\n' for i in range(3)))
+
+
 def _make_bad_yaml(d: Path) -> None:
     (d / "bad.yaml").write_text("group_size: [3\n")
 
@@ -256,6 +275,11 @@ BAD_INPUT_IN_PROCESS = [
     ("run-dir-without-local", ["--run-dir", "D"], None, ["--local"]),
     ("resume-changed-config", ["--local", "--resume", "--run-dir", "D", "--seed", "99"], _make_existing_run, ["--seed"]),
     ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["x.csv"]),
+    ("eval-size-above-held-out", ["--local", "--eval-size", "501", "--run-dir", "D"], None, ["--eval-size=501", "500"]),
+    ("eval-size-vs-small-file", ["--local", "--dataset", "small.jsonl", "--eval-size", "3", "--run-dir", "D"],
+     _make_small_jsonl, ["--eval-size=3", "small.jsonl", "3 examples"]),
+    ("loss-type", ["--local", "--loss-type", "ppo", "--run-dir", "D"], None, ["--loss-type", "ppo"]),
+    ("epsilon-zero", ["--local", "--epsilon", "0", "--run-dir", "D"], None, ["--epsilon=0.0"]),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -191,3 +192,9 @@ def test_objective_bounds_name_flag_and_value(field, value):
     with pytest.raises(ConfigError) as info:
         make_config(**{field: value})
     assert f"{flag(field)}={value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_config_files_are_valid(path):
+    config = make_config(**load_config_file(path))
+    assert config != RunConfig()  # each example sets something

@@ -161,3 +161,79 @@ def test_remote_dirs_are_downloaded_once_and_evicted(tmp_path):
     assert not Path(b).exists()
     assert Path(a1).exists() and Path(c).exists()
     assert list(cache.entries) == ["s3://b/a", "s3://b/c"]
+
+
+# --------------------------------------------------------------------------- VLLMGenerator, fake engine
+
+
+class _FakeLLM:
+    """vLLM's LLM as VLLMGenerator uses it: generate(prompts, params, lora_request=...), a tokenizer,
+    and llm_engine.remove_lora. Each completion echoes a token per request so outputs can be checked."""
+
+    instances: list[_FakeLLM] = []  # noqa: RUF012 (records instances for the test)
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list = []
+        self.removed: list[int] = []
+        self.llm_engine = SimpleNamespace(remove_lora=self.removed.append)
+        _FakeLLM.instances.append(self)
+
+    def get_tokenizer(self):
+        return SimpleNamespace(eos_token_id=2)
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append((prompts, params, lora_request))
+        outputs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            tok = prompt["prompt_token_ids"][-1]
+            completions = [
+                SimpleNamespace(token_ids=[tok, 2], logprobs=[{tok: _lp(-0.5)}, {2: _lp(-0.25)}], finish_reason="stop", text=f"{tok}")
+                for _ in range(p.n)
+            ]
+            outputs.append(SimpleNamespace(outputs=completions))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import sys
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = _FakeLLM
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, lora_id, path: SimpleNamespace(name=name, id=lora_id, path=path)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    _FakeLLM.instances.clear()
+    return _FakeLLM
+
+
+def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
+    from grpo_flyte.rollout import SamplingRequest, VLLMGenerator
+
+    gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640, seed=3)
+    llm = fake_vllm.instances[0]
+    assert llm.kwargs["enable_lora"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    sampled = SamplingRequest(prompt_ids=[1, 7], group_size=3, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=11)
+    greedy = sampled.model_copy(update={"prompt_ids": [1, 8], "group_size": 1, "greedy": True})
+    groups = gen.generate_many([sampled, greedy], "/adapters/v1")
+    assert [len(g) for g in groups] == [3, 1]
+    assert groups[0][0].completion_ids == [7, 2] and groups[0][0].sampling_logprobs == [-0.5, -0.25]
+    assert groups[1][0].text == "8"
+    _, params, lora = llm.calls[0]
+    assert (params[0].n, params[0].temperature, params[0].top_p, params[0].seed, params[0].logprobs) == (3, 0.7, 0.9, 11, 0)
+    assert params[0].top_k == -1 and params[0].max_tokens == 16
+    assert (params[1].n, params[1].temperature) == (1, 0.0)  # greedy
+    assert (lora.id, lora.path) == (1, "/adapters/v1")
+    # a new adapter gets a new id; the third evicts the oldest (max_adapters=2) from the engine
+    gen.generate_many([sampled], "/adapters/v2")
+    gen.generate_many([sampled], "/adapters/v3")
+    assert [c[2].id for c in llm.calls] == [1, 2, 3]
+    assert llm.removed == [1]
+    gen.generate_many([sampled], "/adapters/v2")  # still loaded: same id, nothing evicted
+    assert llm.calls[-1][2].id == 2 and llm.removed == [1]

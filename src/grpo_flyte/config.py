@@ -217,5 +217,6 @@ def config_table_markdown() -> str:
     for name, field in RunConfig.model_fields.items():
         default = field.default
         shown = ",".join(default) if isinstance(default, tuple) else default
-        rows.append(f"| `{flag(name)}` | `{shown}` | {field.description} |")
+        names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
+        rows.append(f"| {names} | `{shown}` | {field.description} |")
     return "\n".join(rows)

@@ -326,18 +326,24 @@ async def train_rl(
         state = LoopState(iterations_done=0, adapter=await init_adapter(config, base_model), history=[])
     else:
         logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
+
+    async def record(new_state: LoopState, row: dict[str, Any]) -> LoopState:
+        """Checkpoint, then rewrite the run files and the report from the checkpointed state."""
+        if checkpoint is not None:
+            await checkpoint.save(new_state.model_dump_json().encode())
+        files.write_metrics(new_state.history)
+        files.prune_adapters(new_state.adapter, config.adapters_to_keep)
+        await publish_report(config, new_state, files, "running")
+        logger.info(progress_line(row, config.num_iterations))
+        return new_state
+
     try:
         if eval_due(config, 0) and not any(row["iteration"] == 0 for row in state.history):
             with flyte.group("eval-0"):
                 metrics, answers = await run_eval(config, base_model, state.adapter, held_out)
-            row = {"iteration": 0, "adapter_version": state.adapter.version, **metrics}
-            state = state.model_copy(update={"history": [row, *state.history]})
-            if checkpoint is not None:
-                await checkpoint.save(state.model_dump_json().encode())
             files.write_eval(0, answers)
-            files.write_metrics(state.history)
-            await publish_report(config, state, files, "running")
-            logger.info(progress_line(row, config.num_iterations))
+            row = {"iteration": 0, "adapter_version": state.adapter.version, **metrics}
+            state = await record(state.model_copy(update={"history": [row, *state.history]}), row)
         while state.iterations_done < config.num_iterations:
             it = state.iterations_done
             with flyte.group(f"iter-{it + 1}"):
@@ -347,18 +353,15 @@ async def train_rl(
                     metrics, answers = await run_eval(config, base_model, result.adapter, held_out)
                     row.update(metrics)
                     files.write_eval(it + 1, answers)
-            state = LoopState(
-                iterations_done=it + 1,
-                adapter=result.adapter,
-                history=[*state.history, row],
-                best_completion=best_completion(scored),
+            state = await record(
+                LoopState(
+                    iterations_done=it + 1,
+                    adapter=result.adapter,
+                    history=[*state.history, row],
+                    best_completion=best_completion(scored),
+                ),
+                row,
             )
-            if checkpoint is not None:
-                await checkpoint.save(state.model_dump_json().encode())
-            files.write_metrics(state.history)
-            files.prune_adapters(state.adapter, config.adapters_to_keep)
-            await publish_report(config, state, files, "running")
-            logger.info(progress_line(row, config.num_iterations))
     except Exception as exc:
         await publish_report(config, state, files, "failed", f"{type(exc).__name__}: {exc}")
         raise

@@ -1,4 +1,4 @@
-"""`init_adapter` and `train_step`: PEFT LoRA on a frozen base, one GRPO step per call.
+"""`init_adapter` and `train_step`: PEFT LoRA on a frozen base, one GRPO iteration per call.
 
 The base model loads once per warm train replica (cached); everything that defines the result,
 the adapter weights and the AdamW state, comes in through the task's inputs and goes out in the
@@ -55,10 +55,6 @@ class TrainStepResult(BaseModel):
     num_contributing: int  # rollouts with a nonzero advantage
     stats: StepStats
     train_s: float
-
-    @property
-    def loss(self) -> float:
-        return self.stats.loss
 
 
 class AdapterError(ValueError):
@@ -362,7 +358,7 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: Run
 
 @train_env.task(retries=2)
 async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, scored: list[ScoredGroup]) -> TrainStepResult:
-    """One GRPO step on the scored groups; returns the next adapter version."""
+    """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the next adapter."""
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
