@@ -21,7 +21,7 @@ from grpo_flyte.reward import RewardParts, ScoredGroup
 from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
 from grpo_flyte.trainer import TrainStepResult, init_adapter, peft_model, train_step
 
-TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2"]
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -232,7 +232,8 @@ def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_embedded_model_short_run(tmp_path, embedded_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--num-iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24"]
+    args = ["--local", "--num-iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24",
+            "--min-informative-groups", "0"]
     assert cli_main([*args, "--eval-size", "4", "--run-dir", str(run_dir)]) == 0
     before, row = read_metrics(run_dir)
     assert row["num_rollouts"] == 4 and row["adapter_version"] == 1

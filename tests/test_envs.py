@@ -50,7 +50,9 @@ def test_env_names_are_prefixed():
 def test_every_expected_task_is_declared(specs):
     assert set(specs) == {
         "grpo_flyte-rollout.generate",
+        "grpo_flyte-rollout.generate_eval",  # held-out evaluation runs on the same warm pool
         "grpo_flyte-reward.score_group",
+        "grpo_flyte-reward.score_groups",
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",
         "grpo_flyte-driver.train_rl",

@@ -37,7 +37,7 @@ class RunConfig(BaseModel):
         ),
     )
     num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
-    prompts_per_iter: int = Field(4, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
+    prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     group_size: int = Field(
         8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
     )
@@ -54,7 +54,7 @@ class RunConfig(BaseModel):
             "answer-format instruction; 'plain': a text template."
         ),
     )
-    learning_rate: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
+    learning_rate: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
@@ -91,7 +91,7 @@ class RunConfig(BaseModel):
         ),
     )
     min_informative_groups: int = Field(
-        0,
+        4,
         ge=0,
         le=4096,
         description=(
