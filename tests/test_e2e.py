@@ -65,7 +65,7 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         assert len(answers) == 2 and {"question", "answer", "completion", "reward", "correct"} <= answers[0].keys()
         assert rows[iteration]["eval_reward"] == pytest.approx(sum(a["reward"] for a in answers) / 2)
     report = (run_dir / "report.html").read_text()
-    assert "complete" in report and "<svg" in report and "Held-out evaluation" in report
+    assert "complete" in report and "<svg" in report and "Held-out evaluation" in report and "Entropy" in report
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -26,6 +26,10 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Held-out evaluation", ("eval_reward", "eval_accuracy")),
     ("KL divergence", ("kl",)),
     ("Gradient norm", ("grad_norm",)),
+    ("Entropy", ("entropy",)),
+    ("Clipped tokens, zero-variance groups, truncated completions", ("clip_fraction", "frac_zero_std_groups", "truncated_fraction")),
+    ("Importance ratio (trainer / generator)", ("is_ratio_mean", "is_ratio_max")),
+    ("Completion length", ("completion_len_mean", "completion_len_max")),
 )
 
 DASH = "\u2013"
