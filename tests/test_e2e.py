@@ -214,6 +214,65 @@ def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_
     assert kept == ["v0004", "v0005", "v0006"]
 
 
+def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny_model_dir):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "2", "--learning-rate", "0.05",
+            "--dtype", "float32", "--export-merged", "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    merged_dir = run_dir / "merged"
+    assert (merged_dir / "config.json").is_file() and not (merged_dir / "adapter_config.json").exists()
+    assert not list((run_dir / "flyte" / "adapters").glob("merged-*"))  # moved, not copied
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    adapted = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), run_dir / "adapter"
+    ).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)(ids).logits
+        want, got = adapted(ids).logits, merged(ids).logits
+    assert torch.allclose(got, want, atol=1e-4)  # the merged folder is the adapted model, without PEFT
+    assert base_logits.shape == got.shape
+    tok = AutoTokenizer.from_pretrained(merged_dir)
+    out = merged.generate(**tok("What is 1 + 1?", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > 0
+
+
+def test_merge_into_base_applies_a_trained_adapter(tmp_path, tiny_model_dir):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_flyte.trainer import merge_into_base
+
+    torch.manual_seed(0)
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    ).eval()
+    with torch.no_grad():  # a "trained" adapter: lora_B is zero at init, so give it values
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    peft.save_pretrained(tmp_path / "adapter")
+    merge_into_base(str(tiny_model_dir), str(tmp_path / "adapter"), tmp_path / "merged")
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want, got, before = peft(ids).logits, merged(ids).logits, base(ids).logits
+    assert not torch.allclose(want, before, atol=1e-3)  # the adapter changes the model
+    assert torch.allclose(got, want, atol=1e-4)  # and the merged weights carry that change
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    base_saved = json.loads((tiny_model_dir / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == base_saved.get("dtype", base_saved.get("torch_dtype"))
+
+
 def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "1", "--eval-size", "0",

@@ -55,6 +55,7 @@ def test_every_expected_task_is_declared(specs):
         "grpo_flyte-reward.score_groups",
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",
+        "grpo_flyte-train.merge_adapter",
         "grpo_flyte-driver.train_rl",
     }
     for name, tt in specs.items():

@@ -106,6 +106,13 @@ class RunConfig(BaseModel):
     eval_size: int = Field(
         100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation)."
     )
+    export_merged: bool = Field(
+        False,
+        description=(
+            "After the last iteration, merge the adapter into the base and save a full model folder "
+            "(a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
+        ),
+    )
     advantage_eps: float = Field(
         1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
     )

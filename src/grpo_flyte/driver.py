@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import time
@@ -36,7 +37,7 @@ from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.report_helpers import render_report, write_report_atomic
 from grpo_flyte.reward import ScoredGroup, score_group, score_groups
 from grpo_flyte.rollout import AdapterRef, generate, generate_eval
-from grpo_flyte.trainer import TrainStepResult, init_adapter, train_step
+from grpo_flyte.trainer import TrainStepResult, init_adapter, merge_adapter, train_step
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -46,6 +47,7 @@ EVAL_DIR = "eval"
 EVAL_CHUNK = 64
 REPORT_FILE = "report.html"
 ADAPTER_DIR = "adapter"
+MERGED_DIR = "merged"
 
 
 class LoopState(BaseModel):
@@ -248,6 +250,13 @@ class LocalRunFiles:
         if self.root and "://" not in adapter.dir.path:
             build_dir_atomic(self.root / ADAPTER_DIR, lambda d: shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True))
 
+    def export_merged(self, merged: Dir) -> None:
+        """Move the (complete) merged model folder to <run-dir>/merged: a rename, so never half there."""
+        if self.root and "://" not in merged.path:
+            target = self.root / MERGED_DIR
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(merged.path, target)
+
     def prune_adapters(self, current: AdapterRef, keep: int) -> None:
         path = Path(current.dir.path)
         if not self.root or "://" in current.dir.path or not path.parent.is_dir():
@@ -365,8 +374,13 @@ async def train_rl(
     except Exception as exc:
         await publish_report(config, state, files, "failed", f"{type(exc).__name__}: {exc}")
         raise
-    await publish_report(config, state, files, "complete")
     files.export_adapter(state.adapter)
+    if config.export_merged:
+        with flyte.group("export"):
+            merged = await merge_adapter(config, base_model, state.adapter)
+        files.export_merged(merged)
+        logger.info("merged model (base + adapter v%d): %s", state.adapter.version, merged.path)
+    await publish_report(config, state, files, "complete")
     return state.adapter
 
 

@@ -382,3 +382,37 @@ async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, sc
         stats=measured[0] if measured else StepStats(),
         train_s=time.perf_counter() - started,
     )
+
+
+def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
+    """Save base + LoRA as one plain transformers model folder (weights in the base's own dtype).
+
+    The merge runs in float32, so a small adapter update is not lost to bfloat16 rounding before
+    the single cast back at the end; the tokenizer is saved alongside.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    saved = AutoConfig.from_pretrained(model_path)
+    target = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
+    if isinstance(target, str):
+        target = getattr(torch, target, None)
+    if not isinstance(target, torch.dtype):
+        target = torch.float32
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
+    merged.to(target).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
+
+
+@train_env.task(retries=2)
+async def merge_adapter(config: RunConfig, base_model: Dir, adapter: AdapterRef) -> Dir:
+    """The adapter merged into the base: a full model folder for serving (no PEFT needed)."""
+    model_path = await _model_dirs.get(base_model)
+    adapter_path = await _adapter_dirs.get(adapter.dir)
+
+    def build(out: Path) -> None:
+        merge_into_base(model_path, adapter_path, out)
+
+    return await publish_dir(build, f"merged-v{adapter.version:04d}")
