@@ -245,9 +245,17 @@ class FakeChatTokenizer:
     def __init__(self):
         self.calls = []
 
-    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kwargs):
         self.calls.append((messages, tokenize, add_generation_prompt))
+        self.kwargs = kwargs
         return "<chat>" + "|".join(f"{m['role']}:{m['content']}" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize(("setting", "kwargs"), [("auto", {}), ("on", {"enable_thinking": True}), ("off", {"enable_thinking": False})])
+def test_render_prompt_passes_enable_thinking_only_when_set(setting, kwargs):
+    tok = FakeChatTokenizer()
+    render_prompt("What is 2 + 3?", "chat", tok, enable_thinking=setting)
+    assert tok.kwargs == kwargs
 
 
 def test_render_prompt_plain_needs_no_tokenizer():

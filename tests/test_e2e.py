@@ -273,6 +273,46 @@ def test_merge_into_base_applies_a_trained_adapter(tmp_path, tiny_model_dir):
     assert saved.get("dtype", saved.get("torch_dtype")) == base_saved.get("dtype", base_saved.get("torch_dtype"))
 
 
+@pytest.mark.parametrize("prompt_format", ["chat", "plain"])
+def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir, prompt_format):
+    """generate -> build_sequences -> the padded training batch: the same ids, never re-tokenized."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_flyte.data import render_prompt
+    from grpo_flyte.grpo import pad_batch
+    from grpo_flyte.rollout import generate_group
+    from grpo_flyte.trainer import build_sequences
+
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    ).save_pretrained(tmp_path / "adapter")
+    config = RunConfig(model=str(tiny_model_dir), group_size=3, max_new_tokens=6, prompt_format=prompt_format,
+                       dtype="float32", truncated="keep")  # 6 tokens: most completions are cut off
+    example = Example(question="What is 12 + 30?", answer="42")
+    prompt_ids, rollouts = generate_group(config, str(tiny_model_dir), example, str(tmp_path / "adapter"), seed=5)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = render_prompt(example.question, prompt_format, tokenizer)
+    assert prompt_ids == tokenizer(text, add_special_tokens=prompt_format == "plain")["input_ids"]
+    if prompt_format == "chat":
+        assert tokenizer.decode(prompt_ids) == text  # the template's own special tokens, nothing added
+
+    group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=rollouts, generate_s=0.0)
+    parts = [RewardParts(reward=r, correct=False, format=False) for r in (0.0, 1.0, 3.0)]  # no reward at the mean
+    sequences, total = build_sequences([ScoredGroup(group=group, rewards=parts)], config)
+    assert total == 3 and len(sequences) == sum(1 for r in rollouts if r.completion_ids)
+    batch = pad_batch(sequences, pad_id=0)
+    for row, (seq, rollout) in enumerate(zip(sequences, [r for r in rollouts if r.completion_ids])):
+        assert seq.prompt_ids == prompt_ids and seq.completion_ids == rollout.completion_ids
+        assert seq.sampling_logprobs == rollout.sampling_logprobs
+        n = len(prompt_ids) + len(rollout.completion_ids)
+        assert batch.input_ids[row, :n].tolist() == prompt_ids + rollout.completion_ids
+        # the positions that predict completion tokens target exactly the generated ids
+        assert batch.targets[row][batch.predict_mask[row]].tolist() == rollout.completion_ids
+
+
 def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "1", "--eval-size", "0",

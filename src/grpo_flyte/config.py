@@ -54,6 +54,13 @@ class RunConfig(BaseModel):
             "answer-format instruction; 'plain': a text template."
         ),
     )
+    enable_thinking: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "Chat templates with a thinking switch (Qwen3): 'on'/'off' pass enable_thinking to the "
+            "template; 'auto' passes nothing (the template's default)."
+        ),
+    )
     learning_rate: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")

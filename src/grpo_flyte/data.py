@@ -164,8 +164,11 @@ def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: i
     return picked
 
 
-def render_prompt(question: str, prompt_format: str, tokenizer) -> str:
-    """The prompt text for one question; token ids come from the generator's tokenizer."""
+def render_prompt(question: str, prompt_format: str, tokenizer, enable_thinking: str = "auto") -> str:
+    """The prompt text for one question; token ids come from the generator's tokenizer.
+
+    enable_thinking 'on'/'off' is passed to the chat template (Qwen3's switch); 'auto' passes nothing.
+    """
     if prompt_format == "plain":
         return PLAIN_TEMPLATE.format(question=question)
     if not getattr(tokenizer, "chat_template", None):
@@ -176,4 +179,5 @@ def render_prompt(question: str, prompt_format: str, tokenizer) -> str:
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": f"{question} {ANSWER_INSTRUCTION}"},
     ]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
