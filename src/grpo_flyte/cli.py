@@ -168,7 +168,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
         return 1
     logger.info("done: adapter %s, report %s, metrics %s", run_dir / "adapter", run_dir / "report.html", run_dir / "metrics.jsonl")
     if config.export_merged:
-        logger.info("merged model (loads with AutoModelForCausalLM.from_pretrained): %s", run_dir / "merged")
+        logger.info("merged model (loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", run_dir / "merged")
     return 0
 
 

@@ -250,12 +250,17 @@ class LocalRunFiles:
         if self.root and "://" not in adapter.dir.path:
             build_dir_atomic(self.root / ADAPTER_DIR, lambda d: shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True))
 
-    def export_merged(self, merged: Dir) -> None:
-        """Move the (complete) merged model folder to <run-dir>/merged: a rename, so never half there."""
-        if self.root and "://" not in merged.path:
-            target = self.root / MERGED_DIR
-            shutil.rmtree(target, ignore_errors=True)
-            os.replace(merged.path, target)
+    def export_merged(self, merged: Dir) -> str:
+        """Move the (complete) merged model folder to <run-dir>/merged: a rename, so never half there.
+
+        Returns where the merged model now is.
+        """
+        if not self.root or "://" in merged.path:
+            return merged.path
+        target = self.root / MERGED_DIR
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(merged.path, target)
+        return str(target)
 
     def prune_adapters(self, current: AdapterRef, keep: int) -> None:
         path = Path(current.dir.path)
@@ -378,8 +383,8 @@ async def train_rl(
     if config.export_merged:
         with flyte.group("export"):
             merged = await merge_adapter(config, base_model, state.adapter)
-        files.export_merged(merged)
-        logger.info("merged model (base + adapter v%d): %s", state.adapter.version, merged.path)
+        where = files.export_merged(merged)
+        logger.info("merged model (base + adapter v%d): %s", state.adapter.version, where)
     await publish_report(config, state, files, "complete")
     return state.adapter
 
