@@ -140,17 +140,10 @@ def test_load_bad_files_name_the_file(tmp_path, name, text, what):
     assert what in str(exc.value)
 
 
-def test_invalid_yaml_message_is_one_line(tmp_path):
-    p = tmp_path / "bad.yaml"
-    p.write_text("group_size: [3\n")
-    with pytest.raises(ConfigError) as exc:
-        load_config_file(p)
-    assert "\n" not in str(exc.value)
-
-
-def test_invalid_json_message_is_one_line(tmp_path):
-    p = tmp_path / "bad.json"
-    p.write_text('{"seed": 1,}')
+@pytest.mark.parametrize(("name", "text"), [("bad.yaml", "group_size: [3\n"), ("bad.json", '{"seed": 1,}')])
+def test_invalid_file_message_is_one_line(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
     with pytest.raises(ConfigError) as exc:
         load_config_file(p)
     assert "\n" not in str(exc.value)

@@ -50,7 +50,7 @@ def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list
 
 
 def test_iteration_metrics_hand_computed():
-    config = RunConfig(group_size=2)
+    config = RunConfig(group_size=2, prompts_per_iter=2)
     scored = [
         _scored(0, [1.2, 0.0], ["stop", "length"], [4, 8]),  # informative
         _scored(1, [0.0, 0.0], ["stop", "stop"], [2, 6]),  # every completion scored alike
@@ -63,7 +63,7 @@ def test_iteration_metrics_hand_computed():
                         entropy=1.5, is_ratio_mean=1.01, is_ratio_max=1.9),
         train_s=3.0,
     )
-    timings = {"generate_s": 10.0, "score_s": 0.5, "train_s": 3.0, "iteration_s": 14.0, "topup_groups": 0}
+    timings = {"generate_s": 10.0, "score_s": 0.5, "train_s": 3.0, "iteration_s": 14.0}
     row = iteration_metrics(config, 5, scored, result, timings)
     assert row["mean_reward"] == pytest.approx(1.2 / 4)
     assert row["accuracy"] == 0.25 and row["format_rate"] == 0.25
@@ -82,8 +82,8 @@ def test_iteration_metrics_count_zero_std_after_truncation_policy():
     result = TrainStepResult(adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2,
                              num_contributing=0, stats=StepStats(), train_s=0.0)
     timings = {"generate_s": 1.0, "score_s": 0.0, "train_s": 0.0, "iteration_s": 1.0}
-    assert iteration_metrics(RunConfig(truncated="zero_reward"), 1, scored, result, timings)["frac_zero_std_groups"] == 1.0
-    assert iteration_metrics(RunConfig(truncated="keep"), 1, scored, result, timings)["frac_zero_std_groups"] == 0.0
+    assert iteration_metrics(RunConfig(truncated="zero_reward", prompts_per_iter=1), 1, scored, result, timings)["frac_zero_std_groups"] == 1.0
+    assert iteration_metrics(RunConfig(truncated="keep", prompts_per_iter=1), 1, scored, result, timings)["frac_zero_std_groups"] == 0.0
 
 
 def test_progress_lines_for_evaluation_and_iteration_rows():

@@ -132,15 +132,15 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
+    from grpo_flyte.files import write_text_atomic
     from grpo_flyte.models import resolve_local_model
-    from grpo_flyte.report_helpers import write_report_atomic
 
     run_dir, config, resume_from = prepare_local_run(options, config, explicit)
     examples = _read_examples(config)
     model_dir = resolve_local_model(config.model)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
-    write_report_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
+    write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     logger.info(
         "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
         run_dir, config.num_iterations, config.prompts_per_iter, config.group_size, model_dir,

@@ -6,6 +6,7 @@ exactly the prompts the first attempt saw.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -48,6 +49,12 @@ class DatasetError(ValueError):
 
 def arithmetic_problems() -> list[Example]:
     """Every problem of the built-in task: a+b and a-b for 1 <= a, b <= 99, a*b for 2 <= a, b <= 20."""
+    return list(_arithmetic_problems())
+
+
+@functools.cache
+def _arithmetic_problems() -> tuple[Example, ...]:
+    # Built once per process (the CLI checks the split, then the driver uses it); Example is frozen.
     problems = []
     for a in range(1, 100):
         for b in range(1, 100):
@@ -57,16 +64,16 @@ def arithmetic_problems() -> list[Example]:
         for b in range(2, 21):
             problems.append(Example(question=f"What is {a} * {b}?", answer=str(a * b)))
     random.Random(_ARITHMETIC_SPLIT_SEED).shuffle(problems)
-    return problems
+    return tuple(problems)
 
 
 def arithmetic_split(split: str) -> list[Example]:
     """The 'train' or 'eval' split of the arithmetic task (disjoint by construction)."""
-    problems = arithmetic_problems()
+    problems = _arithmetic_problems()
     if split == "eval":
-        return problems[:ARITHMETIC_EVAL_SIZE]
+        return list(problems[:ARITHMETIC_EVAL_SIZE])
     if split == "train":
-        return problems[ARITHMETIC_EVAL_SIZE:]
+        return list(problems[ARITHMETIC_EVAL_SIZE:])
     raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
 
 

@@ -33,8 +33,8 @@ from pydantic import BaseModel
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example, sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
-from grpo_flyte.files import build_dir_atomic
-from grpo_flyte.report_helpers import render_report, write_report_atomic
+from grpo_flyte.files import build_dir_atomic, write_text_atomic
+from grpo_flyte.report_helpers import render_report
 from grpo_flyte.reward import ScoredGroup, score_group, score_groups
 from grpo_flyte.rollout import AdapterRef, generate, generate_eval
 from grpo_flyte.trainer import TrainStepResult, init_adapter, merge_adapter, train_step
@@ -94,6 +94,7 @@ def iteration_metrics(
         "loss": stats.loss,
         "num_rollouts": len(parts),
         "num_groups": len(scored),
+        "topup_groups": len(scored) - config.prompts_per_iter,
         "num_contributing": result.num_contributing,
         "frac_zero_std_groups": sum(not sg.informative(config.truncated) for sg in scored) / len(scored),
         "num_updates": stats.num_updates,
@@ -173,7 +174,6 @@ async def run_iteration(
     scored_at = time.perf_counter()
     result = await train_step(config, base_model, adapter, scored)
     finished = time.perf_counter()
-    timings["topup_groups"] = len(scored) - config.prompts_per_iter
     timings["train_s"] = finished - scored_at
     timings["iteration_s"] = finished - started
     return scored, result, timings
@@ -234,17 +234,17 @@ class LocalRunFiles:
         # Rewritten whole from the checkpointed history: a resumed run records each iteration once.
         if self.root:
             text = "".join(json.dumps(row) + "\n" for row in history)
-            write_report_atomic(self.root / METRICS_FILE, text)  # any text file: temp, fsync, rename
+            write_text_atomic(self.root / METRICS_FILE, text)
 
     def write_eval(self, iteration: int, rows: list[dict[str, Any]]) -> None:
         """Per-question held-out answers of one evaluation: eval/iter-NNNN.jsonl."""
         if self.root:
             text = "".join(json.dumps({"iteration": iteration, **row}) + "\n" for row in rows)
-            write_report_atomic(self.root / EVAL_DIR / f"iter-{iteration:04d}.jsonl", text)
+            write_text_atomic(self.root / EVAL_DIR / f"iter-{iteration:04d}.jsonl", text)
 
     def write_report(self, html: str) -> None:
         if self.root:
-            write_report_atomic(self.root / REPORT_FILE, html)
+            write_text_atomic(self.root / REPORT_FILE, html)
 
     def export_adapter(self, adapter: AdapterRef) -> None:
         if self.root and "://" not in adapter.dir.path:

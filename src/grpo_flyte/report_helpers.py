@@ -445,5 +445,5 @@ def render_report(
     )
 
 
-# The report, config.json and metrics.jsonl are all written the same way.
+# Kept under the report's own name; every text file of a run goes through files.write_text_atomic.
 write_report_atomic = write_text_atomic

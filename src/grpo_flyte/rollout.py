@@ -327,6 +327,19 @@ def tokenize_prompt(tokenizer, example: Example, config: RunConfig) -> list[int]
     return list(ids)
 
 
+def sampling_request(config: RunConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:
+    """The generation settings of one prompt: a group of `group_size`, or one greedy answer."""
+    return SamplingRequest(
+        prompt_ids=prompt_ids,
+        group_size=1 if greedy else config.group_size,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        max_new_tokens=config.max_new_tokens,
+        seed=seed,
+        greedy=greedy,
+    )
+
+
 class _Pending:
     """A group waiting for the engine; whichever thread gets the engine first generates for all."""
 
@@ -362,14 +375,7 @@ def generate_group(
     with _engine_lock:
         engine = get_engine(config, model_path)
         prompt_ids = tokenize_prompt(engine.tokenizer, example, config)
-    request = SamplingRequest(
-        prompt_ids=prompt_ids,
-        group_size=config.group_size,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        max_new_tokens=config.max_new_tokens,
-        seed=seed,
-    )
+    request = sampling_request(config, prompt_ids, seed)
     mine = _Pending(engine, request, adapter_path)
     with _pending_lock:
         _pending.append(mine)
@@ -419,15 +425,7 @@ def generate_greedy(config: RunConfig, model_path: str, examples: list[Example],
     with _engine_lock:
         engine = get_engine(config, model_path)
         requests = [
-            SamplingRequest(
-                prompt_ids=tokenize_prompt(engine.tokenizer, example, config),
-                group_size=1,
-                temperature=config.temperature,
-                top_p=config.top_p,
-                max_new_tokens=config.max_new_tokens,
-                seed=0,
-                greedy=True,
-            )
+            sampling_request(config, tokenize_prompt(engine.tokenizer, example, config), seed=0, greedy=True)
             for example in examples
         ]
         results = engine.generate_many(requests, adapter_path)
