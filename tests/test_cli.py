@@ -223,7 +223,8 @@ def test_help_has_every_config_field_with_default(help_text):
         f = "--" + name.replace("_", "-")
         assert f in blocks, f"{name} has no flag {f}"
         block = blocks[f]
-        assert f"(default: {field.default})" in block, (f, block)
+        default = field.get_default(call_default_factory=True)
+        assert f"(default: {'null' if default is None else default})" in block, (f, block)
         # the description (single source of help text) is shown; compare its first words
         first_words = " ".join(field.description.split()[:3])
         assert first_words in block, (f, block)

@@ -64,14 +64,14 @@ def test_several_problems_in_one_message():
     assert "--group-size" in str(exc.value) and "--lora-rank" in str(exc.value)
 
 
-@pytest.mark.parametrize("dataset", ["foo.csv", "data.json", "gsm8k"])
-def test_dataset_must_be_arithmetic_or_jsonl(dataset):
+@pytest.mark.parametrize("dataset", ["foo.tsv", "data.json", "gsm8k-main"])
+def test_dataset_must_be_a_known_name_or_file_type(dataset):
     with pytest.raises(ConfigError) as exc:
         make_config(dataset=dataset)
     msg = str(exc.value)
     # the message names the value and says what is accepted
     assert f"dataset={dataset!r}" in msg
-    assert "arithmetic" in msg and ".jsonl" in msg
+    assert "arithmetic" in msg and "gsm8k" in msg and ".jsonl, .parquet, .csv" in msg
 
 
 @pytest.mark.parametrize("field", ["prompt_format", "dtype", "backend"])

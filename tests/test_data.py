@@ -1,4 +1,4 @@
-"""Unit tests for grpo_flyte.data: the arithmetic task, .jsonl loading, sampling, prompt rendering."""
+"""Unit tests for grpo_flyte.data: the arithmetic task, GSM8K and file loading, sampling, prompt rendering."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,9 @@ from grpo_flyte.data import (
     Example,
     arithmetic_problems,
     arithmetic_split,
+    gold_answer,
+    load_file,
+    load_gsm8k,
     load_jsonl,
     load_train_examples,
     render_prompt,
@@ -28,6 +32,7 @@ from grpo_flyte.data import (
     topup_prompts,
     train_eval_split,
 )
+from grpo_flyte.config import RunConfig
 
 _QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -209,8 +214,8 @@ def test_load_jsonl_line_numbers_count_blank_lines(tmp_path):
     [
         ({"question": "q"}, "answer"),
         ({"question": "q", "answer": "four"}, "answer"),
-        ({"question": "q", "answer": "1.5"}, "answer"),
-        ({"question": "q", "answer": 1.5}, "answer"),
+        ({"question": "q", "answer": "Work shown, no marked result ####"}, "answer"),
+        ({"question": "q", "answer": ""}, "answer"),
         ({"question": "q", "answer": True}, "answer"),
         ({"question": "q", "answer": None}, "answer"),
         ({"question": "", "answer": "1"}, "question"),
@@ -264,6 +269,14 @@ def test_render_prompt_plain_needs_no_tokenizer():
     assert "####" in text
     assert text.endswith("Answer:")
     assert "{question}" in PLAIN_TEMPLATE
+    assert render_prompt("Q?", "plain", None, instruction="") == "Question: Q?\nAnswer:"
+
+
+def test_render_prompt_takes_the_configured_wording():
+    tok = FakeChatTokenizer()
+    text = render_prompt("Q?", "chat", tok, system_prompt="Use tags.", instruction="Answer in <answer></answer>.")
+    assert text == "<chat>system:Use tags.|user:Q? Answer in <answer></answer>.<assistant>"
+    assert render_prompt("Q?", "chat", tok, system_prompt="", instruction="") == "<chat>user:Q?<assistant>"
 
 
 def test_render_prompt_chat_uses_the_template_with_system_prompt():
@@ -300,34 +313,116 @@ def test_load_jsonl_not_utf8_is_a_dataset_error(tmp_path):
     assert str(p) in str(exc.value)
 
 
+# --------------------------------------------------------------------------- GSM8K format, parquet, csv, columns
+
+SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "gsm8k_sample.jsonl"
+
+
+def test_gsm8k_format_answers_are_the_text_after_the_marker():
+    examples = load_file(SAMPLE)
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    assert len(examples) == len(rows) == 60
+    for example, row in zip(examples, rows, strict=True):
+        assert example.question == row["question"]
+        assert example.answer == row["answer"].rsplit("####", 1)[1].strip()
+        assert "<<" in row["answer"] and example.answer.replace(",", "").isdigit()
+    assert gold_answer("Work: 2+2=<<2+2=4>>4\n#### 1,200") == "1,200"
+    assert gold_answer(7) == "7" and gold_answer(" 0.5 ") == "0.5"
+
+
+def _tables(tmp_path, rows: list[dict]) -> list[Path]:
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    parquet, csv = tmp_path / "data.parquet", tmp_path / "data.csv"
+    frame.to_parquet(parquet)
+    frame.to_csv(csv, index=False)
+    return [parquet, csv]
+
+
+def test_parquet_and_csv_read_through_datasets_with_configured_columns(tmp_path):
+    rows = [{"id": i, "problem": f"What is {i} + {i}?", "solution": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"} for i in range(1, 6)]
+    for path in _tables(tmp_path, rows):
+        examples = load_file(path, question_column="problem", answer_column="solution")
+        assert examples == [Example(question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(1, 6)]
+        with pytest.raises(DatasetError, match=rf"{path.name}.*no column 'question' \(columns: id, problem, solution\)"):
+            load_file(path)
+
+
+def test_a_table_row_without_a_usable_answer_is_named(tmp_path):
+    rows = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "What is 2 + 2?", "answer": "four, I think"}]
+    for path in _tables(tmp_path, rows):
+        with pytest.raises(DatasetError, match=rf"{path.name}' row 2: no usable answer in 'answer' \(got 'four, I think'\)"):
+            load_file(path)
+
+
+def test_an_unreadable_table_is_one_dataset_error(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(DatasetError, match=r"broken.parquet'?: could not be read through the datasets library"):
+        load_file(path)
+
+
+def test_gsm8k_loads_both_splits_from_the_hub_dataset(monkeypatch, tmp_path):
+    import datasets
+
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        # The Hub is out of reach here: serve GSM8K's format from the local sample, split 50/10.
+        calls.append((path, name, split))
+        part = rows[:50] if split == "train" else rows[50:]
+        return datasets.Dataset.from_list(part)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    train, held_out = train_eval_split(RunConfig(dataset="gsm8k", eval_size=4))
+    assert calls == [("openai/gsm8k", "main", "test"), ("openai/gsm8k", "main", "train")]
+    assert len(train) == 50 and held_out == [Example(question=r["question"], answer=r["answer"].split("#### ")[1]) for r in rows[50:54]]
+    with pytest.raises(DatasetError, match=r"--eval-size=11: GSM8K's test split holds out 10 questions"):
+        train_eval_split(RunConfig(dataset="gsm8k", eval_size=11))
+
+
+def test_gsm8k_without_hub_access_says_what_to_do(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DatasetError, match=r"--dataset gsm8k \(openai/gsm8k, split 'train'\): could not be read .*ConnectionError"):
+        load_gsm8k("train")
+
+
 # --------------------------------------------------------------------------- train/eval split, top-up
 
 
 def test_arithmetic_eval_split_is_the_held_out_prefix():
-    train, held_out = train_eval_split("arithmetic", None, 7)
+    train, held_out = train_eval_split(RunConfig(eval_size=7))
     assert held_out == arithmetic_split("eval")[:7]
     assert train == arithmetic_split("train")
 
 
 def test_arithmetic_eval_size_above_the_held_out_split_is_named():
     with pytest.raises(DatasetError, match=r"--eval-size=501.*at most 500"):
-        train_eval_split("arithmetic", None, 501)
+        train_eval_split(RunConfig(eval_size=501))
 
 
 def test_file_dataset_holds_out_a_fixed_sample(tmp_path):
     rows = [Example(question=f"q{i}", answer=str(i)) for i in range(20)]
-    train, held_out = train_eval_split("data.jsonl", rows, 5)
+    config = RunConfig(dataset="data.jsonl", eval_size=5)
+    train, held_out = train_eval_split(config, rows)
     assert len(held_out) == 5 and len(train) == 15
     assert not set(train) & set(held_out) and set(train) | set(held_out) == set(rows)
-    assert train_eval_split("data.jsonl", rows, 5) == (train, held_out)  # the same in every run
+    assert train_eval_split(config, rows) == (train, held_out)  # the same in every run
     assert held_out != rows[:5]  # a seeded sample, not the head of the file
-    assert train_eval_split("data.jsonl", rows, 0) == (rows, [])
+    assert train_eval_split(config.model_copy(update={"eval_size": 0}), rows) == (rows, [])
 
 
 def test_file_dataset_too_small_for_eval_size(tmp_path):
     rows = [Example(question=f"q{i}", answer=str(i)) for i in range(4)]
     with pytest.raises(DatasetError, match=r"--eval-size=4.*4 examples.*below 4"):
-        train_eval_split("data.jsonl", rows, 4)
+        train_eval_split(RunConfig(dataset="data.jsonl", eval_size=4), rows)
 
 
 def test_topup_prompts_depend_on_seed_iteration_and_round_only():

@@ -9,7 +9,7 @@ from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example
-from grpo_flyte.driver import eval_due, iteration_metrics, mean_ci95, progress_line
+from grpo_flyte.driver import eval_due, iteration_metrics, mean_ci95, progress_line, reward_means
 from grpo_flyte.reward import RewardParts, ScoredGroup
 from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
 from grpo_flyte.trainer import StepStats, TrainStepResult
@@ -45,7 +45,11 @@ def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list
     ]
     group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
                          prompt_ids=[1], rollouts=rollouts, generate_s=1.0)
-    parts = [RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2)) for r in rewards]
+    parts = [
+        RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2),
+                    scores={"correct": float(r >= 1.0), "format": float(r in (0.2, 1.2))})
+        for r in rewards
+    ]
     return ScoredGroup(group=group, rewards=parts, score_s=0.5)
 
 
@@ -74,6 +78,18 @@ def test_iteration_metrics_hand_computed():
     assert row["score_tokens_per_s"] == pytest.approx(20 / 1.0)  # two groups, 0.5 s each
     assert row["train_tokens_per_s"] == pytest.approx(12 / 3.0)
     assert (row["kl"], row["clip_fraction"], row["is_ratio_max"], row["adapter_version"]) == (0.01, 0.25, 1.9, 3)
+    assert (row["reward/correct"], row["reward/format"], row["reward_errors"]) == (0.25, 0.25, 0)
+
+
+def test_reward_means_per_named_reward_and_failures():
+    config = RunConfig(rewards={"correct": 1.0, "tags": 0.5}, prompts_per_iter=1)
+    group = _scored(0, [0.0, 0.0], ["stop", "stop"], [1, 1]).group
+    parts = [
+        RewardParts(reward=1.5, correct=True, format=False, scores={"correct": 1.0, "tags": 1.0}),
+        RewardParts(reward=0.0, correct=False, format=False, scores={"correct": 0.0, "tags": 0.0}, errors=["tags"]),
+    ]
+    means = reward_means(config, [ScoredGroup(group=group, rewards=parts)], prefix="eval_")
+    assert means == {"eval_reward/correct": 0.5, "eval_reward/tags": 0.5, "eval_reward_errors": 1}
 
 
 def test_iteration_metrics_count_zero_std_after_truncation_policy():
@@ -96,3 +112,6 @@ def test_progress_lines_for_evaluation_and_iteration_rows():
     assert "held-out" not in progress_line(row, 20)
     both = progress_line({**row, **evaluated}, 20)
     assert both.startswith("iter 3/20") and "held-out reward 0.250" in both
+    # rewards beyond accuracy and format, and failed scores, join the line
+    custom = progress_line({**row, "reward/correct": 0.25, "reward/mod:fn": 0.75, "reward_errors": 2}, 20)
+    assert "mod:fn 0.750  reward errors 2" in custom and "correct 0.250" not in custom

@@ -1,4 +1,4 @@
-"""Unit tests for the arithmetic reward and the score_group task called as a plain function."""
+"""The score_group task called as a plain function, and the training rewards of a scored group."""
 
 from __future__ import annotations
 
@@ -6,77 +6,11 @@ import asyncio
 
 import pytest
 
+from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example
-from grpo_flyte.reward import (
-    CORRECT_REWARD,
-    FORMAT_REWARD,
-    RewardParts,
-    ScoredGroup,
-    arithmetic_reward,
-    extract_answer,
-    score_group,
-)
+from grpo_flyte.reward import ScoredGroup, score_group
+from grpo_flyte.rewards import RewardError, RewardParts
 from grpo_flyte.rollout import Rollout, RolloutGroup
-
-# --------------------------------------------------------------------------- extract_answer
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("3 + 4 is 7, so\n#### 7", "7"),
-        ("#### 12 and then 99 more words", "12"),  # the number right after the marker wins
-        ("first #### 3 then #### 5", "5"),  # the last marker wins
-        ("I think it is 41, no, 42.", "42"),  # no marker: last integer
-        ("no marker: 10 then 20 then 30", "30"),
-        ("#### -17", "-17"),
-        ("the result is -3", "-3"),
-        ("#### 1,234", "1234"),
-        ("roughly 12,345,678 apples", "12345678"),
-        ("#### 007", "7"),
-        ("#### -0042", "-42"),
-        ("#### 000", "0"),
-        ("#### -0", "0"),
-        ("The answer is 42 ####", "42"),  # marker with no number after it: fall back
-        ("got 8\n#### unknown", "8"),
-        ("", None),
-        ("no digits at all", None),
-        ("####", None),
-    ],
-)
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-# --------------------------------------------------------------------------- arithmetic_reward
-
-
-def test_reward_constants():
-    assert CORRECT_REWARD == 1.0
-    assert FORMAT_REWARD == 0.2
-
-
-@pytest.mark.parametrize(
-    ("completion", "answer", "reward", "correct", "fmt"),
-    [
-        ("5 + 7 = 12\n#### 12", "12", 1.0 + 0.2, True, True),  # right and formatted: 1.0 + 0.2
-        ("5 + 7 = 12", "12", 1.0, True, False),  # right, no marker: 1.0
-        ("#### 13", "12", 0.2, False, True),  # wrong but formatted: 0.2
-        ("it is 13", "12", 0.0, False, False),  # wrong, no marker: 0
-        ("nothing", "12", 0.0, False, False),
-        ("#### -5", "-5", 1.2, True, True),
-        ("#### 5", "-5", 0.2, False, True),  # the sign matters
-        ("#### 1,024", "1024", 1.2, True, True),
-        ("#### 42", " 042 ", 1.2, True, True),  # the answer is normalized too
-    ],
-)
-def test_arithmetic_reward_parts(completion, answer, reward, correct, fmt):
-    parts = arithmetic_reward(completion, answer)
-    assert isinstance(parts, RewardParts)
-    assert parts.reward == pytest.approx(reward)
-    assert parts.correct is correct
-    assert parts.format is fmt
-
 
 # --------------------------------------------------------------------------- score_group
 
@@ -95,13 +29,36 @@ def test_score_group_called_directly_outside_flyte():
         rollouts=[_rollout(t) for t in texts],
         generate_s=0.5,
     )
-    scored = asyncio.run(score_group(group))
+    scored = asyncio.run(score_group(RunConfig(), group))
     assert isinstance(scored, ScoredGroup)
     assert scored.group == group
     # in rollout order: 1.0 + 0.2, 1.0, 0.2, 0.0, 1.0 + 0.2
     assert [p.reward for p in scored.rewards] == pytest.approx([1.2, 1.0, 0.2, 0.0, 1.2])
     assert [p.correct for p in scored.rewards] == [True, True, False, False, True]
     assert [p.format for p in scored.rewards] == [True, False, True, False, True]
+    assert [p.scores for p in scored.rewards][:2] == [{"correct": 1.0, "format": 1.0}, {"correct": 1.0, "format": 0.0}]
+
+
+def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypatch):
+    (tmp_path / "grader_for_task.py").write_text(
+        "def picky(completions, **kwargs):\n"
+        "    return [1 / (0 if 'boom' in c else 1) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    group = RolloutGroup(
+        index=0,
+        example=Example(question="What is 4 + 5?", answer="9"),
+        adapter_version=0,
+        prompt_ids=[1],
+        rollouts=[_rollout("#### 9"), _rollout("boom #### 9")],
+        generate_s=0.0,
+    )
+    weights = {"correct": 2.0, "grader_for_task:picky": 0.5}
+    with pytest.raises(RewardError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'"):
+        asyncio.run(score_group(RunConfig(rewards=weights), group))
+    scored = asyncio.run(score_group(RunConfig(rewards=weights, on_reward_error="zero"), group))
+    assert [p.reward for p in scored.rewards] == [2.5, 2.0]
+    assert [p.errors for p in scored.rewards] == [[], ["grader_for_task:picky"]]
 
 
 def test_score_group_empty_group():
@@ -113,7 +70,7 @@ def test_score_group_empty_group():
         rollouts=[],
         generate_s=0.0,
     )
-    assert asyncio.run(score_group(group)).rewards == []
+    assert asyncio.run(score_group(RunConfig(), group)).rewards == []
 
 
 # --------------------------------------------------------------------------- training rewards

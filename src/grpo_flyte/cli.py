@@ -8,6 +8,7 @@ and one line naming the value and what was expected, before anything is written.
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import logging
 import sys
 import uuid
@@ -20,14 +21,16 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, Settings
 from grpo_flyte.config import (
     ARITHMETIC_DATASET,
     EMBEDDED_MODEL,
+    GSM8K_DATASET,
     ConfigError,
     RunConfig,
     format_validation_error,
     load_config_file,
     make_config,
 )
-from grpo_flyte.data import DatasetError, load_jsonl, train_eval_split
+from grpo_flyte.data import DatasetError, Example, load_file, train_eval_split
 from grpo_flyte.models import ModelError
+from grpo_flyte.rewards import RewardSpecError, resolve_reward
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -65,7 +68,7 @@ def _cli_model() -> type[BaseSettings]:
     # --config file value get the same checks and the same messages.
     fields: dict[str, Any] = dict(RUN_OPTIONS)
     for name, field in RunConfig.model_fields.items():
-        fields[name] = (field.annotation, Field(field.default, description=field.description))
+        fields[name] = (field.annotation, Field(field.get_default(call_default_factory=True), description=field.description))
     return create_model("GrpoFlyteCli", __base__=_CliBase, **fields)
 
 
@@ -88,10 +91,22 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     return options, make_config(**values), explicit
 
 
-def _read_examples(config: RunConfig):
-    """The rows of a file dataset (None for 'arithmetic'), checked against --eval-size up front."""
-    examples = None if config.dataset == ARITHMETIC_DATASET else load_jsonl(config.dataset)
-    train_eval_split(config.dataset, examples, config.eval_size)
+def check_inputs(config: RunConfig, local: bool) -> list[Example] | None:
+    """Check the dataset and the rewards before any work starts; returns a file dataset's rows.
+
+    Every row must have a usable answer and --eval-size must fit. A file's rows travel to the
+    driver as an input; 'gsm8k' is loaded where the driver runs (here too, in a local run, to check
+    it first). Custom rewards must import, and --wandb-project needs wandb.
+    """
+    examples = None
+    if config.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET):
+        examples = load_file(config.dataset, config.question_column, config.answer_column)
+    if examples is not None or local:
+        train_eval_split(config, examples)
+    for name in config.rewards:
+        resolve_reward(name)
+    if config.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
     return examples
 
 
@@ -136,7 +151,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     from grpo_flyte.models import resolve_local_model
 
     run_dir, config, resume_from = prepare_local_run(options, config, explicit)
-    examples = _read_examples(config)
+    examples = check_inputs(config, local=True)
     model_dir = resolve_local_model(config.model)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
@@ -196,7 +211,7 @@ def run_remote(config: RunConfig) -> int:
 
     from grpo_flyte.driver import train_rl
 
-    examples = _read_examples(config)
+    examples = check_inputs(config, local=False)
     # root_dir = src/, so a checkout's modules resolve as grpo_flyte.* on the cluster.
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
     base_model = resolve_remote_model(config.model)
@@ -216,6 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         if options["resume"] or options["run_dir"]:
             raise UserError("--resume and --run-dir apply to local runs: add --local")
         return run_remote(config)
-    except (UserError, ConfigError, DatasetError, ModelError) as exc:
+    except (UserError, ConfigError, DatasetError, ModelError, RewardSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

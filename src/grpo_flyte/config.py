@@ -8,6 +8,7 @@ reads module-level constants.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
+GSM8K_DATASET = "gsm8k"
+DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
+DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
+SYSTEM_PROMPT = (
+    "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
+    "reply with the final answer on its own line as '#### <integer>'."
+)
+# Appended to the question in the user turn: a small model follows an instruction there more
+# often than one in the system prompt (measured in the README's learning section).
+ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
 
 
 class RunConfig(BaseModel):
@@ -32,9 +43,16 @@ class RunConfig(BaseModel):
     dataset: str = Field(
         ARITHMETIC_DATASET,
         description=(
-            "'arithmetic' (built-in deterministic generator with a held-out split) or a .jsonl "
-            "file with 'question' and 'answer' fields."
+            "'arithmetic' (built-in generator with a held-out split), 'gsm8k' (openai/gsm8k through "
+            "the datasets library: train split, held-out questions from test), or a local .jsonl, "
+            ".parquet or .csv file (see --question-column, --answer-column)."
         ),
+    )
+    question_column: str = Field("question", min_length=1, description="File datasets: the column holding the question.")
+    answer_column: str = Field(
+        "answer",
+        min_length=1,
+        description="File datasets: the column holding the gold answer; text after a '####' (GSM8K's format) is the answer.",
     )
     num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
     prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
@@ -54,12 +72,29 @@ class RunConfig(BaseModel):
             "answer-format instruction; 'plain': a text template."
         ),
     )
+    system_prompt: str = Field(SYSTEM_PROMPT, description="Chat format: the system prompt ('' for none).")
+    answer_instruction: str = Field(
+        ANSWER_INSTRUCTION,
+        description="Appended to every question (both formats): how to state the answer; match it to the rewards.",
+    )
     enable_thinking: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(
             "Chat templates with a thinking switch (Qwen3): 'on'/'off' pass enable_thinking to the "
             "template; 'auto' passes nothing (the template's default)."
         ),
+    )
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_REWARDS),
+        description=(
+            "Weighted rewards, name=weight: built-in 'correct' (math-verify equivalence, integer "
+            "fallback), 'format' (the '####' marker), 'tags' (<reasoning>/<answer>), 'length' (soft "
+            "penalty near max_new_tokens), or 'module:function' for your own."
+        ),
+    )
+    on_reward_error: Literal["fail", "zero"] = Field(
+        "fail",
+        description="A reward that raises or returns a bad value: 'fail' the task, or score it 'zero' and count it (reward_errors).",
     )
     learning_rate: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
@@ -120,6 +155,10 @@ class RunConfig(BaseModel):
             "(a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
         ),
     )
+    wandb_project: str | None = Field(
+        None,
+        description="Also log each iteration's metrics to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline works).",
+    )
     advantage_eps: float = Field(
         1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
     )
@@ -152,9 +191,29 @@ class RunConfig(BaseModel):
     @field_validator("dataset")
     @classmethod
     def _known_dataset(cls, dataset: str) -> str:
-        if dataset != ARITHMETIC_DATASET and not dataset.endswith(".jsonl"):
-            raise ValueError("not supported; expected 'arithmetic' or a path ending in .jsonl")
+        if dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and not dataset.lower().endswith(DATASET_FILE_TYPES):
+            raise ValueError(
+                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a path ending in "
+                + ", ".join(DATASET_FILE_TYPES)
+            )
         return dataset
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        from grpo_flyte.rewards import check_reward_name  # pure module: pydantic and re only
+
+        if not rewards:
+            raise ValueError("no rewards; expected at least one name=weight, e.g. correct=1.0")
+        for name, weight in rewards.items():
+            check_reward_name(name)
+            if not math.isfinite(weight):
+                raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
+        return rewards
+
+    def __hash__(self) -> int:
+        # Frozen, so hashable; `rewards` is a dict, so hash the canonical JSON form.
+        return hash(self.model_dump_json())
 
     @property
     def torch_dtype_name(self) -> str:
@@ -230,7 +289,12 @@ def config_table_markdown() -> str:
     rows = ["| flag | default | description |", "| --- | --- | --- |"]
     for name, field in RunConfig.model_fields.items():
         default = field.default
-        shown = ",".join(default) if isinstance(default, tuple) else default
+        if field.default_factory is not None:
+            default = field.default_factory()
+        if isinstance(default, dict):
+            shown = ",".join(f"{k}={v}" for k, v in default.items())
+        else:
+            shown = ",".join(default) if isinstance(default, tuple) else default
         names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
         rows.append(f"| {names} | `{shown}` | {field.description} |")
     return "\n".join(rows)

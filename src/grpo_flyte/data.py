@@ -1,4 +1,4 @@
-"""Datasets: the built-in arithmetic task, .jsonl files, and deterministic prompt sampling.
+"""Datasets (the built-in arithmetic task, GSM8K, local .jsonl/.parquet/.csv files) and prompt sampling.
 
 Prompt sampling depends only on (seed, iteration), so a resumed run, or a retried driver, sees
 exactly the prompts the first attempt saw.
@@ -8,30 +8,30 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import random
-import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from grpo_flyte.config import ARITHMETIC_DATASET
-
-SYSTEM_PROMPT = (
-    "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
-    "reply with the final answer on its own line as '#### <integer>'."
+from grpo_flyte.config import (
+    ANSWER_INSTRUCTION,
+    ARITHMETIC_DATASET,
+    DATASET_FILE_TYPES,
+    GSM8K_DATASET,
+    SYSTEM_PROMPT,
+    RunConfig,
 )
-# Appended to the question in the user turn: a small model follows an instruction there more
-# often than one in the system prompt (measured in the README's learning section).
-ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
-PLAIN_TEMPLATE = "Question: {question}\n" + ANSWER_INSTRUCTION + "\nAnswer:"
+from grpo_flyte.rewards import MARKER, gold_is_usable
+
+# The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
+PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
 
 # Size of the held-out split of the arithmetic task; it never overlaps the train split.
 ARITHMETIC_EVAL_SIZE = 500
 # The arithmetic problem space is shuffled with a fixed seed so the split is the same in every run.
 _ARITHMETIC_SPLIT_SEED = 20_241_122
 
-
-_INTEGER = re.compile(r"-?\d+")
 
 
 class Example(BaseModel):
@@ -77,16 +77,39 @@ def arithmetic_split(split: str) -> list[Example]:
     raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
 
 
-def load_jsonl(path: str | Path) -> list[Example]:
-    """Read a .jsonl file of {"question": str, "answer": str|int} objects, validating every line."""
-    p = Path(path)
-    if not p.is_file():
-        raise DatasetError(f"--dataset {str(p)!r}: no such file (expected 'arithmetic' or a .jsonl file)")
-    examples = []
+def gold_answer(value: object) -> str:
+    """The gold answer in a dataset cell: the text after the last '####' (GSM8K's format), else
+    the whole cell, stripped. Numbers are taken as written."""
+    text = str(value)
+    return (text.rsplit(MARKER, 1)[1] if MARKER in text else text).strip()
+
+
+def _example(question: object, answer: object, where: str, columns: tuple[str, str]) -> Example:
+    """One validated example; DatasetError naming `where` and the column otherwise."""
+    question_column, answer_column = columns
+    if not isinstance(question, str) or not question.strip():
+        raise DatasetError(f"{where}: {question_column!r} must be a non-empty string, got {question!r}")
+    missing = answer is None or isinstance(answer, bool) or (isinstance(answer, float) and not math.isfinite(answer))
+    if missing or not isinstance(answer, (str, int, float)) or not gold_is_usable(gold_answer(answer)):
+        raise DatasetError(
+            f"{where}: no usable answer in {answer_column!r} (got {answer!r}); expected a number or math "
+            f"expression, or text ending in '{MARKER} <answer>' as in GSM8K"
+        )
+    return Example(question=question, answer=gold_answer(answer))
+
+
+def load_jsonl(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
+    """Read a .jsonl file of objects with a question and an answer, validating every line.
+
+    Read line by line (not through `datasets`) so that an error names the exact line, and so that
+    a column mixing integers and strings is accepted.
+    """
+    p = _existing(path)
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise DatasetError(f"--dataset {str(p)!r}: not UTF-8 text (byte {exc.start})") from None
+    examples = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -96,43 +119,114 @@ def load_jsonl(path: str | Path) -> list[Example]:
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
-            raise DatasetError(f"{where}: expected a JSON object with 'question' and 'answer'")
-        question, answer = row.get("question"), row.get("answer")
-        if not isinstance(question, str) or not question.strip():
-            raise DatasetError(f"{where}: 'question' must be a non-empty string, got {question!r}")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int)) or not _INTEGER.fullmatch(str(answer).strip()):
-            raise DatasetError(f"{where}: 'answer' must be an integer (the reward compares integers), got {answer!r}")
-        examples.append(Example(question=question, answer=str(answer).strip()))
+            raise DatasetError(f"{where}: expected a JSON object with {question_column!r} and {answer_column!r}")
+        examples.append(_example(row.get(question_column), row.get(answer_column), where, (question_column, answer_column)))
     if not examples:
         raise DatasetError(f"--dataset {str(p)!r}: the file has no examples")
     return examples
 
 
+def _existing(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(
+            f"--dataset {str(p)!r}: no such file (expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a "
+            f"{', '.join(DATASET_FILE_TYPES)} file)"
+        )
+    return p
+
+
+def _rows_to_examples(rows, source: str, question_column: str, answer_column: str) -> list[Example]:
+    """Examples from a `datasets.Dataset`, checking the columns and every row (numbered from 1)."""
+    missing = [c for c in (question_column, answer_column) if c not in rows.column_names]
+    if missing:
+        raise DatasetError(
+            f"{source}: no column {missing[0]!r} (columns: {', '.join(rows.column_names)}); "
+            "expected --question-column and --answer-column to name existing columns"
+        )
+    columns = (question_column, answer_column)
+    examples = [
+        _example(q, a, f"{source} row {i}", columns)
+        for i, (q, a) in enumerate(zip(rows[question_column], rows[answer_column], strict=True), start=1)
+    ]
+    if not examples:
+        raise DatasetError(f"{source}: no rows")
+    return examples
+
+
+def _load_with_datasets(source: str, *args, **kwargs):
+    """datasets.load_dataset(*args, **kwargs), with any failure as one DatasetError line."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 -- parser, network and cache errors alike become one line
+        detail = " ".join(str(exc).split())[:300]
+        raise DatasetError(f"{source}: could not be read through the datasets library ({type(exc).__name__}: {detail})") from None
+
+
+def load_table(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
+    """Read a local .parquet or .csv file through the datasets library, validating every row."""
+    p = _existing(path)
+    kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
+    source = f"--dataset {str(p)!r}"
+    rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
+    return _rows_to_examples(rows, source, question_column, answer_column)
+
+
+# GSM8K on the Hugging Face Hub: "question", and "answer" = worked solution ending in "#### <n>".
+GSM8K_HUB = ("openai/gsm8k", "main")
+
+
+def load_gsm8k(split: str) -> list[Example]:
+    """GSM8K's 'train' or 'test' split through the datasets library (downloaded once, then cached)."""
+    source = f"--dataset gsm8k ({GSM8K_HUB[0]}, split {split!r})"
+    rows = _load_with_datasets(source, *GSM8K_HUB, split=split)
+    return _rows_to_examples(rows, source, "question", "answer")
+
+
+def load_file(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
+    """The examples of a local dataset file, by its suffix."""
+    if str(path).lower().endswith(".jsonl"):
+        return load_jsonl(path, question_column, answer_column)
+    return load_table(path, question_column, answer_column)
+
+
 def load_train_examples(dataset: str) -> list[Example]:
     if dataset == ARITHMETIC_DATASET:
         return arithmetic_split("train")
-    return load_jsonl(dataset)
+    if dataset == GSM8K_DATASET:
+        return load_gsm8k("train")
+    return load_file(dataset)
 
 
 # File datasets hold out a seeded sample of their rows for evaluation, the same in every run.
 _HOLDOUT_SEED = "grpo_flyte-holdout"
 
 
-def train_eval_split(dataset: str, examples: list[Example] | None, eval_size: int) -> tuple[list[Example], list[Example]]:
-    """The training examples and the first `eval_size` held-out questions of a dataset.
+def _first(held_out: list[Example], eval_size: int, name: str) -> list[Example]:
+    if eval_size > len(held_out):
+        raise DatasetError(
+            f"--eval-size={eval_size}: {name} holds out {len(held_out)} questions; expected at most {len(held_out)}"
+        )
+    return held_out[:eval_size]
 
-    'arithmetic' has its own held-out split. A file dataset (or `examples` passed in its place)
-    holds out `eval_size` rows chosen with a fixed seed; the rest are the training set.
+
+def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -> tuple[list[Example], list[Example]]:
+    """The training examples and the first `eval_size` held-out questions of the config's dataset.
+
+    'arithmetic' has its own held-out split and 'gsm8k' its test split. A file dataset (or
+    `examples` passed in its place: its rows, read by the CLI) holds out `eval_size` rows chosen
+    with a fixed seed; the rest are the training set.
     """
+    dataset, eval_size = config.dataset, config.eval_size
     if examples is None and dataset == ARITHMETIC_DATASET:
-        held_out = arithmetic_split("eval")
-        if eval_size > len(held_out):
-            raise DatasetError(
-                f"--eval-size={eval_size}: the arithmetic task holds out {len(held_out)} questions; "
-                f"expected at most {len(held_out)}"
-            )
-        return arithmetic_split("train"), held_out[:eval_size]
-    rows = examples if examples is not None else load_jsonl(dataset)
+        return arithmetic_split("train"), _first(arithmetic_split("eval"), eval_size, "the arithmetic task")
+    if examples is None and dataset == GSM8K_DATASET:
+        held_out = _first(load_gsm8k("test"), eval_size, "GSM8K's test split") if eval_size else []
+        return load_gsm8k("train"), held_out
+    rows = examples if examples is not None else load_file(dataset, config.question_column, config.answer_column)
     if eval_size == 0:
         return list(rows), []
     if eval_size >= len(rows):
@@ -171,20 +265,27 @@ def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: i
     return picked
 
 
-def render_prompt(question: str, prompt_format: str, tokenizer, enable_thinking: str = "auto") -> str:
+def render_prompt(
+    question: str,
+    prompt_format: str,
+    tokenizer,
+    enable_thinking: str = "auto",
+    system_prompt: str = SYSTEM_PROMPT,
+    instruction: str = ANSWER_INSTRUCTION,
+) -> str:
     """The prompt text for one question; token ids come from the generator's tokenizer.
 
-    enable_thinking 'on'/'off' is passed to the chat template (Qwen3's switch); 'auto' passes nothing.
+    The instruction follows the question; enable_thinking 'on'/'off' is passed to the chat template
+    (Qwen3's switch), 'auto' passes nothing. An empty system prompt or instruction is left out.
     """
+    user = f"{question} {instruction}".strip()
     if prompt_format == "plain":
-        return PLAIN_TEMPLATE.format(question=question)
+        return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "prompt_format='chat' but the model's tokenizer has no chat template: use --prompt-format plain"
         )
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": f"{question} {ANSWER_INSTRUCTION}"},
-    ]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": user})
     extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)

@@ -37,6 +37,7 @@ from grpo_flyte.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.report_helpers import render_report
 from grpo_flyte.reward import ScoredGroup, score_group, score_groups
 from grpo_flyte.rollout import AdapterRef, generate, generate_eval
+from grpo_flyte.tracking import Tracker, new_run_id
 from grpo_flyte.trainer import TrainStepResult, init_adapter, merge_adapter, train_step
 
 logger = logging.getLogger("grpo_flyte")
@@ -57,6 +58,8 @@ class LoopState(BaseModel):
     adapter: AdapterRef
     history: list[dict[str, Any]]
     best_completion: dict[str, Any] | None = None
+    # The experiment-tracking run this loop logs to (kept so that a resumed run continues it).
+    tracking_id: str = ""
 
 
 def rollout_seed(seed: int, iteration: int, index: int) -> int:
@@ -78,6 +81,14 @@ def _per_second(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
+def reward_means(config: RunConfig, scored: list[ScoredGroup], prefix: str = "") -> dict[str, float]:
+    """Each weighted reward's mean (unweighted) score, keyed '<prefix>reward/<name>', and how many
+    (completion, reward) scores failed and counted as 0 (on_reward_error='zero')."""
+    parts = [p for sg in scored for p in sg.rewards]
+    means = {f"{prefix}reward/{name}": statistics.fmean(p.scores[name] for p in parts) for name in config.rewards}
+    return {**means, f"{prefix}reward_errors": sum(len(p.errors) for p in parts)}
+
+
 def iteration_metrics(
     config: RunConfig, iteration: int, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]
 ) -> dict[str, Any]:
@@ -91,6 +102,7 @@ def iteration_metrics(
         "mean_reward": statistics.fmean(p.reward for p in parts),
         "accuracy": statistics.fmean(p.correct for p in parts),
         "format_rate": statistics.fmean(p.format for p in parts),
+        **reward_means(config, scored),
         "loss": stats.loss,
         "num_rollouts": len(parts),
         "num_groups": len(scored),
@@ -162,7 +174,7 @@ async def run_iteration(
             )
             for i, ex in enumerate(prompts)
         ]
-        landed, gen_s, tail_s = await generate_and_score(generating, score_group)
+        landed, gen_s, tail_s = await generate_and_score(generating, lambda group: score_group(config, group))
         scored.extend(landed)
         timings["generate_s"] += gen_s
         timings["score_s"] += tail_s
@@ -188,7 +200,7 @@ async def run_eval(
         asyncio.create_task(generate_eval(config, base_model, adapter, questions[i : i + EVAL_CHUNK], i))
         for i in range(0, len(questions), EVAL_CHUNK)
     ]
-    landed, _, _ = await generate_and_score(generating, score_groups)
+    landed, _, _ = await generate_and_score(generating, lambda groups: score_groups(config, groups))
     scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)
     rows = [
         {
@@ -198,6 +210,7 @@ async def run_eval(
             "reward": sg.rewards[0].reward,
             "correct": sg.rewards[0].correct,
             "format": sg.rewards[0].format,
+            "scores": sg.rewards[0].scores,
         }
         for sg in scored
     ]
@@ -209,6 +222,7 @@ async def run_eval(
         "eval_accuracy": accuracy,
         "eval_accuracy_ci95": accuracy_ci,
         "eval_format_rate": statistics.fmean(r["format"] for r in rows),
+        **reward_means(config, scored, prefix="eval_"),
         "eval_size": len(rows),
         "eval_s": time.perf_counter() - started,
     }
@@ -295,9 +309,16 @@ def progress_line(row: dict[str, Any], total: int) -> str:
     )
     if "mean_reward" not in row:  # the evaluation before training
         return f"iter 0/{total}  {held_out}"
+    # accuracy and format rate are shown anyway; other rewards and failed scores are added
+    others = "".join(
+        f"  {key.removeprefix('reward/')} {value:.3f}"
+        for key, value in row.items()
+        if key.startswith("reward/") and key not in ("reward/correct", "reward/format")
+    )
+    errors = f"  reward errors {row['reward_errors']}" if row.get("reward_errors") else ""
     return (
         f"iter {row['iteration']}/{total}  reward {row['mean_reward']:.3f}  acc {row['accuracy']:.1%}  "
-        f"format {row['format_rate']:.1%}  loss {row['loss']:+.4f}  len {row['completion_len_mean']:.0f}  "
+        f"format {row['format_rate']:.1%}{others}{errors}  loss {row['loss']:+.4f}  len {row['completion_len_mean']:.0f}  "
         f"| generate {row['generate_s']:.1f}s  score {row['score_s']:.1f}s  train {row['train_s']:.1f}s  "
         f"total {row['iteration_s']:.1f}s" + (f"\n  {held_out}" if held_out else "")
     )
@@ -333,19 +354,24 @@ async def train_rl(
     `examples` overrides `config.dataset` (the CLI passes the rows of a .jsonl file this way);
     `run_dir` is where a local run writes its files; `resume_from` is a checkpoint to continue from.
     """
-    dataset, held_out = train_eval_split(config.dataset, examples, config.eval_size)
+    dataset, held_out = train_eval_split(config, examples)
     files = LocalRunFiles(run_dir)
     checkpoint, state = await restore_state(resume_from)
     if state is None:
-        state = LoopState(iterations_done=0, adapter=await init_adapter(config, base_model), history=[])
+        adapter = await init_adapter(config, base_model)
+        state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=new_run_id())
     else:
         logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
+        if not state.tracking_id:  # a checkpoint written before tracking ids existed
+            state = state.model_copy(update={"tracking_id": new_run_id()})
+    tracker = Tracker(config.wandb_project, state.tracking_id, config.model_dump(mode="json"), run_dir)
 
     async def record(new_state: LoopState, row: dict[str, Any]) -> LoopState:
         """Checkpoint, then rewrite the run files and the report from the checkpointed state."""
         if checkpoint is not None:
             await checkpoint.save(new_state.model_dump_json().encode())
         files.write_metrics(new_state.history)
+        tracker.log(row)
         files.prune_adapters(new_state.adapter, config.adapters_to_keep)
         await publish_report(config, new_state, files, "running")
         logger.info(progress_line(row, config.num_iterations))
@@ -373,11 +399,13 @@ async def train_rl(
                     adapter=result.adapter,
                     history=[*state.history, row],
                     best_completion=best_completion(scored),
+                    tracking_id=state.tracking_id,
                 ),
                 row,
             )
     except Exception as exc:
         await publish_report(config, state, files, "failed", f"{type(exc).__name__}: {exc}")
+        tracker.finish(failed=True)
         raise
     files.export_adapter(state.adapter)
     if config.export_merged:
@@ -386,6 +414,7 @@ async def train_rl(
         where = files.export_merged(merged)
         logger.info("merged model (base + adapter v%d): %s", state.adapter.version, where)
     await publish_report(config, state, files, "complete")
+    tracker.finish()
     return state.adapter
 
 

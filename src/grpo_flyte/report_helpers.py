@@ -337,10 +337,20 @@ def _chart(title: str, keys: Sequence[str], history: Sequence[Mapping]) -> str:
     return f"<figure><figcaption>{_esc(title)}</figcaption>{_legend(keys)}{svg}</figure>"
 
 
+def reward_charts(history: Sequence[Mapping]) -> list[tuple[str, tuple[str, ...]]]:
+    """One chart per named reward ('reward/<name>' in the rows; held-out 'eval_reward/<name>' on
+    the same axes), plus the failed-score count when any reward failed."""
+    names = dict.fromkeys(key.split("/", 1)[1] for row in history for key in row if key.startswith("reward/"))
+    charts = [(f"Reward {name!r} (mean score)", (f"reward/{name}", f"eval_reward/{name}")) for name in names]
+    if any(row.get("reward_errors") for row in history):
+        charts.append(("Reward errors (scored 0)", ("reward_errors", "eval_reward_errors")))
+    return charts
+
+
 def _charts(history: Sequence[Mapping]) -> str:
     charts = [
         _chart(title, keys, history)
-        for title, keys in METRIC_CHARTS
+        for title, keys in (*METRIC_CHARTS, *reward_charts(history))
         if any(_has_key(history, key) for key in keys)
     ]
     if not charts:

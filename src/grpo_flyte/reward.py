@@ -1,29 +1,19 @@
-"""The verifiable arithmetic reward and the `score_group` task (one CPU task per prompt group).
+"""The `score_group` task (one CPU task per prompt group) and `score_groups` (held-out evaluation).
 
-Rewards are pure functions of (completion, answer) and return their parts, so the driver reports
-accuracy and format rate without re-parsing text.
+The reward functions themselves are pure and live in `grpo_flyte.rewards`; the run's config says
+which ones are weighted how (`rewards`) and what a failing one does (`on_reward_error`).
 """
 
 from __future__ import annotations
 
-import re
 import time
 
 from pydantic import BaseModel
 
+from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import reward_env
+from grpo_flyte.rewards import RewardParts, score_completions
 from grpo_flyte.rollout import RolloutGroup
-
-MARKER = "####"
-CORRECT_REWARD = 1.0
-FORMAT_REWARD = 0.2
-_INTEGER = re.compile(r"-?\d[\d,]*")
-
-
-class RewardParts(BaseModel):
-    reward: float
-    correct: bool
-    format: bool
 
 
 class ScoredGroup(BaseModel):
@@ -44,44 +34,27 @@ class ScoredGroup(BaseModel):
         return max(values) != min(values)
 
 
-def extract_answer(completion: str) -> str | None:
-    """The integer after the last '####', else the last integer in the text; None if there is none."""
-    if MARKER in completion:
-        match = _INTEGER.search(completion.rsplit(MARKER, 1)[1])
-        if match:
-            return _normalize(match.group(0))
-    numbers = _INTEGER.findall(completion)
-    return _normalize(numbers[-1]) if numbers else None
-
-
-def _normalize(number: str) -> str:
-    number = number.replace(",", "")
-    sign = "-" if number.startswith("-") else ""
-    digits = number.lstrip("-").lstrip("0") or "0"
-    return "0" if digits == "0" else sign + digits
-
-
-def arithmetic_reward(completion: str, answer: str) -> RewardParts:
-    """1.0 for the right integer, plus 0.2 for emitting the '####' marker."""
-    correct = extract_answer(completion) == _normalize(answer.strip())
-    has_format = MARKER in completion
-    reward = CORRECT_REWARD * correct + FORMAT_REWARD * has_format
-    return RewardParts(reward=reward, correct=correct, format=has_format)
-
-
-def score(group: RolloutGroup) -> ScoredGroup:
+def score(config: RunConfig, group: RolloutGroup) -> ScoredGroup:
     started = time.perf_counter()
-    rewards = [arithmetic_reward(r.text, group.example.answer) for r in group.rollouts]
+    rewards = score_completions(
+        [r.text for r in group.rollouts],
+        question=group.example.question,
+        answer=group.example.answer,
+        num_tokens=[len(r.completion_ids) for r in group.rollouts],
+        max_new_tokens=config.max_new_tokens,
+        weights=config.rewards,
+        on_error=config.on_reward_error,
+    )
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 
 
 @reward_env.task(retries=2)
-async def score_group(group: RolloutGroup) -> ScoredGroup:
-    """Score every completion of one prompt group."""
-    return score(group)
+async def score_group(config: RunConfig, group: RolloutGroup) -> ScoredGroup:
+    """Score every completion of one prompt group with the config's weighted rewards."""
+    return score(config, group)
 
 
 @reward_env.task(retries=2)
-async def score_groups(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+async def score_groups(config: RunConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
-    return [score(g) for g in groups]
+    return [score(config, g) for g in groups]

@@ -316,7 +316,9 @@ _adapter_dirs = LocalDirCache(cache_root() / "replica" / f"adapters-{os.getpid()
 
 
 def tokenize_prompt(tokenizer, example: Example, config: RunConfig) -> list[int]:
-    text = render_prompt(example.question, config.prompt_format, tokenizer, config.enable_thinking)
+    text = render_prompt(
+        example.question, config.prompt_format, tokenizer, config.enable_thinking, config.system_prompt, config.answer_instruction
+    )
     # The chat template already wrote the special tokens; the plain template gets the tokenizer's.
     ids = tokenizer(text, add_special_tokens=config.prompt_format == "plain")["input_ids"]
     if len(ids) > config.max_prompt_tokens:

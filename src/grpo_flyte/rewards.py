@@ -1,0 +1,301 @@
+"""Reward functions and their weighted composition (pure: no Flyte, no torch).
+
+A reward function scores a batch of completions of one prompt:
+
+    def my_reward(completions: list[str], *, answer: str, **kwargs) -> list[float]
+
+It receives keyword arguments `answer` (the gold answer), `question`, `num_tokens` (each
+completion's length in tokens) and `max_new_tokens`; accept `**kwargs` for the ones you do not
+use. It returns one finite number per completion. The config's `rewards` maps names to weights:
+the built-in `correct`, `format`, `tags` and `length`, or `module:function` for your own. The
+reward of a completion is the weighted sum; every reward's own score is kept for the metrics.
+
+Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
+start of the completion that broke it; with `on_reward_error='zero'` it scores 0 and is counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+MARKER = "####"
+# Model output is shown in error messages up to this many characters.
+SHOWN_CHARS = 120
+
+_INTEGER = re.compile(r"-?\d[\d,]*")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_TAGGED = re.compile(r"\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*", re.DOTALL)
+_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+_CUSTOM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something other than one finite number per completion."""
+
+
+class RewardSpecError(ValueError):
+    """A `rewards` entry that names no built-in reward and no importable module:function."""
+
+
+class RewardParts(BaseModel):
+    """The reward of one completion, with each named reward's unweighted score.
+
+    `correct` and `format` are always measured (for the accuracy and format-rate metrics), whether
+    or not they are weighted rewards. `errors` names the rewards that failed and scored 0
+    (on_reward_error='zero').
+    """
+
+    reward: float
+    correct: bool
+    format: bool
+    scores: dict[str, float] = {}
+    errors: list[str] = []
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def extract_answer(completion: str) -> str | None:
+    """The integer after the last '####', else the last integer in the text; None if there is none."""
+    if MARKER in completion:
+        match = _INTEGER.search(completion.rsplit(MARKER, 1)[1])
+        if match:
+            return normalize_integer(match.group(0))
+    numbers = _INTEGER.findall(completion)
+    return normalize_integer(numbers[-1]) if numbers else None
+
+
+def normalize_integer(number: str) -> str:
+    number = number.replace(",", "")
+    sign = "-" if number.startswith("-") else ""
+    digits = number.lstrip("-").lstrip("0") or "0"
+    return "0" if digits == "0" else sign + digits
+
+
+def answer_span(completion: str) -> str | None:
+    """Where a completion states its answer: the last <answer>...</answer>, else the first token
+    after the last '####' (trailing punctuation dropped); None when it states none."""
+    tagged = _ANSWER_TAG.findall(completion)
+    if tagged and tagged[-1].strip():
+        return tagged[-1].strip()
+    if MARKER in completion:
+        tail = completion.rsplit(MARKER, 1)[1].split()
+        if tail and tail[0].rstrip(".,;:!"):
+            return tail[0].rstrip(".,;:!")
+    return None
+
+
+def _parse_math(text: str) -> list:
+    from math_verify import parse
+
+    # parsing_timeout=None: math-verify's timeout uses signal.alarm, which only works in the main
+    # thread, and Flyte runs tasks off it. Inputs are short: a gold answer or one completion.
+    return parse(text, parsing_timeout=None)
+
+
+def gold_is_usable(answer: str) -> bool:
+    """Whether a gold answer can be compared: math-verify parses it, or it is an integer."""
+    answer = answer.strip()
+    if not answer:
+        return False
+    if _INTEGER.fullmatch(answer):
+        return True
+    return bool(_parse_math(answer))
+
+
+@functools.lru_cache(maxsize=16_384)
+def is_correct(completion: str, answer: str) -> bool:
+    """Whether the completion's answer equals the gold answer.
+
+    math-verify compares the stated answer (see `answer_span`; the whole completion when it states
+    none) numerically and symbolically: 72 = 72.0, 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000. When
+    math-verify finds no expression on either side, the plain integer match decides.
+    """
+    from math_verify import verify
+
+    span = answer_span(completion)
+    gold = _parse_math(answer)
+    predicted = _parse_math(span) if span is not None else []
+    if not predicted:
+        predicted = _parse_math(completion)
+    if gold and predicted:
+        return bool(verify(gold, predicted, timeout_seconds=None))
+    found = extract_answer(completion)
+    return found is not None and _INTEGER.fullmatch(answer.strip()) is not None and found == normalize_integer(answer.strip())
+
+
+# --------------------------------------------------------------------------- built-in rewards
+
+
+def correct_reward(completions: list[str], *, answer: str, **_: Any) -> list[float]:
+    """1 when the answer is right (math-verify, integer fallback), else 0."""
+    return [float(is_correct(c, answer)) for c in completions]
+
+
+def format_reward(completions: list[str], **_: Any) -> list[float]:
+    """1 when the completion contains the '####' answer marker, else 0."""
+    return [float(MARKER in c) for c in completions]
+
+
+def tags_reward(completions: list[str], **_: Any) -> list[float]:
+    """1 for exactly '<reasoning>...</reasoning><answer>...</answer>'; otherwise 0.25 for each of
+    the four tags that appears exactly once (partial credit that the model can climb)."""
+    return [1.0 if _TAGGED.fullmatch(c) else 0.25 * sum(c.count(tag) == 1 for tag in _TAGS) for c in completions]
+
+
+def length_reward(completions: list[str], *, num_tokens: Sequence[int], max_new_tokens: int, **_: Any) -> list[float]:
+    """A soft penalty near the token limit: 0 up to 3/4 of max_new_tokens, then falling linearly to
+    -1 at the limit (DAPO's overlong shaping)."""
+    window = max(1, max_new_tokens // 4)
+    start = max_new_tokens - window
+    return [-min(1.0, max(0, n - start) / window) for n in num_tokens]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "correct": correct_reward,
+    "format": format_reward,
+    "tags": tags_reward,
+    "length": length_reward,
+}
+
+
+def check_reward_name(name: str) -> None:
+    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
+    if name not in BUILTIN_REWARDS and not _CUSTOM.fullmatch(name):
+        raise ValueError(
+            f"unknown reward {name!r}; expected one of {', '.join(BUILTIN_REWARDS)} or 'module:function'"
+        )
+
+
+@functools.cache
+def resolve_reward(name: str) -> RewardFn:
+    """The function of a reward name: a built-in, or `module:function` imported from the path."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    try:
+        check_reward_name(name)
+    except ValueError as exc:
+        raise RewardSpecError(f"--rewards: {exc}") from None
+    module_name, attr = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- any import-time failure of user code is reported alike
+        raise RewardSpecError(
+            f"--rewards {name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardSpecError(f"--rewards {name!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+# --------------------------------------------------------------------------- composition
+
+
+def _show(text: str) -> str:
+    return repr(text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else ""))
+
+
+def _checked(name: str, values: Any, count: int) -> list[float]:
+    """The scores as floats, or RewardError unless they are `count` finite numbers."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise RewardError(f"reward {name!r} returned {type(values).__name__}; expected a list of {count} numbers")
+    if len(values) != count:
+        raise RewardError(f"reward {name!r} returned {len(values)} scores for {count} completions")
+    scores = []
+    for value in values:
+        try:
+            score = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name!r} returned {value!r}; expected a number") from None
+        if not math.isfinite(score):
+            raise RewardError(f"reward {name!r} returned {score}; expected a finite number")
+        scores.append(score)
+    return scores
+
+
+def _call(name: str, fn: RewardFn, completions: list[str], num_tokens: Sequence[int], context: Mapping[str, Any]) -> list[float]:
+    try:
+        values = fn(list(completions), num_tokens=list(num_tokens), **context)
+    except Exception as exc:  # noqa: BLE001 -- user code: report any failure with its reward's name
+        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+    return _checked(name, values, len(completions))
+
+
+def run_reward(
+    name: str,
+    completions: list[str],
+    num_tokens: Sequence[int],
+    context: Mapping[str, Any],
+    on_error: str,
+) -> tuple[list[float], list[bool]]:
+    """One reward's scores for a group, and which completions it failed on.
+
+    The group is scored in one call. If that fails, each completion is scored alone to find the
+    ones that break it: with on_error='fail' the first is reported (the reward's name, the problem
+    and the start of the completion); with 'zero' they score 0 and are flagged.
+    """
+    fn = resolve_reward(name)
+    try:
+        return _call(name, fn, completions, num_tokens, context), [False] * len(completions)
+    except RewardError as batch_error:
+        scores, failed = [], []
+        for i, (completion, n) in enumerate(zip(completions, num_tokens, strict=True)):
+            try:
+                scores.append(_call(name, fn, [completion], [n], context)[0])
+                failed.append(False)
+            except RewardError as exc:
+                if on_error != "zero":
+                    raise RewardError(
+                        f"{exc} on completion {i + 1} of {len(completions)}, which starts {_show(completion)} "
+                        "(on_reward_error='zero' scores such completions 0 and counts them instead)"
+                    ) from exc.__cause__
+                scores.append(0.0)
+                failed.append(True)
+        if not any(failed) and on_error != "zero":
+            # Each completion scores alone but the batch call did not: a batch-size bug.
+            raise RewardError(f"{batch_error} (first completion starts {_show(completions[0])})") from batch_error.__cause__
+        return scores, failed
+
+
+def score_completions(
+    completions: list[str],
+    *,
+    question: str,
+    answer: str,
+    num_tokens: Sequence[int],
+    max_new_tokens: int,
+    weights: Mapping[str, float],
+    on_error: str = "fail",
+) -> list[RewardParts]:
+    """Every completion's weighted reward, its per-reward scores, and its correct/format flags."""
+    context = {"question": question, "answer": answer, "max_new_tokens": max_new_tokens}
+    scores: dict[str, list[float]] = {}
+    failures: dict[str, list[bool]] = {}
+    for name in weights:
+        scores[name], failures[name] = run_reward(name, completions, num_tokens, context, on_error)
+    return [
+        RewardParts(
+            reward=sum(weight * scores[name][i] for name, weight in weights.items()),
+            correct=is_correct(c, answer),
+            format=MARKER in c,
+            scores={name: scores[name][i] for name in weights},
+            errors=[name for name in weights if failures[name][i]],
+        )
+        for i, c in enumerate(completions)
+    ]
+
+
+# math-verify warns on every call that its timeout is off; it is off on purpose (see _parse_math).
+logging.getLogger("math_verify").setLevel(logging.ERROR)

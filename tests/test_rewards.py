@@ -1,0 +1,236 @@
+"""The reward functions and their weighted composition, against hand-computed values."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from grpo_flyte import rewards
+from grpo_flyte.config import DEFAULT_REWARDS, ConfigError, make_config
+from grpo_flyte.rewards import (
+    RewardError,
+    RewardSpecError,
+    answer_span,
+    extract_answer,
+    format_reward,
+    is_correct,
+    length_reward,
+    resolve_reward,
+    score_completions,
+    tags_reward,
+)
+
+# --------------------------------------------------------------------------- extract_answer (integer fallback)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 + 4 is 7, so\n#### 7", "7"),
+        ("#### 12 and then 99 more words", "12"),  # the number right after the marker wins
+        ("first #### 3 then #### 5", "5"),  # the last marker wins
+        ("I think it is 41, no, 42.", "42"),  # no marker: last integer
+        ("#### -17", "-17"),
+        ("#### 1,234", "1234"),
+        ("#### 007", "7"),
+        ("#### -0", "0"),
+        ("The answer is 42 ####", "42"),  # marker with no number after it: fall back
+        ("", None),
+        ("####", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+# --------------------------------------------------------------------------- answer_span and is_correct
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so 5 + 7 = 12\n#### 12", "12"),
+        ("#### 12. Then 99 more words", "12"),  # the first token after the marker, punctuation dropped
+        ("first #### 3 then #### 5", "5"),
+        ("<reasoning>2 and 2</reasoning><answer> 4 </answer>", "4"),
+        ("<answer>1</answer> #### 2", "1"),  # the answer tag wins over the marker
+        ("no marker, 42", None),
+        ("#### ", None),
+    ],
+)
+def test_answer_span(text, expected):
+    assert answer_span(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("5 + 7 = 12\n#### 12", "12", True),
+        ("#### 72.0", "72", True),  # numeric equivalence
+        ("#### 1,000", "1000", True),
+        ("<answer>1/2</answer>", "0.5", True),  # symbolic equivalence
+        ("#### \\frac{3}{4}", "0.75", True),
+        ("#### $18.00", "18", True),
+        ("#### 3", "3.5", False),  # no integer truncation
+        ("#### 13", "12", False),
+        ("#### -5", "5", False),  # the sign matters
+        ("#### 12 and then 99 more words", "12", True),
+        ("it is 42.", "42", True),  # no stated answer: the whole completion
+        ("The answer is 42 ####", "42", True),
+        ("no idea", "42", False),
+    ],
+)
+def test_is_correct(completion, answer, expected):
+    assert is_correct(completion, answer) is expected
+
+
+def test_is_correct_falls_back_to_the_integer_match_when_math_verify_finds_nothing(monkeypatch):
+    monkeypatch.setattr(rewards, "_parse_math", lambda text: [])
+    is_correct.cache_clear()
+    try:
+        assert is_correct("so #### 1,024", "1024") is True
+        assert is_correct("so #### 1,025", "1024") is False
+        assert is_correct("#### 0.5", "1/2") is False  # no integer gold: no fallback match
+    finally:
+        is_correct.cache_clear()
+
+
+# --------------------------------------------------------------------------- built-in rewards
+
+
+def test_format_and_tags_rewards():
+    texts = [
+        "#### 4",
+        "<reasoning>2+2</reasoning>\n<answer>4</answer>",  # exact structure
+        "<reasoning>2+2</reasoning> and then <answer>4</answer>",  # all four tags, extra text
+        "<reasoning>2+2</reasoning>",  # two of four tags
+        "<answer>4</answer><answer>5</answer>",  # repeated tags earn nothing
+    ]
+    assert format_reward(texts) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert tags_reward(texts) == [0.0, 1.0, 1.0, 0.5, 0.0]
+
+
+def test_length_reward_is_a_soft_penalty_over_the_last_quarter():
+    # max_new_tokens=64: the window is 16 tokens, from 48 to 64
+    assert length_reward(["x"] * 5, num_tokens=[10, 48, 52, 56, 64], max_new_tokens=64) == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert length_reward(["x"], num_tokens=[3], max_new_tokens=3) == [-1.0]  # window of at least one token
+
+
+# --------------------------------------------------------------------------- composition
+
+
+def _score(completions, weights=DEFAULT_REWARDS, on_error="fail", answer="12"):
+    return score_completions(
+        completions,
+        question="What is 5 + 7?",
+        answer=answer,
+        num_tokens=[len(c) for c in completions],
+        max_new_tokens=64,
+        weights=weights,
+        on_error=on_error,
+    )
+
+
+def test_default_weights_reproduce_one_for_correct_plus_0_2_for_format():
+    parts = _score(["5 + 7 = 12\n#### 12", "5 + 7 = 12", "#### 13", "it is 13"])
+    assert [p.reward for p in parts] == pytest.approx([1.2, 1.0, 0.2, 0.0])
+    assert [p.correct for p in parts] == [True, True, False, False]
+    assert [p.format for p in parts] == [True, False, True, False]
+    assert parts[0].scores == {"correct": 1.0, "format": 1.0}
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def custom_module(tmp_path, monkeypatch):
+    """Write a module of reward functions and return its (unique) importable name."""
+
+    def write(source: str) -> str:
+        name = f"user_rewards_{next(_counter)}"
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        return name
+
+    return write
+
+
+def test_weighted_mix_with_a_custom_reward_keeps_each_score(custom_module):
+    module = custom_module(
+        "def brevity(completions, *, num_tokens, max_new_tokens, question, answer, **kwargs):\n"
+        "    return [1 - n / max_new_tokens for n in num_tokens]\n"
+    )
+    weights = {"correct": 1.0, "format": 0.5, f"{module}:brevity": 2.0}
+    parts = _score(["#### 12" + " " * 25, "#### 13"], weights)  # 32 and 7 "tokens" here
+    assert parts[0].scores == {"correct": 1.0, "format": 1.0, f"{module}:brevity": 0.5}
+    assert parts[0].reward == pytest.approx(1.0 + 0.5 + 2.0 * 0.5)
+    assert parts[1].reward == pytest.approx(0.0 + 0.5 + 2.0 * (1 - 7 / 64))
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("_oops() if any('bad' in c for c in completions) else [1.0] * len(completions)",
+         r"raised KeyError: 'oops' on completion 2 of 3, which starts 'bad answer #### 12"),
+        ("[float('nan') if 'bad' in c else 1.0 for c in completions]", r"returned nan; expected a finite number on completion 2 of 3"),
+        ("['high' if 'bad' in c else 1.0 for c in completions]", r"returned 'high'; expected a number on completion 2"),
+    ],
+)
+def test_a_failing_reward_names_itself_and_the_completion(custom_module, body, message):
+    module = custom_module(
+        f"def _oops():\n    raise KeyError('oops')\n\ndef judge(completions, **kwargs):\n    return {body}\n"
+    )
+    texts = ["#### 12", "bad answer #### 12 " + "x" * 300, "#### 11"]
+    with pytest.raises(RewardError, match=f"reward '{module}:judge' {message}") as info:
+        _score(texts, {"correct": 1.0, f"{module}:judge": 1.0})
+    assert "x" * 200 not in str(info.value)  # only the start of the completion is shown
+    parts = _score(texts, {"correct": 1.0, f"{module}:judge": 1.0}, on_error="zero")
+    assert [p.reward for p in parts] == [2.0, 1.0, 1.0]
+    assert [p.errors for p in parts] == [[], [f"{module}:judge"], []]
+    assert parts[1].scores[f"{module}:judge"] == 0.0
+
+
+def test_a_reward_returning_the_wrong_count(custom_module):
+    module = custom_module("def short(completions, **kwargs):\n    return [1.0]\n")  # right only for one
+    with pytest.raises(RewardError, match=rf"reward '{module}:short' returned 1 scores for 2 completions"):
+        _score(["#### 12", "#### 11"], {f"{module}:short": 1.0})
+    # scored one by one it is right, so 'zero' keeps those scores and counts no failure
+    parts = _score(["#### 12", "#### 11"], {f"{module}:short": 1.0}, on_error="zero")
+    assert [(p.reward, p.errors) for p in parts] == [(1.0, []), (1.0, [])]
+
+
+def test_a_reward_returning_a_scalar(custom_module):
+    module = custom_module("def scalar(completions, **kwargs):\n    return 1.0\n")
+    with pytest.raises(RewardError, match=rf"reward '{module}:scalar' returned float; expected a list of 1 numbers"):
+        _score(["#### 12"], {f"{module}:scalar": 1.0})
+
+
+def test_resolve_reward_errors(custom_module):
+    module = custom_module("VALUE = 3\n")
+    with pytest.raises(RewardSpecError, match=rf"module '{module}' has no function 'missing'"):
+        resolve_reward(f"{module}:missing")
+    with pytest.raises(RewardSpecError, match=rf"module '{module}' has no function 'VALUE'"):
+        resolve_reward(f"{module}:VALUE")
+    with pytest.raises(RewardSpecError, match=r"cannot import module 'no_such_module_here' \(ModuleNotFoundError"):
+        resolve_reward("no_such_module_here:fn")
+    assert resolve_reward("tags") is tags_reward
+
+
+@pytest.mark.parametrize(
+    ("rewards", "message"),
+    [
+        ({"corect": 1.0}, r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length or 'module:function'"),
+        ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
+        ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),
+        ({"my mod:fn": 1.0}, r"unknown reward 'my mod:fn'"),
+    ],
+)
+def test_config_rejects_bad_rewards(rewards, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(rewards=rewards)
+
+
+def test_config_rejects_an_unknown_error_policy():
+    with pytest.raises(ConfigError, match=r"--on-reward-error='skip'"):
+        make_config(on_reward_error="skip")
