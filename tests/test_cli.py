@@ -254,6 +254,17 @@ def _make_small_jsonl(d: Path) -> None:
     (d / "small.jsonl").write_text("".join(f'{{"question": "What is {i} + 1?", "answer": {i + 1}}}\n' for i in range(3)))
 
 
+def _make_bad_gsm8k(d: Path) -> None:
+    good = {"question": "Tom has 3 pens and buys 2. How many now?", "answer": "3+2=<<3+2=5>>5\n#### 5"}
+    bad = {"question": "Sue has 4 cats. How many legs?", "answer": "Each cat has 4 legs, so 16 legs.\n#### "}
+    (d / "gsm.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+
+
+def _make_csvs(d: Path) -> None:
+    (d / "cols.csv").write_text("q,a\nWhat is 1 + 1?,2\n")
+    (d / "rows.csv").write_text("question,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,\n")
+
+
 def _make_bad_yaml(d: Path) -> None:
     (d / "bad.yaml").write_text("group_size: [3\n")
 
@@ -281,6 +292,18 @@ BAD_INPUT_IN_PROCESS = [
      _make_small_jsonl, ["--eval-size=3", "small.jsonl", "3 examples"]),
     ("loss-type", ["--local", "--loss-type", "ppo", "--run-dir", "D"], None, ["--loss-type", "ppo"]),
     ("epsilon-zero", ["--local", "--epsilon", "0", "--run-dir", "D"], None, ["--epsilon=0.0"]),
+    ("gsm8k-row-without-answer", ["--local", "--dataset", "gsm.jsonl", "--eval-size", "0", "--run-dir", "D"],
+     _make_bad_gsm8k, ["gsm.jsonl", "line 3", "no usable answer in 'answer'"]),
+    ("csv-missing-column", ["--local", "--dataset", "cols.csv", "--run-dir", "D"], _make_csvs,
+     ["cols.csv", "no column 'question' (columns: q, a)", "--question-column"]),
+    ("csv-row-without-answer", ["--local", "--dataset", "rows.csv", "--run-dir", "D"], _make_csvs,
+     ["rows.csv", "row 2", "no usable answer"]),
+    ("reward-unknown-name", ["--local", "--rewards", "corect=1", "--run-dir", "D"], None,
+     ["unknown reward 'corect'", "module:function"]),
+    ("reward-module-missing", ["--local", "--rewards", "correct=1,no_such_mod:judge=0.5", "--run-dir", "D"], None,
+     ["'no_such_mod:judge'", "cannot import module 'no_such_mod'"]),
+    ("reward-weight-not-a-number", ["--local", "--rewards", "correct=high", "--run-dir", "D"], None,
+     ["--rewards", "high"]),
 ]
 
 

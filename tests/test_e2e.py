@@ -341,3 +341,132 @@ def test_embedded_model_short_run(tmp_path, embedded_dir):
     report = (run_dir / "report.html").read_text()
     assert "What is" in report
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# --------------------------------------------------------------------------- real tasks (issue 4)
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_SAMPLE = REPO / "examples" / "data" / "gsm8k_sample.jsonl"
+CUSTOM = "examples.custom_reward:shows_work"
+
+
+def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tmp_path, tiny_model_dir, monkeypatch):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.syspath_prepend(str(REPO))  # examples.custom_reward imports from the repository root
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(GSM8K_SAMPLE), "--prompt-format", "chat",
+            "--rewards", f"correct=1.0,format=0.2,{CUSTOM}=0.3", *TINY, "--eval-size", "4", "--num-iterations", "2",
+            "--export-merged", "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    rows = read_metrics(run_dir)
+    names = ("correct", "format", CUSTOM)
+    for row in rows[1:]:
+        # each reward is its own metric, and the reward is their weighted sum
+        assert {f"reward/{n}" for n in names} <= row.keys() and row["reward_errors"] == 0
+        weighted = row["reward/correct"] + 0.2 * row["reward/format"] + 0.3 * row[f"reward/{CUSTOM}"]
+        assert row["mean_reward"] == pytest.approx(weighted)
+    assert {f"eval_reward/{n}" for n in names} <= rows[0].keys() and rows[0]["eval_size"] == 4
+    answers = [json.loads(x) for x in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    gold = {json.loads(x)["question"]: json.loads(x)["answer"].rsplit("####", 1)[1].strip() for x in GSM8K_SAMPLE.read_text().splitlines()}
+    assert all(a["answer"] == gold[a["question"]] for a in answers)  # the gold answer is the text after ####
+    assert all(set(a["scores"]) == set(names) for a in answers)
+    report = (run_dir / "report.html").read_text()
+    for n in names:
+        assert f"Reward &#x27;{n}&#x27; (mean score)" in report
+
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
+    tok = AutoTokenizer.from_pretrained(run_dir / "merged")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = merged.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 5 or tok.eos_token_id in out[0].tolist()
+
+
+def _failing_reward_module(tmp_path: Path, monkeypatch) -> str:
+    (tmp_path / "fragile_reward.py").write_text(
+        "def judge(completions, **kwargs):\n"
+        "    if len(completions) == 1:\n"
+        "        raise ValueError('cannot judge this one')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "fragile_reward:judge"
+
+
+def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    name = _failing_reward_module(tmp_path, monkeypatch)
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--num-iterations", "1",
+            "--rewards", f"correct=1,{name}=1", "--run-dir", str(run_dir)]
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main(args) == 1
+    failure = "\n".join(r.getMessage() for r in caplog.records)
+    # the evaluation before training scores one completion per question: the reward raises there
+    assert f"reward '{name}' raised ValueError: cannot judge this one on completion 1 of 1, which starts" in failure
+    assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
+    assert "failed" in (run_dir / "report.html").read_text()
+
+
+def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_model_dir, monkeypatch):
+    name = _failing_reward_module(tmp_path, monkeypatch)
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--num-iterations", "1",
+            "--rewards", f"correct=1,{name}=1", "--on-reward-error", "zero", "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    rows = read_metrics(run_dir)
+    assert rows[0]["eval_reward_errors"] == 2  # both held-out answers, scored alone, failed
+    assert rows[1]["reward_errors"] == 0  # groups of 3: the batch call works
+    assert "Reward errors (scored 0)" in (run_dir / "report.html").read_text()
+
+
+def _wandb_history(run_dir: Path) -> tuple[str, list[dict]]:
+    """The run id and logged rows of an offline W&B run, read from its .wandb file.
+
+    The file is a LevelDB-style log (a 7-byte header, then 32 KiB blocks of records, each with a
+    7-byte header: crc, length, type) of wandb's protobuf Records.
+    """
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, block, records, buf = path.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            records.append(buf)
+            buf = b""
+    run_id, rows = "", []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id = record.run.run_id
+        elif kind == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+    return run_id, rows
+
+
+def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "2", "--wandb-project", "grpo-test",
+            "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    run_id, logged = _wandb_history(run_dir)
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in logged] == [r["iteration"] for r in rows] == [0, 1, 2]
+    for got, want in zip(logged, rows, strict=True):
+        assert got["mean_reward" if "mean_reward" in want else "eval_reward"] == pytest.approx(
+            want["mean_reward" if "mean_reward" in want else "eval_reward"])
+        assert got["_step"] == want["iteration"]
+    assert len(run_id) == 12

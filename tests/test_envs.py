@@ -136,7 +136,7 @@ _PROBE = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import grpo_flyte.driver, grpo_flyte.cli
-    heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm") if m in sys.modules)
+    heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm", "datasets", "math_verify", "sympy", "wandb") if m in sys.modules)
     import flyte.extras
     from flyte.models import SerializationContext
     from grpo_flyte import envs
@@ -146,7 +146,8 @@ _PROBE = textwrap.dedent(
         for spec in flyte.extras.serialize_env(env, ctx):
             tt = spec.task_template
             dev[tt.id.name] = tt.extended_resources.gpu_accelerator.device
-    print(json.dumps({"heavy": heavy, "flyte": "flyte" in sys.modules, "devices": dev}))
+    driver_secrets = [(s.key, s.as_env_var) for s in envs.driver_env.secrets]
+    print(json.dumps({"heavy": heavy, "flyte": "flyte" in sys.modules, "devices": dev, "driver_secrets": driver_secrets}))
     """
 )
 
@@ -155,6 +156,7 @@ _PROBE = textwrap.dedent(
 def probe_a100():
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
     env["GRPO_FLYTE_ROLLOUT_GPU"] = "A100:1"
+    env["GRPO_FLYTE_WANDB_SECRET"] = "wandb-key"
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120
     )
@@ -165,6 +167,11 @@ def probe_a100():
 def test_importing_the_driver_leaves_heavy_libraries_out(probe_a100):
     assert probe_a100["flyte"] is True
     assert probe_a100["heavy"] == []
+
+
+def test_wandb_secret_env_var_gives_the_driver_the_key(probe_a100):
+    assert probe_a100["driver_secrets"] == [["wandb-key", "WANDB_API_KEY"]]
+    assert list(envs.driver_env.secrets or []) == []  # unset here: no secret requested
 
 
 def test_rollout_gpu_env_var_changes_the_device(probe_a100):

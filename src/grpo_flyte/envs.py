@@ -34,6 +34,9 @@ class DeploySettings(BaseSettings):
     train_cpu: int = Field(4, ge=1)
     train_memory: str = "24Gi"
     hf_token_secret: str = Field("hf-token", description="Name of the Flyte secret holding a Hugging Face token.")
+    wandb_secret: str | None = Field(
+        None, description="Name of a Flyte secret holding a W&B API key, given to the driver (for --wandb-project)."
+    )
     registry: str | None = Field(None, description="Container registry the image is pushed to.")
 
 
@@ -65,6 +68,9 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "async-lru>=2.0",
         "pydantic-settings>=2.6",
         "pyyaml>=6",
+        "datasets>=3.0",
+        "math-verify>=0.8",
+        "wandb>=0.19",
     )
     requirement = _package_requirement()
     if requirement:
@@ -115,6 +121,7 @@ driver_env = flyte.TaskEnvironment(
     description="The GRPO loop: generate, score, train, report, checkpoint.",
     image=image,
     resources=flyte.Resources(cpu=1, memory="2Gi"),
+    secrets=[flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else [],
     # The driver submits tasks of the other three environments; depends_on puts their images in
     # the run's image cache.
     depends_on=[rollout_env, reward_env, train_env],

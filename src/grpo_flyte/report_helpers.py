@@ -342,7 +342,7 @@ def reward_charts(history: Sequence[Mapping]) -> list[tuple[str, tuple[str, ...]
     the same axes), plus the failed-score count when any reward failed."""
     names = dict.fromkeys(key.split("/", 1)[1] for row in history for key in row if key.startswith("reward/"))
     charts = [(f"Reward {name!r} (mean score)", (f"reward/{name}", f"eval_reward/{name}")) for name in names]
-    if any(row.get("reward_errors") for row in history):
+    if any(row.get("reward_errors") or row.get("eval_reward_errors") for row in history):
         charts.append(("Reward errors (scored 0)", ("reward_errors", "eval_reward_errors")))
     return charts
 
