@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo_flyte.config import RunConfig
 from grpo_flyte.data import (
     ANSWER_INSTRUCTION,
     ARITHMETIC_EVAL_SIZE,
@@ -32,7 +33,6 @@ from grpo_flyte.data import (
     topup_prompts,
     train_eval_split,
 )
-from grpo_flyte.config import RunConfig
 
 _QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

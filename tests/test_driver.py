@@ -9,7 +9,13 @@ from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example
-from grpo_flyte.driver import eval_due, iteration_metrics, mean_ci95, progress_line, reward_means
+from grpo_flyte.driver import (
+    eval_due,
+    iteration_metrics,
+    mean_ci95,
+    progress_line,
+    reward_means,
+)
 from grpo_flyte.reward import RewardParts, ScoredGroup
 from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
 from grpo_flyte.trainer import StepStats, TrainStepResult

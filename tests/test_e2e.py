@@ -351,7 +351,6 @@ CUSTOM = "examples.custom_reward:shows_work"
 
 
 def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tmp_path, tiny_model_dir, monkeypatch):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.syspath_prepend(str(REPO))  # examples.custom_reward imports from the repository root
@@ -470,3 +469,15 @@ def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monk
             want["mean_reward" if "mean_reward" in want else "eval_reward"])
         assert got["_step"] == want["iteration"]
     assert len(run_id) == 12
+
+
+def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(REPO))
+    from examples.my_loop import STAGES, curriculum
+
+    config = RunConfig(prompts_per_iter=4, group_size=2, max_new_tokens=4, eval_size=0)
+    run = flyte.with_runcontext(mode="local").run(curriculum, base_model=Dir(path=str(tiny_model_dir)), config=config)
+    adapter = run.outputs()[0]
+    assert adapter.version == len(STAGES)  # one train_step per stage
+    printed = capsys.readouterr().out
+    assert "stage 1: accuracy" in printed and f"adapter v{len(STAGES)}" in printed

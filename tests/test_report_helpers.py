@@ -296,3 +296,20 @@ def test_held_out_cards_compare_with_the_first_evaluation():
     assert "+0.25 since previous" in _section(cards, "stat-mean_reward", "</div></div>")
     assert "2 iterations finished" in document
     assert "Held-out evaluation" in _svgs(document)
+
+
+def test_each_named_reward_has_its_own_chart_with_held_out_on_the_same_axes():
+    history = [
+        {"iteration": 0, "eval_reward": 0.1, "eval_reward/correct": 0.1, "eval_reward/<b>mod:fn": 0.0},
+        _row(1, **{"reward/correct": 0.2, "reward/<b>mod:fn": 0.5, "reward_errors": 0}),
+        _row(2, **{"reward/correct": 0.4, "reward/<b>mod:fn": 0.7, "reward_errors": 0,
+                   "eval_reward/correct": 0.3, "eval_reward/<b>mod:fn": 0.6}),
+    ]
+    svgs = _svgs(_render(history))
+    correct = svgs["Reward &#x27;correct&#x27; (mean score)"]
+    assert correct.count("<circle") == 2 + 2  # train at iterations 1, 2; held out at 0, 2
+    custom = [title for title in svgs if title.startswith("Reward &#x27;&lt;b&gt;mod")]  # escaped like any text
+    assert len(custom) == 1 and svgs[custom[0]].count("<circle") == 4
+    assert "Reward errors (scored 0)" not in svgs  # no failures, no chart
+    history[2]["reward_errors"] = 3
+    assert _svgs(_render(history))["Reward errors (scored 0)"].count("<circle") == 2

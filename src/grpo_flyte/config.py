@@ -201,7 +201,9 @@ class RunConfig(BaseModel):
     @field_validator("rewards")
     @classmethod
     def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
-        from grpo_flyte.rewards import check_reward_name  # pure module: pydantic and re only
+        from grpo_flyte.rewards import (
+            check_reward_name,  # pure module: pydantic and re only
+        )
 
         if not rewards:
             raise ValueError("no rewards; expected at least one name=weight, e.g. correct=1.0")

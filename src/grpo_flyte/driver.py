@@ -351,7 +351,7 @@ async def train_rl(
 ) -> AdapterRef:
     """Run GRPO for `config.num_iterations` iterations and return the final adapter.
 
-    `examples` overrides `config.dataset` (the CLI passes the rows of a .jsonl file this way);
+    `examples` overrides `config.dataset` (the CLI passes the rows of a dataset file this way);
     `run_dir` is where a local run writes its files; `resume_from` is a checkpoint to continue from.
     """
     dataset, held_out = train_eval_split(config, examples)

@@ -228,7 +228,7 @@ def _checked(name: str, values: Any, count: int) -> list[float]:
 def _call(name: str, fn: RewardFn, completions: list[str], num_tokens: Sequence[int], context: Mapping[str, Any]) -> list[float]:
     try:
         values = fn(list(completions), num_tokens=list(num_tokens), **context)
-    except Exception as exc:  # noqa: BLE001 -- user code: report any failure with its reward's name
+    except Exception as exc:
         raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
     return _checked(name, values, len(completions))
 
