@@ -481,3 +481,30 @@ def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model
     assert adapter.version == len(STAGES)  # one train_step per stage
     printed = capsys.readouterr().out
     assert "stage 1: accuracy" in printed and f"adapter v{len(STAGES)}" in printed
+
+
+# --------------------------------------------------------------------------- failure drills (issue 5)
+
+
+def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tiny_model_dir, monkeypatch):
+    faults = tmp_path / "faults"
+    monkeypatch.setenv("GRPO_FLYTE_FAULTS", "generate=2,train_step=1")
+    monkeypatch.setenv("GRPO_FLYTE_FAULTS_DIR", str(faults))
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "2",
+            "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    assert sorted(p.name for p in faults.iterdir()) == ["generate-1", "generate-2", "train_step-1"]  # each fired
+    rows = read_metrics(run_dir)
+    assert [(r["iteration"], r["adapter_version"], r["num_rollouts"]) for r in rows] == [(1, 1, 6), (2, 2, 6)]
+    # the failed train_step attempt had written its adapter into a temporary folder: nothing of it is left
+    adapters = run_dir / "flyte" / "adapters"
+    assert sorted(p.name for p in adapters.iterdir()) == ["v0000", "v0001", "v0002"]
+
+
+def test_fault_spec_errors_are_clear(monkeypatch):
+    from grpo_flyte.faults import inject
+
+    monkeypatch.setenv("GRPO_FLYTE_FAULTS", "generate=once")
+    with pytest.raises(ValueError, match=r"GRPO_FLYTE_FAULTS='generate=once': expected name=count pairs"):
+        inject("generate")

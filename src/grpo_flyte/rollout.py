@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example, render_prompt
+from grpo_flyte.faults import inject
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.models import cache_root, torch_dtype
 
@@ -406,6 +407,7 @@ async def generate(
     config: RunConfig, base_model: Dir, adapter: AdapterRef, example: Example, index: int, seed: int
 ) -> RolloutGroup:
     """Sample `config.group_size` completions of one prompt with the given adapter."""
+    inject("generate")
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)

@@ -25,6 +25,7 @@ from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import train_env
 from grpo_flyte.files import build_dir_atomic
+from grpo_flyte.faults import inject
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterRef, LocalDirCache
@@ -373,6 +374,7 @@ async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, sc
             if sequences:
                 measured.append(grpo_step(model, optimizer, sequences, config))
             save_adapter(model, optimizer, version, out)
+            inject("train_step")  # test-only: a failure with the new adapter half-published
 
     new_dir = await publish_dir(build, f"v{version:04d}")
     return TrainStepResult(
