@@ -18,28 +18,9 @@ def embedded_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A 2-layer, 32-wide random Llama that shares SmolLM2's tokenizer and chat template."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from grpo_flyte.models import build_tiny_model
 
-    out = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), embedded_dir)
 
 
 @pytest.fixture

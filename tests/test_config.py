@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from pydantic import ValidationError
@@ -191,3 +192,53 @@ def test_objective_bounds_name_flag_and_value(field, value):
 def test_example_config_files_are_valid(path):
     config = make_config(**load_config_file(path))
     assert config != RunConfig()  # each example sets something
+
+
+# --------------------------------------------------------------------------- every field's invalid values
+
+
+def _invalid_values(name: str) -> list:
+    """Values of the wrong type for every field, plus each bound, pattern or choice crossed."""
+    import annotated_types
+
+    field = RunConfig.model_fields[name]
+    # no field takes a list (the one tuple field takes strings only)
+    values: list = [[1, 2] if field.annotation == tuple[str, ...] else ["a", "list"]]
+    for bound in field.metadata:
+        if isinstance(bound, annotated_types.Ge):
+            values.append(bound.ge - 1)
+        elif isinstance(bound, annotated_types.Gt):
+            values.append(bound.gt)
+        elif isinstance(bound, annotated_types.Le):
+            values.append(bound.le + 1)
+        elif isinstance(bound, annotated_types.Lt):
+            values.append(bound.lt)
+        elif isinstance(bound, annotated_types.MinLen):
+            values.append(() if field.annotation == tuple[str, ...] else "")
+    default = field.get_default(call_default_factory=True)
+    if getattr(field.annotation, "__origin__", None) is Literal:
+        values.append("nonsense")
+    elif isinstance(default, bool):
+        values.append("maybe")
+    elif isinstance(default, (int, float)):
+        values.append("abc")
+    elif isinstance(default, dict):
+        values += [{}, {"no such reward": 1.0}, {"correct": "high"}]
+    return values
+
+
+CUSTOM_CHECKS = {"dataset": ["data.json", "gsm9k"], "model": []}
+
+
+@pytest.mark.parametrize("name", list(RunConfig.model_fields))
+def test_every_field_rejects_its_invalid_values_naming_flag_and_value(name):
+    values = _invalid_values(name) + CUSTOM_CHECKS.get(name, [])
+    assert len(values) >= 2 or name in ("system_prompt", "answer_instruction", "wandb_project", "model"), (
+        f"{name}: add its invalid values to this matrix"
+    )
+    for value in values:
+        with pytest.raises(ConfigError) as info:
+            make_config(**{name: value})
+        message = str(info.value)
+        assert flag(name) in message, (name, value, message)
+        assert "\n" not in message

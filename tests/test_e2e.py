@@ -508,3 +508,24 @@ def test_fault_spec_errors_are_clear(monkeypatch):
     monkeypatch.setenv("GRPO_FLYTE_FAULTS", "generate=once")
     with pytest.raises(ValueError, match=r"GRPO_FLYTE_FAULTS='generate=once': expected name=count pairs"):
         inject("generate")
+
+
+@pytest.mark.parametrize("damaged", ["adapter_model.safetensors", "optimizer.pt"])
+def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_path, tiny_model_dir, caplog, damaged):
+    from grpo_flyte.trainer import OPTIMIZER_FILE
+
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "1",
+            "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    name = OPTIMIZER_FILE if damaged == "optimizer.pt" else damaged
+    latest = run_dir / "flyte" / "adapters" / "v0001"
+    target = latest / name
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # truncated, as by a full disk
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main([*args[:-4], "--num-iterations", "2", "--run-dir", str(run_dir), "--resume"]) == 1
+    failure = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"adapter {str(latest)!r}" in failure and "cannot be loaded" in failure
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir()) == ["v0000", "v0001"]

@@ -35,6 +35,10 @@ from grpo_flyte.models import cache_root, torch_dtype
 logger = logging.getLogger(__name__)
 
 
+class AdapterError(ValueError):
+    """An adapter directory that cannot be used; the message names it."""
+
+
 class AdapterRef(BaseModel):
     """A LoRA adapter version: PEFT files plus the optimizer state that produced it."""
 
@@ -125,10 +129,15 @@ class HFGenerator:
             return
         name = f"adapter{self._next_name}"
         self._next_name += 1
-        if self.model is None:
-            self.model = PeftModel.from_pretrained(self.base, adapter_path, adapter_name=name, is_trainable=False)
-        else:
-            self.model.load_adapter(adapter_path, adapter_name=name, is_trainable=False)
+        try:
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(self.base, adapter_path, adapter_name=name, is_trainable=False)
+            else:
+                self.model.load_adapter(adapter_path, adapter_name=name, is_trainable=False)
+        except Exception as exc:  # noqa: BLE001 -- a missing, truncated or foreign adapter fails in many ways
+            if self.model is not None and name in self.model.peft_config:
+                self.model.delete_adapter(name)  # nothing half-loaded stays in the warm engine
+            raise AdapterError(f"adapter {adapter_path!r} cannot be loaded ({type(exc).__name__}: {exc})") from None
         self.model.set_adapter(name)
         self.model.eval()
         self.adapters[adapter_path] = name

@@ -28,7 +28,7 @@ from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.faults import inject
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
-from grpo_flyte.rollout import AdapterRef, LocalDirCache
+from grpo_flyte.rollout import AdapterError, AdapterRef, LocalDirCache
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ class TrainStepResult(BaseModel):
     num_contributing: int  # rollouts with a nonzero advantage
     stats: StepStats
     train_s: float
-
-
-class AdapterError(ValueError):
-    """An adapter directory that cannot be used."""
 
 
 # One PEFT model per replica; the lock serializes steps (locally every task shares one process).
@@ -129,8 +125,10 @@ def load_adapter_state(model, adapter_path: str, config: RunConfig):
     optimizer = _optimizer(model, config)
     opt_file = Path(adapter_path) / OPTIMIZER_FILE
     if opt_file.is_file():
-        saved = torch.load(opt_file, map_location=best_device(), weights_only=True)
-        optimizer.load_state_dict(saved)
+        try:
+            optimizer.load_state_dict(torch.load(opt_file, map_location=best_device(), weights_only=True))
+        except Exception as exc:  # noqa: BLE001 -- a truncated or foreign file fails in many ways
+            raise AdapterError(f"adapter {adapter_path!r}: optimizer state {OPTIMIZER_FILE} cannot be loaded ({type(exc).__name__}: {exc})") from None
         for group in optimizer.param_groups:  # the config, not the file, sets the hyper-parameters
             group["lr"] = config.learning_rate
             group["weight_decay"] = config.weight_decay
