@@ -195,6 +195,7 @@ def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.is_file() and metrics.read_text().count("\n") >= 2:  # eval row + iteration 1
+            time.sleep(0.3)  # into iteration 2: its generate and train tasks are in flight
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished or died before it could be killed"
@@ -212,6 +213,12 @@ def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_
     # Old adapter versions are pruned (adapters_to_keep=3 by default).
     kept = sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir() if not p.name.startswith("."))
     assert kept == ["v0004", "v0005", "v0006"]
+    # and the final adapter loads
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), run_dir / "adapter")
+    assert any("lora_B" in n for n, _ in model.named_parameters())
 
 
 def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny_model_dir):
