@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from headless_chromium import Chromium, find_chromium
 
-from grpo_flyte.report_helpers import _SERIES_COLOURS, METRIC_CHARTS, render_report
+from grpo_flyte.report_helpers import _SERIES_COLOURS, METRIC_CHARTS, render_report, reward_charts
 
 try:
     from PIL import Image
@@ -82,6 +82,9 @@ def _iteration_row(i: int) -> dict[str, object]:
         "completion_len_mean": 30.0 - 2 * i,
         "completion_len_max": 64 - 4 * i,
         "truncated_fraction": 0.3 - 0.05 * i,
+        "reward/correct": 0.02 + 0.08 * i,
+        "reward/format": 0.20 + 0.15 * i,
+        "reward_errors": 0,
         "generate_s": 58.1 - i,
         "generate_tokens_per_s": 31.0 + i,
         "score_s": 0.1,
@@ -100,6 +103,9 @@ def _eval_metrics(i: int) -> dict[str, object]:
         "eval_accuracy": 0.1 + 0.05 * i,
         "eval_accuracy_ci95": 0.15,
         "eval_format_rate": 0.1 * i,
+        "eval_reward/correct": 0.1 + 0.05 * i,
+        "eval_reward/format": 0.1 * i,
+        "eval_reward_errors": 0,
         "eval_size": 20,
         "eval_s": 15.5,
     }
@@ -111,6 +117,10 @@ def _history() -> list[dict[str, object]]:
     for i in range(1, 5):
         history.append({**_iteration_row(i), **(_eval_metrics(i) if i % 2 == 0 else {})})
     return history
+
+
+# The charts of this history: the fixed ones, then one per named reward.
+ALL_CHARTS = (*METRIC_CHARTS, *reward_charts(_history()))
 
 
 def _report(tmp_path: Path, extra_head: str = "", strip_marks: bool = False) -> Path:
@@ -187,6 +197,7 @@ def _chart_problems(browser: Chromium, png: bytes) -> list[str]:
 def test_history_covers_every_chart():
     keys = {key for row in _history() for key in row}
     assert {key for _, chart_keys in METRIC_CHARTS for key in chart_keys} <= keys
+    assert [title for title, _ in reward_charts(_history())] == ["Reward 'correct' (mean score)", "Reward 'format' (mean score)"]
 
 
 def test_report_loads_without_errors_and_every_chart_draws_every_series(browser, tmp_path):
@@ -195,7 +206,7 @@ def test_report_loads_without_errors_and_every_chart_draws_every_series(browser,
     png = browser.screenshot()
     (tmp_path / "report.png").write_bytes(png)  # kept by pytest for a look when this fails
     charts = browser.evaluate(_CHARTS_JS)
-    assert [chart["title"] for chart in charts] == [title for title, _ in METRIC_CHARTS]
+    assert [chart["title"] for chart in charts] == [title for title, _ in ALL_CHARTS]
     assert all(series["marks"] >= 2 for chart in charts for series in chart["series"])  # a line and dots
     assert _chart_problems(browser, png) == []
 
@@ -243,7 +254,7 @@ def test_marks_check_catches_a_hidden_series(browser, tmp_path, rule, marks_left
     hide = f'<style>svg [stroke="{second}"],svg [fill="{second}"]{{{rule}}}</style>'
     browser.load(_report(tmp_path, extra_head=hide))
     problems = _chart_problems(browser, browser.screenshot())
-    charts_with_two = [title for title, keys in METRIC_CHARTS if len(keys) > 1]
+    charts_with_two = [title for title, keys in ALL_CHARTS if len(keys) > 1]
     assert [p.split(":")[0] for p in problems] == charts_with_two
     assert all(" 0 pixels" in p and (" 0 marks" not in p) == marks_left for p in problems), problems
 
@@ -251,4 +262,4 @@ def test_marks_check_catches_a_hidden_series(browser, tmp_path, rule, marks_left
 def test_marks_check_catches_charts_without_marks(browser, tmp_path):
     browser.load(_report(tmp_path, strip_marks=True))
     problems = _chart_problems(browser, browser.screenshot())
-    assert len(problems) == sum(len(keys) for _, keys in METRIC_CHARTS)
+    assert len(problems) == sum(len(keys) for _, keys in ALL_CHARTS)
