@@ -79,11 +79,15 @@ def report(result: dict) -> str:
         "",
         f"before (iteration {first['iteration']}): reward {first['eval_reward']:.3f}, accuracy {first['eval_accuracy']:.1%}",
         f"after (iteration {last['iteration']}):  reward {last['eval_reward']:.3f}, accuracy {last['eval_accuracy']:.1%}",
-        f"paired gain on the same {n} questions: reward {result['reward_gain']:+.3f} +- {result['reward_gain_ci95']:.3f}, "
-        f"accuracy {result['accuracy_gain']:+.1%} +- {result['accuracy_gain_ci95']:.1%}",
-        f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
-        f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
-        f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all",
+        (
+            f"paired gain on the same {n} questions: reward {result['reward_gain']:+.3f} +- {result['reward_gain_ci95']:.3f}, "
+            f"accuracy {result['accuracy_gain']:+.1%} +- {result['accuracy_gain_ci95']:.1%}"
+        ),
+        (
+            f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
+            f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
+            f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all"
+        ),
     ]
     return "\n".join(lines)
 

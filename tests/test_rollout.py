@@ -237,3 +237,46 @@ def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
     assert llm.removed == [1]
     gen.generate_many([sampled], "/adapters/v2")  # still loaded: same id, nothing evicted
     assert llm.calls[-1][2].id == 2 and llm.removed == [1]
+
+
+# --------------------------------------------------------------------------- coalescing
+
+
+class FakeEngine:
+    """Records each batch generate_many is asked for; one empty rollout per completion."""
+
+    tokenizer = None
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def generate_many(self, requests, adapter_path):
+        self.batches.append([r.seed for r in requests])
+        rollout = Rollout(completion_ids=[2], sampling_logprobs=[-0.5], finish_reason="stop", text="")
+        return [[rollout] * r.group_size for r in requests]
+
+
+def test_concurrent_generate_calls_share_one_batch_in_seed_order(monkeypatch, tmp_path):
+    """More groups than asyncio's default executor has threads (6 on a 2-core machine) still land
+    in one batch, ordered by seed whatever order they arrived in."""
+    from grpo_flyte import rollout
+    from grpo_flyte.config import RunConfig
+    from grpo_flyte.data import Example
+
+    engine = FakeEngine()
+    monkeypatch.setattr(rollout, "get_engine", lambda config, model_path: engine)
+    monkeypatch.setattr(rollout, "tokenize_prompt", lambda tokenizer, example, config: [1, len(example.question)])
+    config = RunConfig(group_size=2)
+    adapter = rollout.AdapterRef(version=0, dir=Dir(path=str(tmp_path)))
+    seeds = [50, 10, 40, 30, 20, 70, 60, 80, 90, 15, 25, 35]
+
+    async def run_all():
+        return await asyncio.gather(*[
+            rollout.generate(config, Dir(path=str(tmp_path)), adapter, Example(question=f"q{i}", answer="1"), i, seed)
+            for i, seed in enumerate(seeds)
+        ])  # fmt: skip
+
+    groups = asyncio.run(run_all())
+    assert engine.batches == [sorted(seeds)]
+    assert [g.index for g in groups] == list(range(len(seeds)))
+    assert all(len(g.rollouts) == 2 for g in groups)

@@ -11,6 +11,8 @@ the trainer never re-tokenizes text.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import functools
 import hashlib
 import importlib.util
@@ -28,8 +30,8 @@ from pydantic import BaseModel
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example, render_prompt
-from grpo_flyte.faults import inject
 from grpo_flyte.envs import rollout_env
+from grpo_flyte.faults import inject
 from grpo_flyte.models import cache_root, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -373,6 +375,17 @@ _pending: list[_Pending] = []
 _pending_lock = threading.Lock()
 # How long a request waits for others of the same iteration to join its batch.
 COALESCE_WINDOW_S = 0.05
+# Each waiting group holds a thread (the coalescing window, then the engine lock). asyncio's default
+# executor has min(32, cpus + 4) threads, 6 on a 2-core machine, which split an iteration of 8
+# groups into a batch of 6 and a batch of 2 that cost two full decode loops. These threads only
+# wait, so the pool is sized for every group of an iteration to join one batch.
+MAX_WAITING_GROUPS = 256
+_generate_threads = concurrent.futures.ThreadPoolExecutor(MAX_WAITING_GROUPS, thread_name_prefix="grpo_flyte-generate")
+
+
+def batch_order(request: SamplingRequest) -> tuple[int, list[int]]:
+    """Where a request sits in a coalesced batch: by seed, then prompt."""
+    return request.seed, request.prompt_ids
 
 
 def generate_group(
@@ -382,7 +395,8 @@ def generate_group(
 
     Decoding is a loop of small steps, so one batch of all groups costs little more than one
     group. With a batch of one (a reusable replica runs concurrency=1) the seed fixes the output;
-    in a shared batch the rows also depend on their batch mates.
+    in a shared batch the rows also depend on their batch mates (the same set of groups gives the
+    same rollouts whatever order they arrive in).
     """
     with _engine_lock:
         engine = get_engine(config, model_path)
@@ -397,6 +411,9 @@ def generate_group(
             batch = [p for p in _pending if p is mine or (mine in _pending and p.batches_with(mine))]
             for p in batch:
                 _pending.remove(p)
+        # Sorted, so the batch (and the first request's seed, which seeds it) does not depend on
+        # which thread arrived first: the same groups give the same rollouts.
+        batch.sort(key=lambda p: batch_order(p.request))
         if batch:
             try:
                 results = mine.engine.generate_many([p.request for p in batch], adapter_path)
@@ -422,7 +439,8 @@ async def generate(
     adapter_path = await _adapter_dirs.get(adapter.dir)
     # Blocking generation runs off the event loop so a warm replica's heartbeat (and, locally, the
     # other tasks) keep running.
-    prompt_ids, rollouts = await asyncio.to_thread(generate_group, config, model_path, example, adapter_path, seed)
+    call = functools.partial(contextvars.copy_context().run, generate_group, config, model_path, example, adapter_path, seed)
+    prompt_ids, rollouts = await asyncio.get_running_loop().run_in_executor(_generate_threads, call)
     return RolloutGroup(
         index=index,
         example=example,

@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import train_env
-from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.faults import inject
+from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterError, AdapterRef, LocalDirCache

@@ -1,0 +1,116 @@
+"""Helpers shared by the speed benchmarks: alternating sides, medians, the machine, the JSON file.
+
+The machine these run on is shared and noisy, so no benchmark trusts one timing: the sides it
+compares run alternately (A B, B A, A B, ...) in one process and every figure is a median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Self
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+
+def parser(doc: str | None, default_out: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small smoke check (seconds, not minutes)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / default_out, help="where the JSON of results goes")
+    return p
+
+
+def quiet_logs() -> None:
+    """The benchmarks print their own summary; library progress lines would bury it."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", force=True)
+    for name in ("grpo_flyte", "flyte", "transformers", "peft", "trl", "accelerate", "datasets"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def alternate(sides: dict[str, Callable[[], dict[str, Any]]], rounds: int, log: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
+    """Run each side once per round, the order rotated every round; each call returns a dict with
+    at least "s" (its seconds). Returns every side's results in the order they ran."""
+    names = list(sides)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            out = sides[name]()
+            results[name].append(out)
+            log(f"  round {r + 1}/{rounds}  {name:<24} {out['s']:8.2f} s" + (f"  ({out['note']})" if out.get("note") else ""))
+    return results
+
+
+def median_s(runs: list[dict[str, Any]], key: str = "s") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def paired_ratios(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str = "s") -> list[float]:
+    """a/b round by round: the two runs of one round saw the most similar machine load."""
+    return [x[key] / y[key] for x, y in zip(a, b, strict=True)]
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {
+        "date": date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    result["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nresults: {path}")
+
+
+def verdict(ratio: float, target: float, higher_is_better: bool = False) -> str:
+    met = ratio >= target if higher_is_better else ratio <= target
+    return f"target {'>=' if higher_is_better else '<='} {target:g}x: {'met' if met else 'MISSED'}"
+
+
+class Stopwatch:
+    def __enter__(self) -> Self:
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.s = time.perf_counter() - self.started
+
+
+def flush() -> None:
+    sys.stdout.flush()
+
+
+def arithmetic_reward(completion: str, answer: str) -> float:
+    """The default reward (correct=1.0, format=0.2) of one completion, as the score_group task gives it."""
+    from grpo_flyte.config import DEFAULT_REWARDS
+    from grpo_flyte.rewards import score_completions
+
+    parts = score_completions(
+        [completion], question="", answer=answer, num_tokens=[0], max_new_tokens=1, weights=DEFAULT_REWARDS
+    )
+    return parts[0].reward

@@ -1,0 +1,91 @@
+"""One GRPO iteration two ways: through grpo_flyte's Flyte local mode, and as plain function calls.
+
+Both start from a fresh adapter (version 0) and run iteration 0 of a run: the same prompts, the
+same sampling seeds, the same batch order, the same trainer. `flyte_iteration` is exactly what
+`python -m grpo_flyte.driver --local --num-iterations 1` does (`train_rl` in a local run: tasks,
+checkpoint, metrics, report, adapter export); `bare_iteration` calls the generator, the reward and
+the trainer directly, the way a one-file script would, and writes only the two adapter versions.
+Both share the process's warm engine and training model (module-level caches), so neither pays
+for loading a model once warmed up.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from grpo_flyte import rollout, trainer
+from grpo_flyte.config import RunConfig
+from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
+from grpo_flyte.driver import METRICS_FILE, rollout_seed
+from grpo_flyte.reward import ScoredGroup, score
+from grpo_flyte.rollout import RolloutGroup
+
+
+def flyte_iteration(config: RunConfig, model_dir: Path, run_dir: Path) -> dict[str, Any]:
+    """`train_rl` for one iteration in Flyte local mode; returns its metrics row and final adapter dir."""
+    import flyte
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+
+    assert config.num_iterations == 1 and config.eval_size == 0, "one iteration, no held-out evaluation"
+    runner = flyte.with_runcontext(mode="local", name=f"bench-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / "flyte"))
+    run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), run_dir=str(run_dir))
+    adapter = run.outputs()[0]
+    (row,) = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    return {"row": row, "adapter_dir": adapter.dir.path}
+
+
+def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """init_adapter + iteration 0 (generate, score, top-up, train) as direct calls, no Flyte."""
+    model_path = str(model_dir)
+    iteration = 0
+    dataset, _ = train_eval_split(config)
+    model = trainer.peft_model(config, model_path)
+    trainer.reset_lora(model, config.seed)
+    v0 = out_dir / "v0000"
+    trainer.save_adapter(model, None, 0, v0)
+
+    engine = rollout.get_engine(config, model_path)
+    scored: list[ScoredGroup] = []
+    prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
+    for round_ in range(config.max_topup_rounds + 1):
+        first = len(scored)
+        requests = [
+            rollout.sampling_request(
+                config, rollout.tokenize_prompt(engine.tokenizer, ex, config), rollout_seed(config.seed, iteration, first + i)
+            )
+            for i, ex in enumerate(prompts)
+        ]
+        # One batch per round, in the order grpo_flyte's coalescing gives a batch.
+        order = sorted(range(len(requests)), key=lambda k: rollout.batch_order(requests[k]))
+        results = dict(zip(order, engine.generate_many([requests[k] for k in order], str(v0)), strict=True))
+        for i, ex in enumerate(prompts):
+            group = RolloutGroup(
+                index=first + i, example=ex, adapter_version=0, prompt_ids=requests[i].prompt_ids, rollouts=results[i], generate_s=0.0
+            )
+            scored.append(score(config, group))
+        missing = config.min_informative_groups - sum(sg.informative(config.truncated) for sg in scored)
+        if missing <= 0 or round_ == config.max_topup_rounds:
+            break
+        prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
+
+    sequences, num_rollouts = trainer.build_sequences(scored, config)
+    optimizer = trainer.load_adapter_state(model, str(v0), config)
+    stats = trainer.grpo_step(model, optimizer, sequences, config) if sequences else trainer.StepStats()
+    v1 = out_dir / "v0001"
+    trainer.save_adapter(model, optimizer, 1, v1)
+    return {"scored": scored, "stats": stats, "num_rollouts": num_rollouts, "adapter_dir": str(v1)}
+
+
+def same_adapter(a: str | Path, b: str | Path) -> bool:
+    """Whether two adapter dirs hold bit-identical LoRA weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa = load_file(str(Path(a) / "adapter_model.safetensors"))
+    wb = load_file(str(Path(b) / "adapter_model.safetensors"))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -1,0 +1,137 @@
+"""What does running GRPO as Flyte tasks cost? One iteration in local mode vs the same work as plain calls.
+
+Each round runs both sides once, alternately (the order flips every round), on the embedded
+SmolLM2-135M-Instruct with the default config (8 prompts x 8 completions, up to 64 new tokens,
+top-up to 4 informative groups) and no held-out evaluation:
+
+- flyte: `train_rl` for one iteration in Flyte local mode, as `python -m grpo_flyte.driver --local
+  --num-iterations 1` runs it: the init_adapter, generate, score_group and train_step tasks,
+  checkpoint, metrics, report and adapter export, and the run's own start-up.
+- bare: the same init + iteration as direct calls to the same generator, reward and trainer.
+
+Both sides start from the same fresh adapter with the same seeds, so they do identical work; the
+benchmark checks that (the trained adapters must be bit-identical). Model loading is excluded: one
+warm-up run per side first. Prints the median of the per-round ratios flyte / bare.
+
+    python benchmarks/iteration_overhead.py              # 3 rounds, ~8 minutes on a 2-core CPU
+    python benchmarks/iteration_overhead.py --quick      # tiny sizes, ~1 minute
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+from _loops import bare_iteration, flyte_iteration, same_adapter
+
+from grpo_flyte.config import RunConfig
+from grpo_flyte.models import embedded_model_dir
+
+TARGET = 1.05
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(__doc__, "iteration_overhead.json")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (flyte, bare), order alternating")
+    args = p.parse_args(argv)
+    _common.quiet_logs()
+    sizes = (
+        {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 16, "min_informative_groups": 0}
+        if args.quick
+        else {}
+    )
+    rounds = 2 if args.quick else args.rounds
+    config = RunConfig(num_iterations=1, eval_size=0, **sizes)
+    # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.
+    warm = config.model_copy(update={"prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})
+    model_dir = embedded_model_dir()
+    root = Path(tempfile.mkdtemp(prefix="grpo_flyte-overhead-"))
+    counter = iter(range(10_000))
+    result = {"benchmark": "iteration_overhead", "machine": _common.machine(), "config": config.model_dump(mode="json")}
+    adapters: dict[str, list[str]] = {"flyte": [], "bare": []}
+
+    def flyte_side(cfg: RunConfig = config) -> dict:
+        run_dir = root / f"flyte-{next(counter)}"
+        started = time.perf_counter()
+        out = flyte_iteration(cfg, model_dir, run_dir)
+        s = time.perf_counter() - started
+        adapters["flyte"].append(out["adapter_dir"])
+        row = out["row"]
+        return {
+            "s": s,
+            "iteration_s": row["iteration_s"],
+            "generate_s": row["generate_s"],
+            "train_s": row["train_s"],
+            "loss": row["loss"],
+            "num_groups": row["num_groups"],
+            "completion_tokens": round(row["completion_len_mean"] * row["num_rollouts"]),
+            "note": f"iteration {row['iteration_s']:.1f} s inside the run, {row['num_groups']} groups",
+        }
+
+    def bare_side(cfg: RunConfig = config) -> dict:
+        out_dir = root / f"bare-{next(counter)}"
+        started = time.perf_counter()
+        out = bare_iteration(cfg, model_dir, out_dir)
+        s = time.perf_counter() - started
+        adapters["bare"].append(out["adapter_dir"])
+        return {
+            "s": s,
+            "loss": out["stats"].loss,
+            "num_groups": len(out["scored"]),
+            "completion_tokens": sum(len(r.completion_ids) for sg in out["scored"] for r in sg.group.rollouts),
+            "note": f"{len(out['scored'])} groups",
+        }
+
+    try:
+        print(f"warm-up (model loading, excluded): {model_dir.name}, {config.torch_dtype_name}")
+        with _common.Stopwatch() as w:
+            flyte_side(warm)
+            bare_side(warm)
+        print(f"  {w.s:.1f} s")
+        adapters = {"flyte": [], "bare": []}
+        print(
+            f"{rounds} rounds of one iteration: {config.prompts_per_iter} prompts x {config.group_size} completions, "
+            f"up to {config.max_new_tokens} new tokens, top-up to {config.min_informative_groups} informative groups"
+        )
+        runs = _common.alternate({"flyte": flyte_side, "bare": bare_side}, rounds)
+        identical = [same_adapter(a, b) for a, b in zip(adapters["flyte"], adapters["bare"], strict=True)]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    ratios = _common.paired_ratios(runs["flyte"], runs["bare"])
+    ratio = statistics.median(ratios)
+    flyte_s, bare_s = _common.median_s(runs["flyte"]), _common.median_s(runs["bare"])
+    inside = _common.median_s(runs["flyte"], "iteration_s")
+    result.update(
+        runs=runs,
+        ratios=ratios,
+        ratio=ratio,
+        flyte_s=flyte_s,
+        bare_s=bare_s,
+        flyte_iteration_s=inside,
+        identical_adapters=identical,
+        target=TARGET,
+    )
+    print(
+        f"\nflyte / bare = {ratio:.3f}x (median of per-round ratios {', '.join(f'{r:.3f}' for r in ratios)}); "
+        f"{_common.verdict(ratio, TARGET)}"
+    )
+    print(
+        f"  flyte {flyte_s:.2f} s per run (median; of it {inside:.2f} s is run_iteration, the rest init_adapter, "
+        f"checkpoint, report, export and the run's start-up), bare {bare_s:.2f} s"
+    )
+    print(
+        f"  identical work: trained adapters bit-identical in {sum(identical)}/{len(identical)} rounds; "
+        f"losses flyte {[round(r['loss'], 6) for r in runs['flyte']]} bare {[round(r['loss'], 6) for r in runs['bare']]}"
+    )
+    _common.write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
