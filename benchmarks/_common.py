@@ -14,11 +14,10 @@ import platform
 import statistics
 import sys
 import time
-from typing import Self
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def parser(doc: str | None, default_out: str) -> argparse.ArgumentParser:
