@@ -7,8 +7,8 @@ rate 5e-4, the same arithmetic reward (the default correct=1.0, format=0.2), CPU
 transformers on both sides.
 
 Equal generation work: by default every completion is exactly 128 tokens on both sides (EOS is
-suppressed with min_new_tokens=128: TRL through its generation_kwargs, grpo_flyte by setting the
-same field of the GenerationConfig its generator builds). Both decode in one batch of 24 rows, so
+suppressed with min_new_tokens=128: TRL through its generation_kwargs, grpo_flyte through the same
+field of its SamplingRequest). Both decode in one batch of 24 rows, so
 both run 128 decode steps. `--lengths natural` lets completions stop at EOS instead (then the
 sides can decode different numbers of steps; the tokens are reported).
 
@@ -66,29 +66,27 @@ TRL_CANDIDATES: dict[str, dict[str, Any]] = {
 
 @contextlib.contextmanager
 def completions_at_full_length(enabled: bool):
-    """Make grpo_flyte's HF generator decode exactly max_new_tokens per completion (EOS suppressed).
+    """Make grpo_flyte decode exactly max_new_tokens per completion (end of sequence held off).
 
-    HFGenerator builds a fresh `transformers.GenerationConfig` per batch; this sets min_new_tokens
-    on it, the same knob TRL gets through generation_kwargs. Nothing else changes.
+    Sets `min_new_tokens` on every SamplingRequest the run builds (vLLM's min_tokens), the same
+    knob TRL gets through generation_kwargs. Nothing else changes.
     """
     if not enabled:
         yield
         return
-    import transformers
+    from grpo_flyte import rollout
 
-    original = transformers.GenerationConfig
+    original = rollout.sampling_request
 
-    class FullLength(original):
-        def __init__(self, **kwargs):
-            if kwargs.get("max_new_tokens"):
-                kwargs.setdefault("min_new_tokens", kwargs["max_new_tokens"])
-            super().__init__(**kwargs)
+    def full_length(*args, **kwargs):
+        request = original(*args, **kwargs)
+        return request.model_copy(update={"min_new_tokens": request.max_new_tokens})
 
-    transformers.GenerationConfig = FullLength
+    rollout.sampling_request = full_length
     try:
         yield
     finally:
-        transformers.GenerationConfig = original
+        rollout.sampling_request = original
 
 
 def trl_reward(prompts, completions, answer, **kwargs) -> list[float]:

@@ -89,7 +89,7 @@ def test_explicit_contains_only_given_flags():
 
 
 def test_flag_equal_to_default_is_still_explicit():
-    _, config, explicit = parse_args(["--seed", str(RunConfig().seed)])
+    _, _config, explicit = parse_args(["--seed", str(RunConfig().seed)])
     assert explicit == {"seed"}
 
 
@@ -188,7 +188,7 @@ def help_text(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("help")
     proc = subprocess.run(
         [sys.executable, "-m", "grpo_flyte.driver", "--help"],
-        capture_output=True, text=True, cwd=tmp, env=_env(tmp), timeout=120,
+        capture_output=True, text=True, cwd=tmp, env=_env(tmp), timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -386,7 +386,7 @@ def test_bad_yaml_config_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
 def test_bad_yaml_config_exits_2_without_writing(tmp_path, monkeypatch, capsys):
     # the parts of the contract that do hold for an invalid YAML file
     argv = ["--local", "--config", "bad.yaml", "--run-dir", "D"]
-    rc, out, err, cwd, before = _main_in(tmp_path, monkeypatch, capsys, argv, _make_bad_yaml)
+    rc, _out, err, cwd, before = _main_in(tmp_path, monkeypatch, capsys, argv, _make_bad_yaml)
     assert rc == 2
     assert err.startswith("error: --config") and "bad.yaml" in err
     assert _snapshot(cwd) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -122,7 +123,7 @@ def test_plan_micro_batches_properties_random():
             # within a batch, longest first
             assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
         # batches are in length order: everything in batch k is >= everything in batch k+1
-        for b1, b2 in zip(batches, batches[1:]):
+        for b1, b2 in itertools.pairwise(batches):
             assert min(lengths[i] for i in b1) >= max(lengths[i] for i in b2)
 
 

@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 from headless_chromium import Chromium, find_chromium
 
-from grpo_flyte.report_helpers import _SERIES_COLOURS, METRIC_CHARTS, render_report, reward_charts
+from grpo_flyte.report_helpers import (
+    _SERIES_COLOURS,
+    METRIC_CHARTS,
+    render_report,
+    reward_charts,
+)
 
 try:
     from PIL import Image

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 from flyte.io import Dir
@@ -128,7 +129,7 @@ def test_local_dir_is_used_in_place(tmp_path):
 class FakeRemoteDir:
     """Stands in for a remote flyte.io.Dir: download() writes a marker file into the target."""
 
-    downloads: list[str] = []
+    downloads: ClassVar[list[str]] = []
 
     def __init__(self, path: str):
         self.path = path

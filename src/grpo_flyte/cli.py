@@ -177,7 +177,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     except KeyboardInterrupt:
         logger.error("interrupted; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
         return 130
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
         logger.error("run failed: %s", exc)
         logger.error("finished iterations are kept; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
         return 1

@@ -239,7 +239,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as exc:  # UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
+    except Exception as exc:  # noqa: BLE001 -- UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
         detail = " ".join(str(exc).split())  # parser messages span lines; ours is one
         raise ConfigError(f"--config {str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}") from None
     if data is None:

@@ -74,6 +74,7 @@ class SamplingRequest(BaseModel):
     max_new_tokens: int
     seed: int
     greedy: bool = False  # evaluation: the most likely token at every step
+    min_new_tokens: int = 0  # no end-of-sequence before this many tokens (benchmarks: fixed-length work)
 
 
 class Generator(Protocol):
@@ -148,42 +149,20 @@ class HFGenerator:
             self.model.delete_adapter(old)
 
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
-        """One batched generate for several groups sharing an adapter and sampling settings."""
+        """One batched decode for several groups sharing an adapter and sampling settings."""
         import torch
-        from transformers import GenerationConfig
+
+        from grpo_flyte.decoding import Sampling, decode
 
         self._activate(adapter_path)
         first = requests[0]
+        sampling = Sampling(first.temperature, first.top_p, first.max_new_tokens, first.greedy, first.min_new_tokens)
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
-        width = max(len(p) for p in prompts)
-        # Left padding: every row's last prompt token sits at the same position.
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        # A fresh GenerationConfig: a model's own defaults (top_k, repetition penalty, ...) would
-        # change the sampling distribution away from the one the trainer scores.
-        sampling = {} if first.greedy else {"temperature": first.temperature, "top_p": first.top_p, "top_k": 0}
-        gen_config = GenerationConfig(
-            do_sample=not first.greedy,
-            **sampling,
-            max_new_tokens=first.max_new_tokens,
-            eos_token_id=sorted(self.eos_ids),
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        torch.manual_seed(first.seed)
+        seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
         with torch.inference_mode():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen_config)
-        new_tokens = out.sequences[:, width:]  # (rows, L)
-        step_logprobs = [
-            torch.log_softmax(logits.float() / first.temperature, dim=-1)
-            .gather(-1, new_tokens[:, t : t + 1])
-            .squeeze(-1)
-            for t, logits in enumerate(out.logits)
-        ]
-        logprobs = torch.stack(step_logprobs, dim=1).tolist() if step_logprobs else [[] for _ in prompts]
+            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id)
         rollouts = []
-        for ids, lps in zip(new_tokens.tolist(), logprobs):
+        for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             rollouts.append(Rollout(completion_ids=ids, sampling_logprobs=lps, finish_reason=finish, text=text))
@@ -244,6 +223,7 @@ class VLLMGenerator:
                 top_p=r.top_p,
                 top_k=-1,
                 max_tokens=r.max_new_tokens,
+                min_tokens=r.min_new_tokens,
                 logprobs=0,
                 seed=r.seed,
             )
@@ -367,7 +347,8 @@ class _Pending:
         return (
             self.engine is other.engine
             and self.adapter_path == other.adapter_path
-            and (a.temperature, a.top_p, a.max_new_tokens, a.greedy) == (b.temperature, b.top_p, b.max_new_tokens, b.greedy)
+            and (a.temperature, a.top_p, a.max_new_tokens, a.greedy, a.min_new_tokens)
+            == (b.temperature, b.top_p, b.max_new_tokens, b.greedy, b.min_new_tokens)
         )
 
 
@@ -394,9 +375,10 @@ def generate_group(
     """Generate one group; concurrent calls in one process (local mode) share one batched generate.
 
     Decoding is a loop of small steps, so one batch of all groups costs little more than one
-    group. With a batch of one (a reusable replica runs concurrency=1) the seed fixes the output;
-    in a shared batch the rows also depend on their batch mates (the same set of groups gives the
-    same rollouts whatever order they arrive in).
+    group. Every row draws from its own random stream, seeded by (seed, row), so its sampling does
+    not depend on its batch mates; only the arithmetic does (padding to the batch's longest prompt
+    can flip a near-tie in bf16). The same set of groups gives the same rollouts whatever order
+    they arrive in.
     """
     with _engine_lock:
         engine = get_engine(config, model_path)
@@ -411,15 +393,15 @@ def generate_group(
             batch = [p for p in _pending if p is mine or (mine in _pending and p.batches_with(mine))]
             for p in batch:
                 _pending.remove(p)
-        # Sorted, so the batch (and the first request's seed, which seeds it) does not depend on
-        # which thread arrived first: the same groups give the same rollouts.
+        # Sorted, so the batch does not depend on which thread arrived first: the same groups
+        # give the same rollouts.
         batch.sort(key=lambda p: batch_order(p.request))
         if batch:
             try:
                 results = mine.engine.generate_many([p.request for p in batch], adapter_path)
                 for p, rollouts in zip(batch, results, strict=True):
                     p.result = rollouts
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 -- handed to every waiter in the batch, re-raised there
                 for p in batch:
                     p.error = exc
     if mine.error is not None:

@@ -117,7 +117,7 @@ def load_adapter_state(model, adapter_path: str, config: RunConfig):
     try:
         state = load_file(str(weights))
         result = set_peft_model_state_dict(model, state)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 -- safetensors and peft raise many types; all mean a bad adapter
         raise AdapterError(f"adapter {adapter_path!r} cannot be loaded ({type(exc).__name__}: {exc})") from None
     missing_lora = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
     if missing_lora:

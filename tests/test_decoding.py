@@ -1,0 +1,150 @@
+"""The transformers backend's decoding: token choice against hand-computed values, the loop on a tiny model."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_flyte.decoding import Sampling, choose_tokens, decode, row_stream
+
+P = [0.1, 0.2, 0.7]
+
+
+def pick(probs, uniforms, banned=None, **settings):
+    sampling = Sampling(**{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1, **settings})
+    logits = torch.tensor([probs] * len(uniforms)).log()
+    tokens, logprobs = choose_tokens(logits, sampling, torch.tensor(uniforms, dtype=torch.float64), banned)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def test_inverse_cdf_picks_the_first_token_whose_cumulative_mass_exceeds_u():
+    # cdf = 0.1, 0.3, 1.0
+    tokens, logprobs = pick(P, [0.0, 0.05, 0.1, 0.15, 0.31, 0.99])
+    assert tokens == [0, 0, 1, 1, 2, 2]
+    assert logprobs == pytest.approx([math.log(P[t]) for t in tokens], abs=1e-6)
+
+
+def test_temperature_sharpens_the_draw_and_the_logprob():
+    # T = 0.5: p^2 / sum = 0.01, 0.04, 0.49 over 0.54 -> cdf 0.0185, 0.0926, 1
+    tokens, logprobs = pick(P, [0.01, 0.05, 0.5], temperature=0.5)
+    assert tokens == [0, 1, 2]
+    assert logprobs == pytest.approx([math.log(0.01 / 0.54), math.log(0.04 / 0.54), math.log(0.49 / 0.54)], abs=1e-5)
+
+
+def test_top_p_keeps_the_nucleus_and_leaves_the_logprob_alone():
+    # top_p 0.65: the mass before token 1 (in descending order) is already 0.7, so only token 2 stays.
+    assert pick(P, [0.0, 0.5, 0.99], top_p=0.65)[0] == [2, 2, 2]
+    # top_p 0.8: tokens 2 and 1 stay, renormalized to 0.7/0.9 and 0.2/0.9.
+    tokens, logprobs = pick(P, [0.5, 0.77, 0.79, 0.99], top_p=0.8)
+    assert tokens == [2, 2, 1, 1]
+    assert logprobs == pytest.approx([math.log(0.7), math.log(0.7), math.log(0.2), math.log(0.2)], abs=1e-6)
+
+
+def test_zero_probability_tokens_are_never_drawn():
+    tokens, _ = pick([0.0, 0.5, 0.0, 0.5], [0.0, 0.25, 0.5, 0.999])
+    assert tokens == [1, 1, 3, 3]
+
+
+def test_banned_tokens_are_not_drawn_but_keep_their_mass_in_the_logprob():
+    tokens, logprobs = pick(P, [0.0, 0.4, 0.99], banned=[2])  # draw from 0.1, 0.2 -> cdf 1/3, 1
+    assert tokens == [0, 1, 1]
+    assert logprobs == pytest.approx([math.log(0.1), math.log(0.2), math.log(0.2)], abs=1e-6)
+
+
+def test_greedy_takes_the_argmax_and_needs_no_uniforms():
+    sampling = Sampling(temperature=0.5, top_p=1.0, max_new_tokens=1, greedy=True)
+    tokens, logprobs = choose_tokens(torch.tensor([P, P[::-1]]).log(), sampling, None)
+    assert tokens.tolist() == [2, 0]
+    assert logprobs.tolist() == pytest.approx([math.log(0.49 / 0.54)] * 2, abs=1e-5)
+
+
+def test_sampling_without_uniforms_is_a_clear_error():
+    with pytest.raises(ValueError, match="uniforms=None"):
+        choose_tokens(torch.zeros(1, 3), Sampling(1.0, 1.0, 1), None)
+
+
+def test_draw_frequencies_match_the_distribution():
+    stream = row_stream(7, 0)
+    uniforms = torch.tensor([stream.random() for _ in range(20_000)], dtype=torch.float64)
+    tokens, _ = choose_tokens(torch.tensor([P]).log().expand(len(uniforms), 3), Sampling(1.0, 1.0, 1), uniforms)
+    freq = torch.bincount(tokens, minlength=3).double() / len(uniforms)
+    assert freq.tolist() == pytest.approx(P, abs=0.015)
+
+
+def test_row_streams_depend_on_seed_and_row_only():
+    assert row_stream(3, 1).random() == row_stream(3, 1).random()
+    assert len({row_stream(s, r).random() for s in range(3) for r in range(3)}) == 9
+
+
+# The loop, on the 2-layer random Llama. In float64: its distribution is nearly flat, so float32
+# rounding that differs with the batch's shape (rows leaving, padding) would flip a draw now and
+# then, and these tests compare tokens exactly.
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
+NO_EOS = {49151}  # a real id the random model is vanishingly unlikely to pick: rows run to the limit
+
+
+def run(model, prompts, sampling, eos=NO_EOS, seeds=None):
+    with torch.inference_mode():
+        return decode(model, prompts, seeds or [(5, row) for row in range(len(prompts))], sampling, eos, pad_id=0)
+
+
+def test_sampling_logprobs_equal_a_full_forward_of_the_finished_rows(tiny):
+    model, _ = tiny
+    sampling = Sampling(temperature=0.7, top_p=1.0, max_new_tokens=12)
+    rows = run(model, PROMPTS, sampling)
+    for prompt, (ids, lps) in zip(PROMPTS, rows, strict=True):
+        assert len(ids) == len(lps) == 12
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert lps == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_greedy_matches_transformers_generate(tiny):
+    model, _ = tiny
+    rows = run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, greedy=True))
+    for prompt, (ids, _) in zip(PROMPTS, rows, strict=True):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, eos_token_id=list(NO_EOS), pad_token_id=0)
+        assert ids == out[0, len(prompt) :].tolist()
+
+
+def test_a_rows_sample_does_not_depend_on_its_batch_mates(tiny):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=10)
+    together = run(model, PROMPTS, sampling, seeds=[(5, 0), (6, 0), (7, 3)])
+    alone = [run(model, [p], sampling, seeds=[s])[0] for p, s in zip(PROMPTS, [(5, 0), (6, 0), (7, 3)], strict=True)]
+    assert [ids for ids, _ in together] == [ids for ids, _ in alone]
+    other_seed = run(model, PROMPTS[:1], sampling, seeds=[(5, 1)])[0]
+    assert other_seed[0] != together[0][0]
+
+
+def test_a_row_ends_at_its_first_eos_and_the_others_go_on_unchanged(tiny):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10)
+    free = run(model, PROMPTS, sampling)
+    eos = free[0][0][2]  # row 0's third token becomes the end of sequence
+    stopped = run(model, PROMPTS, sampling, eos={eos})
+    for (ids, lps), (free_ids, free_lps) in zip(stopped, free, strict=True):
+        cut = free_ids.index(eos) + 1 if eos in free_ids else len(free_ids)
+        assert ids == free_ids[:cut]
+        assert lps == pytest.approx(free_lps[:cut], abs=1e-5)
+    assert len(stopped[0][0]) == 3
+
+
+def test_min_new_tokens_holds_off_the_eos(tiny):
+    model, _ = tiny
+    free = run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10))
+    eos = free[0][0][0]
+    rows = run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, min_new_tokens=10), eos={eos})
+    assert all(len(ids) == 10 and eos not in ids for ids, _ in rows)
