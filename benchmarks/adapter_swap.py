@@ -36,6 +36,7 @@ from grpo_flyte import rollout, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import arithmetic_split
 from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET_S = 1.0
 SHORT_COMPLETION_TOKENS = 16
@@ -56,16 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Adapter dirs as init_adapter writes them (fresh seeded LoRA weights; the generator reads
         # only the weights, never the trainer's AdamW state).
-        train_model = trainer.peft_model(config, model_path)
-        dirs = []
-        for k in range(config.adapter_cache_size + 3 * trials + 1):
+        # Every torch call goes through the thread the generate task uses (grpo_flyte.torch_thread):
+        # torch driven from two threads is slower on both.
+        def make_adapter(k: int) -> str:
+            train_model = trainer.peft_model(config, model_path)
             trainer.reset_lora(train_model, seed=k)
             out = root / f"v{k:04d}"
             trainer.save_adapter(train_model, None, k, out)
-            dirs.append(str(out))
+            return str(out)
+
+        dirs = [on_torch_thread(make_adapter, k) for k in range(config.adapter_cache_size + 3 * trials + 1)]
         adapter_bytes = sum(f.stat().st_size for f in Path(dirs[0]).iterdir())
 
-        engine = rollout.get_engine(config, model_path)
+        engine = on_torch_thread(rollout.get_engine, config, model_path)
         prompt_ids = rollout.tokenize_prompt(engine.tokenizer, example, config)
         short = rollout.SamplingRequest(
             prompt_ids=prompt_ids, group_size=1, temperature=config.temperature, top_p=config.top_p,
@@ -74,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         fresh = iter(dirs)
         # Warm: engine built, a first adapter served, the adapter cache filled.
         for _ in range(config.adapter_cache_size):
-            engine.generate_many([short], next(fresh))
+            on_torch_thread(engine.generate_many, [short], next(fresh))
         cached = dirs[config.adapter_cache_size - 1]  # the most recently used: stays loaded
 
         def load_only() -> dict:
             path = next(fresh)
             started = time.perf_counter()
-            engine._activate(path)  # the step generate_many starts with
+            on_torch_thread(engine._activate, path)  # the step generate_many starts with
             return {"s": time.perf_counter() - started}
 
         def first_token_task(path: str | None = None) -> dict:
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         def first_completion(path: str | None = None) -> dict:
             path = path or next(fresh)
             started = time.perf_counter()
-            (rollouts,) = engine.generate_many([short], path)
+            (rollouts,) = on_torch_thread(engine.generate_many, [short], path)
             return {"s": time.perf_counter() - started, "tokens": len(rollouts[0].completion_ids)}
 
         first_completion(cached), first_token_task(cached)  # the task path's own first call

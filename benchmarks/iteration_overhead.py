@@ -31,6 +31,7 @@ from _loops import bare_iteration, flyte_iteration, same_adapter
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 1.05
 
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     def bare_side(cfg: RunConfig = config) -> dict:
         out_dir = root / f"bare-{next(counter)}"
         started = time.perf_counter()
-        out = bare_iteration(cfg, model_dir, out_dir)
+        # On the thread grpo_flyte's tasks run torch on: two threads driving torch slow both.
+        out = on_torch_thread(bare_iteration, cfg, model_dir, out_dir)
         s = time.perf_counter() - started
         adapters["bare"].append(out["adapter_dir"])
         return {

@@ -50,6 +50,7 @@ from grpo_flyte.data import (
     train_eval_split,
 )
 from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 0.55
 
@@ -242,12 +243,13 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
 
-        trl_default, default_timer = build_trl(config, model_dir, root / "trl-default", {}, fixed)
-        trl_fast, fast_timer = build_trl(config, model_dir, root / "trl-fast", TRL_FAST, fixed)
+        # TRL runs on the thread grpo_flyte's tasks run torch on: two threads driving torch slow both.
+        trl_default, default_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-default", {}, fixed)
+        trl_fast, fast_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-fast", TRL_FAST, fixed)
         sides = {
             "grpo_flyte": grpo_side,
-            "trl default": lambda: trl_step(trl_default, default_timer),
-            "trl fast": lambda: trl_step(trl_fast, fast_timer),
+            "trl default": lambda: on_torch_thread(trl_step, trl_default, default_timer),
+            "trl fast": lambda: on_torch_thread(trl_step, trl_fast, fast_timer),
         }
         print("warm-up: one step per side (excluded)")
         for name, side in sides.items():
@@ -307,9 +309,9 @@ def explore(config: RunConfig, model_dir: Path, root: Path, fixed: bool, out: Pa
     """One warm-up and one timed step per candidate setting, one candidate after another."""
     found = {}
     for name, settings in TRL_CANDIDATES.items():
-        trainer, timer = build_trl(config, model_dir, root / f"trl-{len(found)}", settings, fixed)
-        trl_step(trainer, timer)
-        step = trl_step(trainer, timer)
+        trainer, timer = on_torch_thread(build_trl, config, model_dir, root / f"trl-{len(found)}", settings, fixed)
+        on_torch_thread(trl_step, trainer, timer)
+        step = on_torch_thread(trl_step, trainer, timer)
         found[name] = step
         print(f"  {name:<42} {step['s']:6.1f} s  ({step['note']})")
         _common.flush()

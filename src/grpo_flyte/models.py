@@ -15,6 +15,7 @@ from pathlib import Path
 
 from grpo_flyte.config import EMBEDDED_MODEL
 from grpo_flyte.files import build_dir_atomic
+from grpo_flyte.torch_thread import on_torch_thread
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ def embedded_model_dir() -> Path:
         return target
     logger.info("converting the embedded SmolLM2-135M-Instruct (GGUF) to a HF model in %s (once)", target)
     _require("torch", "transformers", "gguf")
+    on_torch_thread(_convert_gguf, gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -73,7 +79,6 @@ def embedded_model_dir() -> Path:
     except OSError:
         if not (target / "config.json").is_file():  # else a concurrent conversion finished first
             raise
-    return target
 
 
 def resolve_local_model(model: str) -> Path:

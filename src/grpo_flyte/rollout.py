@@ -33,6 +33,7 @@ from grpo_flyte.data import Example, render_prompt
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.faults import inject
 from grpo_flyte.models import cache_root, torch_dtype
+from grpo_flyte.torch_thread import on_torch_thread
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,8 @@ def vllm_completion_to_rollout(completion) -> Rollout:
 
 
 # One engine per replica. The lock serializes use: in local mode every task shares one process,
-# and neither an HF model nor vLLM's LLM may be driven from several threads at once.
+# and neither an HF model nor vLLM's LLM may be driven from several threads at once. The engine is
+# built and driven on the process's torch thread (see torch_thread), with the lock held around it.
 _engine_lock = threading.Lock()
 
 
@@ -381,7 +383,7 @@ def generate_group(
     they arrive in.
     """
     with _engine_lock:
-        engine = get_engine(config, model_path)
+        engine = on_torch_thread(get_engine, config, model_path)
         prompt_ids = tokenize_prompt(engine.tokenizer, example, config)
     request = sampling_request(config, prompt_ids, seed)
     mine = _Pending(engine, request, adapter_path)
@@ -398,7 +400,7 @@ def generate_group(
         batch.sort(key=lambda p: batch_order(p.request))
         if batch:
             try:
-                results = mine.engine.generate_many([p.request for p in batch], adapter_path)
+                results = on_torch_thread(mine.engine.generate_many, [p.request for p in batch], adapter_path)
                 for p, rollouts in zip(batch, results, strict=True):
                     p.result = rollouts
             except BaseException as exc:  # noqa: BLE001 -- handed to every waiter in the batch, re-raised there
@@ -436,12 +438,12 @@ async def generate(
 def generate_greedy(config: RunConfig, model_path: str, examples: list[Example], adapter_path: str) -> list[tuple[list[int], list[Rollout]]]:
     """One greedy completion per example, all in one batch."""
     with _engine_lock:
-        engine = get_engine(config, model_path)
+        engine = on_torch_thread(get_engine, config, model_path)
         requests = [
             sampling_request(config, tokenize_prompt(engine.tokenizer, example, config), seed=0, greedy=True)
             for example in examples
         ]
-        results = engine.generate_many(requests, adapter_path)
+        results = on_torch_thread(engine.generate_many, requests, adapter_path)
     return [(r.prompt_ids, rollouts) for r, rollouts in zip(requests, results, strict=True)]
 
 

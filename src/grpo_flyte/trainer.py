@@ -29,6 +29,7 @@ from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterError, AdapterRef, LocalDirCache
+from grpo_flyte.torch_thread import on_torch_thread
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,14 @@ async def init_adapter(config: RunConfig, base_model: Dir) -> AdapterRef:
     """Version 0: a freshly initialized LoRA adapter (equal to the base model) and no optimizer state."""
     model_path = await _model_dirs.get(base_model)
 
+    def fresh(out: Path) -> None:
+        model = peft_model(config, model_path)
+        reset_lora(model, config.seed)
+        save_adapter(model, None, 0, out)
+
     def build(out: Path) -> None:
         with _train_lock:
-            model = peft_model(config, model_path)
-            reset_lora(model, config.seed)
-            save_adapter(model, None, 0, out)
+            on_torch_thread(fresh, out)
 
     return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
 
@@ -365,13 +369,16 @@ async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, sc
     version = adapter.version + 1
     measured: list[StepStats] = []
 
+    def step(out: Path) -> None:
+        model = peft_model(config, model_path)
+        optimizer = load_adapter_state(model, adapter_path, config)
+        if sequences:
+            measured.append(grpo_step(model, optimizer, sequences, config))
+        save_adapter(model, optimizer, version, out)
+
     def build(out: Path) -> None:
         with _train_lock:
-            model = peft_model(config, model_path)
-            optimizer = load_adapter_state(model, adapter_path, config)
-            if sequences:
-                measured.append(grpo_step(model, optimizer, sequences, config))
-            save_adapter(model, optimizer, version, out)
+            on_torch_thread(step, out)
             inject("train_step")  # test-only: a failure with the new adapter half-published
 
     new_dir = await publish_dir(build, f"v{version:04d}")
@@ -413,6 +420,6 @@ async def merge_adapter(config: RunConfig, base_model: Dir, adapter: AdapterRef)
     adapter_path = await _adapter_dirs.get(adapter.dir)
 
     def build(out: Path) -> None:
-        merge_into_base(model_path, adapter_path, out)
+        on_torch_thread(merge_into_base, model_path, adapter_path, out)
 
     return await publish_dir(build, f"merged-v{adapter.version:04d}")
