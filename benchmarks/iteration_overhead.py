@@ -19,6 +19,7 @@ warm-up run per side first. Prints the median of the per-round ratios flyte / ba
 
 from __future__ import annotations
 
+import resource
 import shutil
 import statistics
 import sys
@@ -29,11 +30,47 @@ from pathlib import Path
 import _common
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
+from grpo_flyte import trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import embedded_model_dir
 from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 1.05
+
+
+def record_grpo_steps() -> list[dict]:
+    """Wrap trainer.grpo_step (both sides call it) to record each call's seconds and the process's
+    minor page faults during it: the gap between the sides has been in this step, with ~5x the
+    faults inside the Flyte task (see the README)."""
+    calls: list[dict] = []
+    original = trainer.grpo_step
+
+    def recorded(*args, **kwargs):
+        faults, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            calls.append(
+                {"s": time.perf_counter() - started, "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+            )
+
+    trainer.grpo_step = recorded
+    return calls
+
+
+def last(steps: list[dict], first: int) -> dict | None:
+    return steps[-1] if len(steps) > first else None
+
+
+def step_fields(new: list[dict]) -> dict:
+    """The side's grpo_step seconds and faults (0 when it trained on nothing)."""
+    return {"grpo_step_s": sum(c["s"] for c in new), "grpo_step_faults": sum(c["minor_faults"] for c in new)}
+
+
+def step_note(step: dict | None) -> str:
+    if step is None:
+        return "no grpo_step (no rollout with a nonzero advantage)"
+    return f"grpo_step {step['s']:.1f} s, {step['minor_faults'] / 1000:.0f}k minor page faults"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     counter = iter(range(10_000))
     result = {"benchmark": "iteration_overhead", "machine": _common.machine(), "config": config.model_dump(mode="json")}
     adapters: dict[str, list[str]] = {"flyte": [], "bare": []}
+    steps = record_grpo_steps()
 
     def flyte_side(cfg: RunConfig = config) -> dict:
         run_dir = root / f"flyte-{next(counter)}"
+        first = len(steps)
         started = time.perf_counter()
         out = flyte_iteration(cfg, model_dir, run_dir)
         s = time.perf_counter() - started
@@ -71,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             "loss": row["loss"],
             "num_groups": row["num_groups"],
             "completion_tokens": round(row["completion_len_mean"] * row["num_rollouts"]),
-            "note": f"iteration {row['iteration_s']:.1f} s inside the run, {row['num_groups']} groups",
+            **step_fields(steps[first:]),
+            "note": f"iteration {row['iteration_s']:.1f} s inside the run, {row['num_groups']} groups; {step_note(last(steps, first))}",
         }
 
     def bare_side(cfg: RunConfig = config) -> dict:
         out_dir = root / f"bare-{next(counter)}"
+        first = len(steps)
         started = time.perf_counter()
         # On the thread grpo_flyte's tasks run torch on: two threads driving torch slow both.
         out = on_torch_thread(bare_iteration, cfg, model_dir, out_dir)
@@ -86,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             "loss": out["stats"].loss,
             "num_groups": len(out["scored"]),
             "completion_tokens": sum(len(r.completion_ids) for sg in out["scored"] for r in sg.group.rollouts),
-            "note": f"{len(out['scored'])} groups",
+            **step_fields(steps[first:]),
+            "note": f"{len(out['scored'])} groups; {step_note(last(steps, first))}",
         }
 
     try:
@@ -122,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nflyte / bare = {ratio:.3f}x (median of per-round ratios {', '.join(f'{r:.3f}' for r in ratios)}); "
         f"{_common.verdict(ratio, TARGET)}"
+    )
+    print(
+        f"  grpo_step (median): flyte {_common.median_s(runs['flyte'], 'grpo_step_s'):.2f} s with "
+        f"{statistics.median(r['grpo_step_faults'] for r in runs['flyte']) / 1000:.0f}k minor page faults, bare "
+        f"{_common.median_s(runs['bare'], 'grpo_step_s'):.2f} s with {statistics.median(r['grpo_step_faults'] for r in runs['bare']) / 1000:.0f}k"
     )
     print(
         f"  flyte {flyte_s:.2f} s per run (median; of it {inside:.2f} s is run_iteration, the rest init_adapter, "
