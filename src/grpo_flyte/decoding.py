@@ -93,7 +93,8 @@ def decode(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     streams = [row_stream(seed, row) for seed, row in seeds]
-    eos = torch.tensor(sorted(eos_ids), device=device)
+    eos_list = sorted(eos_ids)
+    eos = torch.tensor(eos_list, device=device)
     cache = DynamicCache(config=model.config)
     out_ids: list[list[int]] = [[] for _ in prompts]
     out_lps: list[list[float]] = [[] for _ in prompts]
@@ -104,7 +105,7 @@ def decode(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
         ).logits[:, -1]
         uniforms = None if sampling.greedy else torch.tensor([streams[r].random() for r in active], dtype=torch.float64)
-        banned = sorted(eos_ids) if step < sampling.min_new_tokens else None
+        banned = eos_list if step < sampling.min_new_tokens else None
         tokens, logprobs = choose_tokens(logits, sampling, uniforms, banned)
         for r, t, lp in zip(active, tokens.tolist(), logprobs.tolist(), strict=True):
             out_ids[r].append(t)

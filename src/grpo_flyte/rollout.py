@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import Example, render_prompt
+from grpo_flyte.decoding import Sampling
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.faults import inject
 from grpo_flyte.models import cache_root, torch_dtype
@@ -76,6 +77,10 @@ class SamplingRequest(BaseModel):
     seed: int
     greedy: bool = False  # evaluation: the most likely token at every step
     min_new_tokens: int = 0  # no end-of-sequence before this many tokens (benchmarks: fixed-length work)
+
+    def sampling(self) -> Sampling:
+        """The settings a batch shares: requests batch together only when these are equal."""
+        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.greedy, self.min_new_tokens)
 
 
 class Generator(Protocol):
@@ -153,15 +158,13 @@ class HFGenerator:
         """One batched decode for several groups sharing an adapter and sampling settings."""
         import torch
 
-        from grpo_flyte.decoding import Sampling, decode
+        from grpo_flyte.decoding import decode
 
         self._activate(adapter_path)
-        first = requests[0]
-        sampling = Sampling(first.temperature, first.top_p, first.max_new_tokens, first.greedy, first.min_new_tokens)
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
         seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
         with torch.inference_mode():
-            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id)
+            rows = decode(self.model, prompts, seeds, requests[0].sampling(), self.eos_ids, self.pad_id)
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
@@ -345,12 +348,10 @@ class _Pending:
         self.error: BaseException | None = None
 
     def batches_with(self, other: _Pending) -> bool:
-        a, b = self.request, other.request
         return (
             self.engine is other.engine
             and self.adapter_path == other.adapter_path
-            and (a.temperature, a.top_p, a.max_new_tokens, a.greedy, a.min_new_tokens)
-            == (b.temperature, b.top_p, b.max_new_tokens, b.greedy, b.min_new_tokens)
+            and self.request.sampling() == other.request.sampling()
         )
 
 

@@ -7,13 +7,11 @@ new adapter directory. Token ids come from `generate`; nothing is re-tokenized.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.models import best_device, cache_root, torch_dtype
 from grpo_flyte.reward import ScoredGroup
 from grpo_flyte.rollout import AdapterError, AdapterRef, LocalDirCache
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.torch_thread import run_on_torch_thread
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +55,6 @@ class TrainStepResult(BaseModel):
     num_contributing: int  # rollouts with a nonzero advantage
     stats: StepStats
     train_s: float
-
-
-# One PEFT model per replica; the lock serializes steps (locally every task shares one process).
-_train_lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,17 +142,19 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
 async def publish_dir(build, name: str) -> Dir:
     """Write a directory with `build(path)` and return it as a Dir, never half-written.
 
-    Locally (raw data on disk) it is built in a staging folder beside its final place and renamed;
-    on a cluster it is built in a temp folder and uploaded.
+    `build` runs on the process's torch thread, which also serializes the steps that share the
+    replica's one PEFT model (locally every task shares one process). Locally (raw data on disk)
+    the folder is built in a staging folder beside its final place and renamed; on a cluster it is
+    built in a temp folder and uploaded.
     """
     ctx = flyte.ctx()
     raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
     if raw and "://" not in raw:
         # Replaces a folder left by an attempt that died before the checkpoint.
-        final = await asyncio.to_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
+        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
         return await Dir.from_local(str(final))
     with tempfile.TemporaryDirectory() as tmp:
-        await asyncio.to_thread(build, Path(tmp))
+        await run_on_torch_thread(build, Path(tmp))
         return await Dir.from_local(tmp)
 
 
@@ -171,14 +167,10 @@ async def init_adapter(config: RunConfig, base_model: Dir) -> AdapterRef:
     """Version 0: a freshly initialized LoRA adapter (equal to the base model) and no optimizer state."""
     model_path = await _model_dirs.get(base_model)
 
-    def fresh(out: Path) -> None:
+    def build(out: Path) -> None:
         model = peft_model(config, model_path)
         reset_lora(model, config.seed)
         save_adapter(model, None, 0, out)
-
-    def build(out: Path) -> None:
-        with _train_lock:
-            on_torch_thread(fresh, out)
 
     return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
 
@@ -369,17 +361,13 @@ async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, sc
     version = adapter.version + 1
     measured: list[StepStats] = []
 
-    def step(out: Path) -> None:
+    def build(out: Path) -> None:
         model = peft_model(config, model_path)
         optimizer = load_adapter_state(model, adapter_path, config)
         if sequences:
             measured.append(grpo_step(model, optimizer, sequences, config))
         save_adapter(model, optimizer, version, out)
-
-    def build(out: Path) -> None:
-        with _train_lock:
-            on_torch_thread(step, out)
-            inject("train_step")  # test-only: a failure with the new adapter half-published
+        inject("train_step")  # test-only: a failure with the new adapter half-published
 
     new_dir = await publish_dir(build, f"v{version:04d}")
     return TrainStepResult(
@@ -419,7 +407,4 @@ async def merge_adapter(config: RunConfig, base_model: Dir, adapter: AdapterRef)
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
 
-    def build(out: Path) -> None:
-        on_torch_thread(merge_into_base, model_path, adapter_path, out)
-
-    return await publish_dir(build, f"merged-v{adapter.version:04d}")
+    return await publish_dir(functools.partial(merge_into_base, model_path, adapter_path), f"merged-v{adapter.version:04d}")
