@@ -1,24 +1,38 @@
-"""The one config object that describes a GRPO run.
+"""The one config object that describes a GRPO run, in parts.
 
-`RunConfig` is the single home of every option's help text: the CLI (`python -m grpo_flyte.driver
---help`) and the README's config table are generated from it. Tasks receive it as an input; nothing
-reads module-level constants.
+`RunConfig` is composed of one part per concern (base model, engine, data, prompt, sampling,
+scoring, LoRA, training, evaluation) plus the loop's own settings. Each task takes only the parts
+it uses, so changing an unrelated field changes none of its inputs (nor its Flyte cache key).
+
+Every leaf field has a name unique across the parts, and that name is its flag and its key in a
+flat config file: `RunConfig(group_size=4)`, `--group-size 4` and `group_size: 4` in YAML all set
+`config.sampling.group_size`. A nested file (`sampling: {group_size: 4}`) works too. The fields'
+descriptions are the single home of the help text: `--help` and the README's table come from them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from grpo_flyte.errors import ConfigError
 
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
 GSM8K_DATASET = "gsm8k"
 DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
+# The built-in rewards (grpo_flyte.rewards implements them; a test keeps the two in step).
+BUILTIN_REWARDS = ("correct", "format", "tags", "length")
+_CUSTOM_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."
@@ -28,10 +42,22 @@ SYSTEM_PROMPT = (
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
 
 
-class RunConfig(BaseModel):
-    """Everything that determines what a run computes."""
+def check_reward_name(name: str) -> None:
+    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
+    if name not in BUILTIN_REWARDS and not _CUSTOM_REWARD.fullmatch(name):
+        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(BUILTIN_REWARDS)} or 'module:function'")
 
+
+class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __hash__(self) -> int:
+        # Frozen, so hashable; some fields are dicts, so hash the canonical JSON form.
+        return hash(self.model_dump_json())
+
+
+class ModelConfig(_Part):
+    """The base model and the dtype its weights are loaded in (generator and trainer)."""
 
     model: str = Field(
         EMBEDDED_MODEL,
@@ -40,6 +66,29 @@ class RunConfig(BaseModel):
             "local directory with config.json, or a Hugging Face repo id (remote runs)."
         ),
     )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="Base weight dtype; 'auto' is bfloat16 (about 2x faster than float32 on CPU and GPU)."
+    )
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return "bfloat16" if self.dtype == "auto" else self.dtype
+
+
+class EngineConfig(_Part):
+    """The generate replicas' engine."""
+
+    backend: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Generation backend; 'auto' picks vLLM when it imports and a GPU is visible, else hf."
+    )
+    adapter_cache_size: int = Field(
+        4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded."
+    )
+
+
+class DataConfig(_Part):
+    """Where prompts and gold answers come from."""
+
     dataset: str = Field(
         ARITHMETIC_DATASET,
         description=(
@@ -54,17 +103,21 @@ class RunConfig(BaseModel):
         min_length=1,
         description="File datasets: the column holding the gold answer; text after a '####' (GSM8K's format) is the answer.",
     )
-    num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
-    prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
-    group_size: int = Field(
-        8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
-    )
-    max_new_tokens: int = Field(64, ge=1, le=32_768, description="Completion length limit in tokens.")
-    max_prompt_tokens: int = Field(
-        512, ge=8, le=131_072, description="Longest prompt accepted, in tokens; longer prompts fail the generate task."
-    )
-    temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, dataset: str) -> str:
+        if dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and not dataset.lower().endswith(DATASET_FILE_TYPES):
+            raise ValueError(
+                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a path ending in "
+                + ", ".join(DATASET_FILE_TYPES)
+            )
+        return dataset
+
+
+class PromptConfig(_Part):
+    """How a question becomes prompt tokens."""
+
     prompt_format: Literal["chat", "plain"] = Field(
         "chat",
         description=(
@@ -84,6 +137,25 @@ class RunConfig(BaseModel):
             "template; 'auto' passes nothing (the template's default)."
         ),
     )
+    max_prompt_tokens: int = Field(
+        512, ge=8, le=131_072, description="Longest prompt accepted, in tokens; longer prompts fail the generate task."
+    )
+
+
+class SamplingConfig(_Part):
+    """How completions are sampled (the trainer's log-probs use the same temperature)."""
+
+    group_size: int = Field(
+        8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
+    )
+    max_new_tokens: int = Field(64, ge=1, le=32_768, description="Completion length limit in tokens.")
+    temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+
+
+class RewardConfig(_Part):
+    """Which rewards score a completion, and what a failing reward does."""
+
     rewards: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_REWARDS),
         description=(
@@ -96,6 +168,33 @@ class RunConfig(BaseModel):
         "fail",
         description="A reward that raises or returns a bad value: 'fail' the task, or score it 'zero' and count it (reward_errors).",
     )
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        if not rewards:
+            raise ValueError("no rewards; expected at least one name=weight, e.g. correct=1.0")
+        for name, weight in rewards.items():
+            check_reward_name(name)
+            if not math.isfinite(weight):
+                raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
+        return rewards
+
+
+class LoraConfig(_Part):
+    """The LoRA adapter that is trained."""
+
+    lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    lora_target_modules: tuple[str, ...] = Field(
+        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1, description="Module names that get LoRA adapters."
+    )
+
+
+class TrainConfig(_Part):
+    """The GRPO objective and its optimizer."""
+
     learning_rate: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
@@ -103,8 +202,15 @@ class RunConfig(BaseModel):
         "grpo",
         description=(
             "Loss aggregation: 'grpo' (mean over each completion's tokens, then over completions), "
-            "'dr_grpo' (token sum / (completions x max_new_tokens), advantages not divided by the std), "
-            "'dapo' (mean over all completion tokens of the batch)."
+            "'dr_grpo' (token sum / (completions x max_new_tokens); pair it with --scale-rewards none "
+            "as in the Dr. GRPO paper), 'dapo' (mean over all completion tokens of the batch)."
+        ),
+    )
+    scale_rewards: Literal["group", "none"] = Field(
+        "group",
+        description=(
+            "Advantages: 'group' divides each group's centred rewards by the group's std (GRPO); "
+            "'none' only centres them (Dr. GRPO). TRL: scale_rewards, verl: norm_adv_by_std_in_grpo."
         ),
     )
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range below 1: the ratio is clipped at 1 - epsilon.")
@@ -132,6 +238,33 @@ class RunConfig(BaseModel):
             "leaves them out of the loss (DAPO's overlong filtering), 'keep' uses their reward."
         ),
     )
+    advantage_eps: float = Field(
+        1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
+    )
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=64,
+        le=1_048_576,
+        description="Padded tokens per forward/backward micro-batch; sequences are grouped by length.",
+    )
+
+
+class EvalConfig(_Part):
+    """The held-out evaluation."""
+
+    eval_every: int = Field(
+        10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training)."
+    )
+    eval_size: int = Field(
+        100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation)."
+    )
+
+
+class RunConfig(_Part):
+    """Everything that determines what a run computes."""
+
+    num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
+    prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     min_informative_groups: int = Field(
         4,
         ge=0,
@@ -142,12 +275,7 @@ class RunConfig(BaseModel):
         ),
     )
     max_topup_rounds: int = Field(2, ge=0, le=100, description="Extra generate rounds at most per iteration for the top-up.")
-    eval_every: int = Field(
-        10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training)."
-    )
-    eval_size: int = Field(
-        100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation)."
-    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompt sampling, generation and adapter init.")
     export_merged: bool = Field(
         False,
         description=(
@@ -159,78 +287,84 @@ class RunConfig(BaseModel):
         None,
         description="Also log each iteration's metrics to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline works).",
     )
-    advantage_eps: float = Field(
-        1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
-    )
-    micro_batch_tokens: int = Field(
-        4096,
-        ge=64,
-        le=1_048_576,
-        description="Padded tokens per forward/backward micro-batch; sequences are grouped by length.",
-    )
-    lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
-    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale = alpha / r).")
-    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
-    lora_target_modules: tuple[str, ...] = Field(
-        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1, description="Module names that get LoRA adapters."
-    )
-    dtype: Literal["auto", "bfloat16", "float32"] = Field(
-        "auto", description="Base weight dtype; 'auto' is bfloat16 (about 2x faster than float32 on CPU and GPU)."
-    )
-    backend: Literal["auto", "vllm", "hf"] = Field(
-        "auto", description="Generation backend; 'auto' picks vLLM when it imports and a GPU is visible, else hf."
-    )
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed for prompt sampling, generation and adapter init.")
     adapters_to_keep: int = Field(
         3, ge=1, le=1000, description="Adapter versions kept on disk in a local run (the newest ones); older are pruned."
     )
-    adapter_cache_size: int = Field(
-        4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded."
-    )
+    base: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    scoring: RewardConfig = Field(default_factory=RewardConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluation: EvalConfig = Field(default_factory=EvalConfig)
 
-    @field_validator("dataset")
+    @model_validator(mode="before")
     @classmethod
-    def _known_dataset(cls, dataset: str) -> str:
-        if dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and not dataset.lower().endswith(DATASET_FILE_TYPES):
-            raise ValueError(
-                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a path ending in "
-                + ", ".join(DATASET_FILE_TYPES)
-            )
-        return dataset
+    def _nest_flat_fields(cls, data: Any) -> Any:
+        """Move flat leaf names (`group_size=4`) into their part; a flat name wins over a nested one."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, (part, _) in _leaf_index().items():
+            if part is not None and name in out:
+                nested = out.get(part, {})
+                nested = nested.model_dump() if isinstance(nested, BaseModel) else dict(nested or {})
+                nested[name] = out.pop(name)
+                out[part] = nested
+        return out
 
-    @field_validator("rewards")
-    @classmethod
-    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
-        from grpo_flyte.rewards import (
-            check_reward_name,  # pure module: pydantic and re only
-        )
-
-        if not rewards:
-            raise ValueError("no rewards; expected at least one name=weight, e.g. correct=1.0")
-        for name, weight in rewards.items():
-            check_reward_name(name)
-            if not math.isfinite(weight):
-                raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
-        return rewards
-
-    def __hash__(self) -> int:
-        # Frozen, so hashable; `rewards` is a dict, so hash the canonical JSON form.
-        return hash(self.model_dump_json())
-
-    @property
-    def torch_dtype_name(self) -> str:
-        return "bfloat16" if self.dtype == "auto" else self.dtype
+    def flat(self) -> dict[str, Any]:
+        """Every leaf field by its flat name: the report's config card, W&B, comparisons on resume."""
+        return {name: getattr(getattr(self, part) if part else self, name) for name, (part, _) in _leaf_index().items()}
 
     @property
     def rollouts_per_iter(self) -> int:
-        return self.prompts_per_iter * self.group_size
+        return self.prompts_per_iter * self.sampling.group_size
+
+
+_PARTS: dict[str, type[_Part]] = {
+    name: field.annotation
+    for name, field in RunConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, _Part)
+}
+
+
+@functools.cache
+def _leaf_index() -> dict[str, tuple[str | None, FieldInfo]]:
+    """flat name -> (the part holding it, or None for a loop field; its FieldInfo), parts in order."""
+    index: dict[str, tuple[str | None, FieldInfo]] = {
+        name: (None, field) for name, field in RunConfig.model_fields.items() if name not in _PARTS
+    }
+    for part, model in _PARTS.items():
+        for name, field in model.model_fields.items():
+            assert name not in index, f"config field {name!r} is defined twice"
+            index[name] = (part, field)
+    return index
+
+
+def leaf_fields() -> Iterator[tuple[str, FieldInfo]]:
+    """(flat name, FieldInfo) of every option: the CLI's flags and the README's table."""
+    for name, (_, field) in _leaf_index().items():
+        yield name, field
+
+
+def flatten(values: dict[str, Any]) -> dict[str, Any]:
+    """A config mapping with its parts' fields pulled up to flat names (a nested config file)."""
+    flat = {k: v for k, v in values.items() if k not in _PARTS or not isinstance(v, dict)}
+    for part in _PARTS:
+        if isinstance(values.get(part), dict):
+            for name, value in values[part].items():
+                flat.setdefault(name, value)
+    return flat
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of config fields, with errors that name the file."""
+    """Read a YAML or JSON mapping of config fields (flat or nested), with errors that name the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {str(p)!r}: no such file (expected a YAML or JSON file of config fields)")
+        raise ConfigError(f"{str(p)!r}: no such file (expected a YAML or JSON file of config fields)", field="config")
     try:
         text = p.read_text(encoding="utf-8")
         if p.suffix.lower() == ".json":
@@ -241,16 +375,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             data = yaml.safe_load(text)
     except Exception as exc:  # noqa: BLE001 -- UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
         detail = " ".join(str(exc).split())  # parser messages span lines; ours is one
-        raise ConfigError(f"--config {str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}") from None
+        raise ConfigError(f"{str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}", field="config") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {str(p)!r}: expected a mapping of config fields, got {type(data).__name__}")
-    return data
-
-
-class ConfigError(ValueError):
-    """A bad option value; the message is one line meant for the user."""
+        raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
+    return flatten(data)
 
 
 def flag(name: str) -> str:
@@ -259,27 +389,29 @@ def flag(name: str) -> str:
 
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: the flag, the value given, and what was expected."""
+    index = _leaf_index()
     lines = []
     for err in exc.errors():
-        loc = [str(part) for part in err.get("loc", ()) if not isinstance(part, int)]
-        where = flag(loc[0]) if loc else "config"
-        msg = err.get("msg", "invalid value")
-        msg = msg.removeprefix("Value error, ")
+        names = [str(part) for part in err.get("loc", ()) if not isinstance(part, int)]
+        # The innermost name that is an option: ('sampling', 'group_size') -> group_size.
+        name = next((n for n in reversed(names) if n in index), names[-1] if names else None)
+        where = flag(name) if name else "config"
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             lines.append(f"{where}: unknown option (see --help for the list)")
             continue
-        if "input" in err and loc:
-            field = RunConfig.model_fields.get(loc[0])
+        if "input" in err and name:
+            field = index[name][1] if name in index else None
             custom = err.get("type") == "value_error"  # our own validators already say what is expected
             hint = f" ({field.description.rstrip('.')})" if field and field.description and not custom else ""
             lines.append(f"{where}={err['input']!r}: {msg}{hint}")
         else:
-            lines.append(f"{where}: {msg}" if loc else msg)
+            lines.append(f"{where}: {msg}" if name else msg)
     return "; ".join(lines)
 
 
 def make_config(**values: Any) -> RunConfig:
-    """Build a RunConfig, turning validation errors into one readable ConfigError."""
+    """Build a RunConfig from flat or nested values, turning validation errors into one ConfigError."""
     try:
         return RunConfig(**values)
     except ValidationError as exc:
@@ -288,15 +420,13 @@ def make_config(**values: Any) -> RunConfig:
 
 def config_table_markdown() -> str:
     """The README's config table, generated from RunConfig (a test keeps the README in sync)."""
-    rows = ["| flag | default | description |", "| --- | --- | --- |"]
-    for name, field in RunConfig.model_fields.items():
-        default = field.default
-        if field.default_factory is not None:
-            default = field.default_factory()
+    rows = ["| flag | part | default | description |", "| --- | --- | --- | --- |"]
+    for name, (part, field) in _leaf_index().items():
+        default = field.get_default(call_default_factory=True)
         if isinstance(default, dict):
             shown = ",".join(f"{k}={v}" for k, v in default.items())
         else:
             shown = ",".join(default) if isinstance(default, tuple) else default
         names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
-        rows.append(f"| {names} | `{shown}` | {field.description} |")
+        rows.append(f"| {names} | {part or 'run'} | `{shown}` | {field.description} |")
     return "\n".join(rows)

@@ -12,8 +12,6 @@ import math
 import random
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
 from grpo_flyte.config import (
     ANSWER_INSTRUCTION,
     ARITHMETIC_DATASET,
@@ -22,7 +20,9 @@ from grpo_flyte.config import (
     SYSTEM_PROMPT,
     RunConfig,
 )
+from grpo_flyte.errors import DatasetError
 from grpo_flyte.rewards import MARKER, gold_is_usable
+from grpo_flyte.types import Example
 
 # The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
 PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
@@ -34,17 +34,6 @@ _ARITHMETIC_SPLIT_SEED = 20_241_122
 
 
 
-class Example(BaseModel):
-    """One prompt and its ground-truth answer."""
-
-    model_config = ConfigDict(frozen=True)
-
-    question: str
-    answer: str
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be used; the message names the file and line."""
 
 
 def arithmetic_problems() -> list[Example]:
@@ -108,12 +97,12 @@ def load_jsonl(path: str | Path, question_column: str = "question", answer_colum
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
-        raise DatasetError(f"--dataset {str(p)!r}: not UTF-8 text (byte {exc.start})") from None
+        raise DatasetError(f"{str(p)!r}: not UTF-8 text (byte {exc.start})") from None
     examples = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"--dataset {str(p)!r} line {lineno}"
+        where = f"{str(p)!r} line {lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -122,7 +111,7 @@ def load_jsonl(path: str | Path, question_column: str = "question", answer_colum
             raise DatasetError(f"{where}: expected a JSON object with {question_column!r} and {answer_column!r}")
         examples.append(_example(row.get(question_column), row.get(answer_column), where, (question_column, answer_column)))
     if not examples:
-        raise DatasetError(f"--dataset {str(p)!r}: the file has no examples")
+        raise DatasetError(f"{str(p)!r}: the file has no examples")
     return examples
 
 
@@ -130,7 +119,7 @@ def _existing(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
-            f"--dataset {str(p)!r}: no such file (expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a "
+            f"{str(p)!r}: no such file (expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a "
             f"{', '.join(DATASET_FILE_TYPES)} file)"
         )
     return p
@@ -142,7 +131,7 @@ def _rows_to_examples(rows, source: str, question_column: str, answer_column: st
     if missing:
         raise DatasetError(
             f"{source}: no column {missing[0]!r} (columns: {', '.join(rows.column_names)}); "
-            "expected --question-column and --answer-column to name existing columns"
+            "expected question_column and answer_column to name existing columns"
         )
     columns = (question_column, answer_column)
     examples = [
@@ -170,7 +159,7 @@ def load_table(path: str | Path, question_column: str = "question", answer_colum
     """Read a local .parquet or .csv file through the datasets library, validating every row."""
     p = _existing(path)
     kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
-    source = f"--dataset {str(p)!r}"
+    source = f"{str(p)!r}"
     rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
     return _rows_to_examples(rows, source, question_column, answer_column)
 
@@ -181,7 +170,7 @@ GSM8K_HUB = ("openai/gsm8k", "main")
 
 def load_gsm8k(split: str) -> list[Example]:
     """GSM8K's 'train' or 'test' split through the datasets library (downloaded once, then cached)."""
-    source = f"--dataset gsm8k ({GSM8K_HUB[0]}, split {split!r})"
+    source = f"gsm8k ({GSM8K_HUB[0]}, split {split!r})"
     rows = _load_with_datasets(source, *GSM8K_HUB, split=split)
     return _rows_to_examples(rows, source, "question", "answer")
 
@@ -208,7 +197,8 @@ _HOLDOUT_SEED = "grpo_flyte-holdout"
 def _first(held_out: list[Example], eval_size: int, name: str) -> list[Example]:
     if eval_size > len(held_out):
         raise DatasetError(
-            f"--eval-size={eval_size}: {name} holds out {len(held_out)} questions; expected at most {len(held_out)}"
+            f"{eval_size}: {name} holds out {len(held_out)} questions; expected at most {len(held_out)}",
+            field="eval_size",
         )
     return held_out[:eval_size]
 
@@ -220,19 +210,20 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     `examples` passed in its place: its rows, read by the CLI) holds out `eval_size` rows chosen
     with a fixed seed; the rest are the training set.
     """
-    dataset, eval_size = config.dataset, config.eval_size
+    dataset, eval_size = config.data.dataset, config.evaluation.eval_size
     if examples is None and dataset == ARITHMETIC_DATASET:
         return arithmetic_split("train"), _first(arithmetic_split("eval"), eval_size, "the arithmetic task")
     if examples is None and dataset == GSM8K_DATASET:
         held_out = _first(load_gsm8k("test"), eval_size, "GSM8K's test split") if eval_size else []
         return load_gsm8k("train"), held_out
-    rows = examples if examples is not None else load_file(dataset, config.question_column, config.answer_column)
+    rows = examples if examples is not None else load_file(dataset, config.data.question_column, config.data.answer_column)
     if eval_size == 0:
         return list(rows), []
     if eval_size >= len(rows):
         raise DatasetError(
-            f"--eval-size={eval_size}: the dataset {dataset!r} has {len(rows)} examples, which leaves none "
-            f"to train on; expected an eval size below {len(rows)} (or 0 for no evaluation)"
+            f"{eval_size}: the dataset {dataset!r} has {len(rows)} examples, which leaves none "
+            f"to train on; expected an eval size below {len(rows)} (or 0 for no evaluation)",
+            field="eval_size",
         )
     order = list(range(len(rows)))
     random.Random(_HOLDOUT_SEED).shuffle(order)
@@ -283,7 +274,7 @@ def render_prompt(
         return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            "prompt_format='chat' but the model's tokenizer has no chat template: use --prompt-format plain"
+            "prompt_format='chat' but the model's tokenizer has no chat template: use prompt_format='plain'"
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": user})

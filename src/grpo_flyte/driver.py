@@ -1,4 +1,4 @@
-"""`train_rl`: the GRPO loop as one async Flyte task.
+"""`train_rl`: the GRPO loop as one async Flyte task, pure orchestration.
 
 Per iteration, inside `flyte.group(f"iter-{i}")`:
     sample prompts -> generate (one task per prompt, fanned out) -> score each group as it lands
@@ -6,24 +6,27 @@ Per iteration, inside `flyte.group(f"iter-{i}")`:
     -> GRPO step(s) -> (held-out evaluation every `eval_every`) -> checkpoint -> metrics and report.
 The held-out evaluation also runs before the first iteration and after the last.
 
-Run it with `python -m grpo_flyte.driver --local` (this machine, Flyte local mode, the embedded
-model) or without `--local` against the cluster in your Flyte config; `--help` lists every option.
+The task returns a `RunResult` (final adapter, metrics history, report, merged model) as Flyte
+outputs and publishes the live report to its Flyte report tab. It writes no local files: in local
+mode the CLI registers a `RunObserver` (`observe`) and writes the run folder as iterations land.
+
+Run it with `python -m grpo_flyte --local` (this machine, Flyte local mode, the embedded model) or
+without `--local` against the cluster in your Flyte config; `--help` lists every option.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import json
 import logging
 import math
-import os
-import shutil
 import statistics
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import flyte
 import flyte.report
@@ -31,24 +34,32 @@ from flyte.io import Dir
 from pydantic import BaseModel
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example, sample_prompts, topup_prompts, train_eval_split
+from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
-from grpo_flyte.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.report_helpers import render_report
-from grpo_flyte.reward import ScoredGroup, score_group, score_groups
-from grpo_flyte.rollout import AdapterRef, generate, generate_eval
+from grpo_flyte.reward import score_group, score_groups
+from grpo_flyte.rollout import generate, generate_eval
 from grpo_flyte.tracking import Tracker, new_run_id
-from grpo_flyte.trainer import TrainStepResult, init_adapter, merge_adapter, train_step
+from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
+from grpo_flyte.types import (
+    REPORT_FILE,
+    AdapterRef,
+    BestCompletion,
+    EvalAnswer,
+    EvalMetrics,
+    Example,
+    MetricsRow,
+    RunResult,
+    ScoredGroup,
+    TrainMetrics,
+    TrainStepResult,
+)
 
 logger = logging.getLogger("grpo_flyte")
 
-METRICS_FILE = "metrics.jsonl"
-EVAL_DIR = "eval"
 # Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
 EVAL_CHUNK = 64
-REPORT_FILE = "report.html"
-ADAPTER_DIR = "adapter"
-MERGED_DIR = "merged"
+REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
 
 
 class LoopState(BaseModel):
@@ -56,10 +67,34 @@ class LoopState(BaseModel):
 
     iterations_done: int
     adapter: AdapterRef
-    history: list[dict[str, Any]]
-    best_completion: dict[str, Any] | None = None
+    history: list[MetricsRow]
+    best_completion: BestCompletion | None = None
     # The experiment-tracking run this loop logs to (kept so that a resumed run continues it).
     tracking_id: str = ""
+
+
+class RunObserver(Protocol):
+    """Sees a run's progress in this process (local mode). On a cluster nobody observes the
+    driver pod; its report tab and outputs carry the same information."""
+
+    def recorded(self, state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:
+        """A checkpointed iteration (iteration 0: the evaluation before training) and its held-out answers."""
+
+    def report(self, html: str) -> None:
+        """The report, republished."""
+
+
+_observers: list[RunObserver] = []
+
+
+@contextlib.contextmanager
+def observe(observer: RunObserver) -> Iterator[None]:
+    """Let `observer` see every run of this process while the block runs."""
+    _observers.append(observer)
+    try:
+        yield
+    finally:
+        _observers.remove(observer)
 
 
 def rollout_seed(seed: int, iteration: int, index: int) -> int:
@@ -81,60 +116,58 @@ def _per_second(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
 
-def reward_means(config: RunConfig, scored: list[ScoredGroup], prefix: str = "") -> dict[str, float]:
-    """Each weighted reward's mean (unweighted) score, keyed '<prefix>reward/<name>', and how many
-    (completion, reward) scores failed and counted as 0 (on_reward_error='zero')."""
+def reward_means(config: RunConfig, scored: list[ScoredGroup]) -> tuple[dict[str, float], int]:
+    """Each weighted reward's mean (unweighted) score, and how many (completion, reward) scores
+    failed and counted as 0 (on_reward_error='zero')."""
     parts = [p for sg in scored for p in sg.rewards]
-    means = {f"{prefix}reward/{name}": statistics.fmean(p.scores[name] for p in parts) for name in config.rewards}
-    return {**means, f"{prefix}reward_errors": sum(len(p.errors) for p in parts)}
+    means = {name: statistics.fmean(p.scores[name] for p in parts) for name in config.scoring.rewards}
+    return means, sum(len(p.errors) for p in parts)
 
 
-def iteration_metrics(
-    config: RunConfig, iteration: int, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]
-) -> dict[str, Any]:
+def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]) -> TrainMetrics:
     parts = [p for sg in scored for p in sg.rewards]
     rollouts = [r for sg in scored for r in sg.group.rollouts]
     lengths = [len(r.completion_ids) for r in rollouts]
     stats = result.stats
-    return {
-        "iteration": iteration,
-        "adapter_version": result.adapter.version,
-        "mean_reward": statistics.fmean(p.reward for p in parts),
-        "accuracy": statistics.fmean(p.correct for p in parts),
-        "format_rate": statistics.fmean(p.format for p in parts),
-        **reward_means(config, scored),
-        "loss": stats.loss,
-        "num_rollouts": len(parts),
-        "num_groups": len(scored),
-        "topup_groups": len(scored) - config.prompts_per_iter,
-        "num_contributing": result.num_contributing,
-        "frac_zero_std_groups": sum(not sg.informative(config.truncated) for sg in scored) / len(scored),
-        "num_updates": stats.num_updates,
-        "num_tokens": stats.num_tokens,
-        "kl": stats.kl,
-        "clip_fraction": stats.clip_fraction,
-        "is_ratio_mean": stats.is_ratio_mean,
-        "is_ratio_max": stats.is_ratio_max,
-        "entropy": stats.entropy,
-        "grad_norm": stats.grad_norm,
-        "completion_len_mean": statistics.fmean(lengths),
-        "completion_len_max": max(lengths),
-        "truncated_fraction": statistics.fmean(r.finish_reason == "length" for r in rollouts),
+    means, errors = reward_means(config, scored)
+    return TrainMetrics(
+        mean_reward=statistics.fmean(p.reward for p in parts),
+        accuracy=statistics.fmean(p.correct for p in parts),
+        format_rate=statistics.fmean(p.format for p in parts),
+        reward_means=means,
+        reward_errors=errors,
+        loss=stats.loss,
+        num_rollouts=len(parts),
+        num_groups=len(scored),
+        topup_groups=len(scored) - config.prompts_per_iter,
+        num_contributing=result.num_contributing,
+        frac_zero_std_groups=sum(not sg.informative(config.train.truncated) for sg in scored) / len(scored),
+        num_updates=stats.num_updates,
+        num_tokens=stats.num_tokens,
+        kl=stats.kl,
+        clip_fraction=stats.clip_fraction,
+        is_ratio_mean=stats.is_ratio_mean,
+        is_ratio_max=stats.is_ratio_max,
+        entropy=stats.entropy,
+        grad_norm=stats.grad_norm,
+        completion_len_mean=statistics.fmean(lengths),
+        completion_len_max=max(lengths),
+        truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),
         **timings,
-        "generate_tokens_per_s": _per_second(sum(lengths), timings["generate_s"]),
-        "score_tokens_per_s": _per_second(sum(lengths), sum(sg.score_s for sg in scored)),
-        "train_tokens_per_s": _per_second(stats.num_tokens, timings["train_s"]),
-    }
+        generate_tokens_per_s=_per_second(sum(lengths), timings["generate_s"]),
+        score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
+        train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
+    )
 
 
-def best_completion(scored: list[ScoredGroup]) -> dict[str, Any]:
+def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
     sg, i = max(((sg, i) for sg in scored for i in range(len(sg.rewards))), key=lambda x: x[0].rewards[x[1]].reward)
-    return {
-        "question": sg.group.example.question,
-        "answer": sg.group.example.answer,
-        "completion": sg.group.rollouts[i].text,
-        "reward": sg.rewards[i].reward,
-    }
+    return BestCompletion(
+        question=sg.group.example.question,
+        answer=sg.group.example.answer,
+        completion=sg.group.rollouts[i].text,
+        reward=sg.rewards[i].reward,
+    )
 
 
 async def generate_and_score(
@@ -159,6 +192,11 @@ async def generate_and_score(
     return results, generated - started, time.perf_counter() - generated
 
 
+def _generate_parts(config: RunConfig) -> dict[str, Any]:
+    """The config parts the generate tasks take."""
+    return {"model": config.base, "engine": config.engine, "prompt": config.prompt, "sampling": config.sampling}
+
+
 async def run_iteration(
     config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int
 ) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float]]:
@@ -166,25 +204,33 @@ async def run_iteration(
     prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
     scored: list[ScoredGroup] = []
     timings = {"generate_s": 0.0, "score_s": 0.0}  # score_s: the scoring tail after generation
+    truncated = config.train.truncated
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)
         generating = [
             asyncio.create_task(
-                generate(config, base_model, adapter, ex, first + i, rollout_seed(config.seed, iteration, first + i))
+                generate(
+                    **_generate_parts(config),
+                    base_model=base_model,
+                    adapter=adapter,
+                    example=ex,
+                    index=first + i,
+                    seed=rollout_seed(config.seed, iteration, first + i),
+                )
             )
             for i, ex in enumerate(prompts)
         ]
-        landed, gen_s, tail_s = await generate_and_score(generating, lambda group: score_group(config, group))
+        landed, gen_s, tail_s = await generate_and_score(generating, lambda group: score_group(config.scoring, config.sampling, group))
         scored.extend(landed)
         timings["generate_s"] += gen_s
         timings["score_s"] += tail_s
-        missing = config.min_informative_groups - sum(sg.informative(config.truncated) for sg in scored)
+        missing = config.min_informative_groups - sum(sg.informative(truncated) for sg in scored)
         if missing <= 0 or round_ == config.max_topup_rounds:
             break
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
     scored.sort(key=lambda sg: sg.group.index)
     scored_at = time.perf_counter()
-    result = await train_step(config, base_model, adapter, scored)
+    result = await train_step(config.base, config.lora, config.train, config.sampling, base_model, adapter, scored)
     finished = time.perf_counter()
     timings["train_s"] = finished - scored_at
     timings["iteration_s"] = finished - started
@@ -193,134 +239,91 @@ async def run_iteration(
 
 async def run_eval(
     config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Greedy answers to the held-out questions on the generate pool: metrics and per-question rows."""
+) -> tuple[EvalMetrics, list[EvalAnswer]]:
+    """Greedy answers to the held-out questions on the generate pool: metrics and per-question answers."""
     started = time.perf_counter()
     generating = [
-        asyncio.create_task(generate_eval(config, base_model, adapter, questions[i : i + EVAL_CHUNK], i))
+        asyncio.create_task(
+            generate_eval(**_generate_parts(config), base_model=base_model, adapter=adapter, examples=questions[i : i + EVAL_CHUNK], first_index=i)
+        )
         for i in range(0, len(questions), EVAL_CHUNK)
     ]
-    landed, _, _ = await generate_and_score(generating, lambda groups: score_groups(config, groups))
+    landed, _, _ = await generate_and_score(generating, lambda groups: score_groups(config.scoring, config.sampling, groups))
     scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)
-    rows = [
-        {
-            "question": sg.group.example.question,
-            "answer": sg.group.example.answer,
-            "completion": sg.group.rollouts[0].text,
-            "reward": sg.rewards[0].reward,
-            "correct": sg.rewards[0].correct,
-            "format": sg.rewards[0].format,
-            "scores": sg.rewards[0].scores,
-        }
+    answers = [
+        EvalAnswer(
+            question=sg.group.example.question,
+            answer=sg.group.example.answer,
+            completion=sg.group.rollouts[0].text,
+            reward=sg.rewards[0].reward,
+            correct=sg.rewards[0].correct,
+            format=sg.rewards[0].format,
+            scores=sg.rewards[0].scores,
+        )
         for sg in scored
     ]
-    reward, reward_ci = mean_ci95([r["reward"] for r in rows])
-    accuracy, accuracy_ci = mean_ci95([float(r["correct"]) for r in rows])
-    metrics = {
-        "eval_reward": reward,
-        "eval_reward_ci95": reward_ci,
-        "eval_accuracy": accuracy,
-        "eval_accuracy_ci95": accuracy_ci,
-        "eval_format_rate": statistics.fmean(r["format"] for r in rows),
-        **reward_means(config, scored, prefix="eval_"),
-        "eval_size": len(rows),
-        "eval_s": time.perf_counter() - started,
-    }
-    return metrics, rows
+    reward, reward_ci = mean_ci95([a.reward for a in answers])
+    accuracy, accuracy_ci = mean_ci95([float(a.correct) for a in answers])
+    means, errors = reward_means(config, scored)
+    metrics = EvalMetrics(
+        eval_reward=reward,
+        eval_reward_ci95=reward_ci,
+        eval_accuracy=accuracy,
+        eval_accuracy_ci95=accuracy_ci,
+        eval_format_rate=statistics.fmean(a.format for a in answers),
+        eval_reward_means=means,
+        eval_reward_errors=errors,
+        eval_size=len(answers),
+        eval_s=time.perf_counter() - started,
+    )
+    return metrics, answers
 
 
 def eval_due(config: RunConfig, iterations_done: int) -> bool:
     """Whether the held-out evaluation runs after this many iterations (0: before training)."""
-    if config.eval_size == 0:
+    every, size = config.evaluation.eval_every, config.evaluation.eval_size
+    if size == 0:
         return False
     if iterations_done in (0, config.num_iterations):
         return True
-    return config.eval_every > 0 and iterations_done % config.eval_every == 0
+    return every > 0 and iterations_done % every == 0
 
 
-class LocalRunFiles:
-    """The files of a local run under --run-dir, each written atomically."""
-
-    def __init__(self, run_dir: str | None):
-        self.root = Path(run_dir) if run_dir else None
-
-    def write_metrics(self, history: list[dict[str, Any]]) -> None:
-        # Rewritten whole from the checkpointed history: a resumed run records each iteration once.
-        if self.root:
-            text = "".join(json.dumps(row) + "\n" for row in history)
-            write_text_atomic(self.root / METRICS_FILE, text)
-
-    def write_eval(self, iteration: int, rows: list[dict[str, Any]]) -> None:
-        """Per-question held-out answers of one evaluation: eval/iter-NNNN.jsonl."""
-        if self.root:
-            text = "".join(json.dumps({"iteration": iteration, **row}) + "\n" for row in rows)
-            write_text_atomic(self.root / EVAL_DIR / f"iter-{iteration:04d}.jsonl", text)
-
-    def write_report(self, html: str) -> None:
-        if self.root:
-            write_text_atomic(self.root / REPORT_FILE, html)
-
-    def export_adapter(self, adapter: AdapterRef) -> None:
-        if self.root and "://" not in adapter.dir.path:
-            build_dir_atomic(self.root / ADAPTER_DIR, lambda d: shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True))
-
-    def export_merged(self, merged: Dir) -> str:
-        """Move the (complete) merged model folder to <run-dir>/merged: a rename, so never half there.
-
-        Returns where the merged model now is.
-        """
-        if not self.root or "://" in merged.path:
-            return merged.path
-        target = self.root / MERGED_DIR
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(merged.path, target)
-        return str(target)
-
-    def prune_adapters(self, current: AdapterRef, keep: int) -> None:
-        path = Path(current.dir.path)
-        if not self.root or "://" in current.dir.path or not path.parent.is_dir():
-            return
-        for old in path.parent.glob("v[0-9]*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - keep:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-async def publish_report(config: RunConfig, state: LoopState, files: LocalRunFiles, status: str, message: str | None = None) -> None:
+async def publish_report(config: RunConfig, state: LoopState, status: str, message: str | None = None) -> str:
+    """Render the report, put it in the task's report tab, show it to observers; returns the HTML."""
     html = render_report(
-        title="grpo_flyte: GRPO + LoRA",
+        title=REPORT_TITLE,
         status=status,
-        config=config.model_dump(mode="json"),
-        history=state.history,
-        best_completion=state.best_completion,
+        config=config.flat(),
+        history=[row.flat() for row in state.history],
+        best_completion=state.best_completion.model_dump() if state.best_completion else None,
         message=message,
     )
-    files.write_report(html)
+    for observer in _observers:
+        observer.report(html)
     if flyte.ctx():
         await flyte.report.replace.aio(html, do_flush=True)
+    return html
 
 
-def progress_line(row: dict[str, Any], total: int) -> str:
+def progress_line(row: MetricsRow, total: int) -> str:
+    e, t = row.eval, row.train
     held_out = (
-        f"held-out reward {row['eval_reward']:.3f} +- {row['eval_reward_ci95']:.3f}  "
-        f"acc {row['eval_accuracy']:.1%}  format {row['eval_format_rate']:.1%}  "
-        f"(n={row['eval_size']}, {row['eval_s']:.1f}s)"
-        if "eval_reward" in row
+        f"held-out reward {e.eval_reward:.3f} +- {e.eval_reward_ci95:.3f}  acc {e.eval_accuracy:.1%}  "
+        f"format {e.eval_format_rate:.1%}  (n={e.eval_size}, {e.eval_s:.1f}s)"
+        if e
         else ""
     )
-    if "mean_reward" not in row:  # the evaluation before training
+    if t is None:  # the evaluation before training
         return f"iter 0/{total}  {held_out}"
     # accuracy and format rate are shown anyway; other rewards and failed scores are added
-    others = "".join(
-        f"  {key.removeprefix('reward/')} {value:.3f}"
-        for key, value in row.items()
-        if key.startswith("reward/") and key not in ("reward/correct", "reward/format")
-    )
-    errors = f"  reward errors {row['reward_errors']}" if row.get("reward_errors") else ""
+    others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
+    errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
     return (
-        f"iter {row['iteration']}/{total}  reward {row['mean_reward']:.3f}  acc {row['accuracy']:.1%}  "
-        f"format {row['format_rate']:.1%}{others}{errors}  loss {row['loss']:+.4f}  len {row['completion_len_mean']:.0f}  "
-        f"| generate {row['generate_s']:.1f}s  score {row['score_s']:.1f}s  train {row['train_s']:.1f}s  "
-        f"total {row['iteration_s']:.1f}s" + (f"\n  {held_out}" if held_out else "")
+        f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
+        f"format {t.format_rate:.1%}{others}{errors}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
+        f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
+        f"total {t.iteration_s:.1f}s" + (f"\n  {held_out}" if held_out else "")
     )
 
 
@@ -341,58 +344,66 @@ async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | Non
     return checkpoint, state
 
 
+async def _report_dir(html: str) -> Dir:
+    """The final report as a task output: a folder holding `report.html`.
+
+    A Dir rather than a File: `File.from_local` requires `flyte.init()`, which a local run started
+    with `flyte.with_runcontext(mode="local")` need not have called.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / REPORT_FILE).write_text(html, encoding="utf-8")
+        return await Dir.from_local(tmp)
+
+
 @driver_env.task(report=True)
 async def train_rl(
     config: RunConfig,
     base_model: Dir,
     examples: list[Example] | None = None,
-    run_dir: str | None = None,
     resume_from: str | None = None,
-) -> AdapterRef:
-    """Run GRPO for `config.num_iterations` iterations and return the final adapter.
+) -> RunResult:
+    """Run GRPO for `config.num_iterations` iterations; returns the final adapter, metrics and report.
 
-    `examples` overrides `config.dataset` (the CLI passes the rows of a dataset file this way);
-    `run_dir` is where a local run writes its files; `resume_from` is a checkpoint to continue from.
+    `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way);
+    `resume_from` is a checkpoint to continue from.
     """
     dataset, held_out = train_eval_split(config, examples)
-    files = LocalRunFiles(run_dir)
     checkpoint, state = await restore_state(resume_from)
     if state is None:
-        adapter = await init_adapter(config, base_model)
+        adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
         state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=new_run_id())
     else:
         logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
-        if not state.tracking_id:  # a checkpoint written before tracking ids existed
-            state = state.model_copy(update={"tracking_id": new_run_id()})
-    tracker = Tracker(config.wandb_project, state.tracking_id, config.model_dump(mode="json"), run_dir)
+    tracker = Tracker(config.wandb_project, state.tracking_id, config.flat())
 
-    async def record(new_state: LoopState, row: dict[str, Any]) -> LoopState:
-        """Checkpoint, then rewrite the run files and the report from the checkpointed state."""
+    async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
+        """Checkpoint, then tell observers and trackers and republish the report."""
         if checkpoint is not None:
             await checkpoint.save(new_state.model_dump_json().encode())
-        files.write_metrics(new_state.history)
-        tracker.log(row)
-        files.prune_adapters(new_state.adapter, config.adapters_to_keep)
-        await publish_report(config, new_state, files, "running")
+        for observer in _observers:
+            observer.recorded(new_state, row, answers)
+        tracker.log(row.flat())
+        await publish_report(config, new_state, "running")
         logger.info(progress_line(row, config.num_iterations))
         return new_state
 
     try:
-        if eval_due(config, 0) and not any(row["iteration"] == 0 for row in state.history):
+        if eval_due(config, 0) and not any(row.iteration == 0 for row in state.history):
             with flyte.group("eval-0"):
                 metrics, answers = await run_eval(config, base_model, state.adapter, held_out)
-            files.write_eval(0, answers)
-            row = {"iteration": 0, "adapter_version": state.adapter.version, **metrics}
-            state = await record(state.model_copy(update={"history": [row, *state.history]}), row)
+            row = MetricsRow(iteration=0, adapter_version=state.adapter.version, eval=metrics)
+            state = await record(state.model_copy(update={"history": [row, *state.history]}), row, answers)
         while state.iterations_done < config.num_iterations:
             it = state.iterations_done
+            answers = None
             with flyte.group(f"iter-{it + 1}"):
                 scored, result, timings = await run_iteration(config, base_model, state.adapter, dataset, it)
-                row = iteration_metrics(config, it + 1, scored, result, timings)
+                row = MetricsRow(
+                    iteration=it + 1, adapter_version=result.adapter.version, train=iteration_metrics(config, scored, result, timings)
+                )
                 if eval_due(config, it + 1):
                     metrics, answers = await run_eval(config, base_model, result.adapter, held_out)
-                    row.update(metrics)
-                    files.write_eval(it + 1, answers)
+                    row = row.model_copy(update={"eval": metrics})
             state = await record(
                 LoopState(
                     iterations_done=it + 1,
@@ -402,27 +413,24 @@ async def train_rl(
                     tracking_id=state.tracking_id,
                 ),
                 row,
+                answers,
             )
+        merged = None
+        if config.export_merged:
+            with flyte.group("export"):
+                merged = await merge_adapter(base_model, state.adapter)
     except Exception as exc:
-        await publish_report(config, state, files, "failed", f"{type(exc).__name__}: {exc}")
+        await publish_report(config, state, "failed", f"{type(exc).__name__}: {exc}")
         tracker.finish(failed=True)
         raise
-    files.export_adapter(state.adapter)
-    if config.export_merged:
-        with flyte.group("export"):
-            merged = await merge_adapter(config, base_model, state.adapter)
-        where = files.export_merged(merged)
-        logger.info("merged model (base + adapter v%d): %s", state.adapter.version, where)
-    await publish_report(config, state, files, "complete")
+    html = await publish_report(config, state, "complete")
     tracker.finish()
-    return state.adapter
-
-
-def main(argv: list[str] | None = None) -> int:
-    from grpo_flyte.cli import main as cli_main
-
-    return cli_main(argv)
+    return RunResult(adapter=state.adapter, history=state.history, report=await _report_dir(html), merged=merged)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # `python -m grpo_flyte.driver` is the command line of `python -m grpo_flyte`; the CLI imports
+    # this module, never the reverse.
+    import runpy
+
+    runpy.run_module("grpo_flyte", run_name="__main__", alter_sys=True)

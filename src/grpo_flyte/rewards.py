@@ -24,7 +24,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from grpo_flyte.config import BUILTIN_REWARDS, check_reward_name
+from grpo_flyte.errors import RewardError, RewardSpecError
+from grpo_flyte.types import RewardParts
 
 MARKER = "####"
 # Model output is shown in error messages up to this many characters.
@@ -34,32 +36,9 @@ _INTEGER = re.compile(r"-?\d[\d,]*")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAGGED = re.compile(r"\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*", re.DOTALL)
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
-_CUSTOM = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 RewardFn = Callable[..., Sequence[float]]
 
-
-class RewardError(RuntimeError):
-    """A reward function raised or returned something other than one finite number per completion."""
-
-
-class RewardSpecError(ValueError):
-    """A `rewards` entry that names no built-in reward and no importable module:function."""
-
-
-class RewardParts(BaseModel):
-    """The reward of one completion, with each named reward's unweighted score.
-
-    `correct` and `format` are always measured (for the accuracy and format-rate metrics), whether
-    or not they are weighted rewards. `errors` names the rewards that failed and scored 0
-    (on_reward_error='zero').
-    """
-
-    reward: float
-    correct: bool
-    format: bool
-    scores: dict[str, float] = {}
-    errors: list[str] = []
 
 
 # --------------------------------------------------------------------------- answers
@@ -161,42 +140,36 @@ def length_reward(completions: list[str], *, num_tokens: Sequence[int], max_new_
     return [-min(1.0, max(0, n - start) / window) for n in num_tokens]
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "correct": correct_reward,
     "format": format_reward,
     "tags": tags_reward,
     "length": length_reward,
 }
-
-
-def check_reward_name(name: str) -> None:
-    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
-    if name not in BUILTIN_REWARDS and not _CUSTOM.fullmatch(name):
-        raise ValueError(
-            f"unknown reward {name!r}; expected one of {', '.join(BUILTIN_REWARDS)} or 'module:function'"
-        )
+assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS, "config.BUILTIN_REWARDS names the built-in rewards"
 
 
 @functools.cache
 def resolve_reward(name: str) -> RewardFn:
     """The function of a reward name: a built-in, or `module:function` imported from the path."""
-    if name in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[name]
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
     try:
         check_reward_name(name)
     except ValueError as exc:
-        raise RewardSpecError(f"--rewards: {exc}") from None
+        raise RewardSpecError(str(exc), field="rewards") from None
     module_name, attr = name.split(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 -- any import-time failure of user code is reported alike
         raise RewardSpecError(
-            f"--rewards {name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)"
+            f"{name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)",
+            field="rewards",
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise RewardSpecError(f"--rewards {name!r}: module {module_name!r} has no function {attr!r}")
+        raise RewardSpecError(f"{name!r}: module {module_name!r} has no function {attr!r}", field="rewards")
     return fn
 
 

@@ -10,51 +10,24 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
-import flyte
 from flyte.io import Dir
-from pydantic import BaseModel
 
 from grpo_flyte import grpo
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
-from grpo_flyte.faults import inject
-from grpo_flyte.files import build_dir_atomic
-from grpo_flyte.models import best_device, cache_root, torch_dtype
-from grpo_flyte.reward import ScoredGroup
-from grpo_flyte.rollout import AdapterError, AdapterRef, LocalDirCache
-from grpo_flyte.torch_thread import run_on_torch_thread
+from grpo_flyte.errors import AdapterError
+from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.storage import publish_dir, replica_cache
+from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "grpo_state.json"
 
-
-class StepStats(BaseModel):
-    """What one iteration's optimizer steps measured (means over updates or tokens)."""
-
-    loss: float = 0.0  # mean over the optimizer steps
-    grad_norm: float = 0.0  # mean pre-clip gradient norm over the optimizer steps
-    num_updates: int = 0
-    num_tokens: int = 0  # completion tokens in the loss
-    kl: float = 0.0  # mean per-token k3 KL to the reference (adapter disabled)
-    clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
-    entropy: float = 0.0  # mean per-token entropy of the trainer's policy
-    is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
-    is_ratio_max: float = 1.0
-
-
-class TrainStepResult(BaseModel):
-    adapter: AdapterRef
-    num_rollouts: int
-    num_contributing: int  # rollouts with a nonzero advantage
-    stats: StepStats
-    train_s: float
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,14 +43,9 @@ def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: f
     return model
 
 
-def peft_model(config: RunConfig, model_path: str):
+def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
     return _peft_model(
-        model_path,
-        config.torch_dtype_name,
-        config.lora_rank,
-        config.lora_alpha,
-        config.lora_dropout,
-        tuple(config.lora_target_modules),
+        model_path, model.torch_dtype_name, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, tuple(lora.lora_target_modules)
     )
 
 
@@ -85,10 +53,10 @@ def _trainable(model) -> list:
     return [p for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]) if p.requires_grad]
 
 
-def _optimizer(model, config: RunConfig):
+def _optimizer(model, train: TrainConfig):
     import torch
 
-    return torch.optim.AdamW(_trainable(model), lr=config.learning_rate, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(_trainable(model), lr=train.learning_rate, weight_decay=train.weight_decay)
 
 
 def reset_lora(model, seed: int) -> None:
@@ -102,7 +70,7 @@ def reset_lora(model, seed: int) -> None:
             module.reset_lora_parameters("default", True)
 
 
-def load_adapter_state(model, adapter_path: str, config: RunConfig):
+def load_adapter_state(model, adapter_path: str, train: TrainConfig):
     """Load LoRA weights and AdamW state from an adapter directory; return the optimizer."""
     import torch
     from peft import set_peft_model_state_dict
@@ -117,7 +85,7 @@ def load_adapter_state(model, adapter_path: str, config: RunConfig):
     missing_lora = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
     if missing_lora:
         raise AdapterError(f"adapter {adapter_path!r} lacks {len(missing_lora)} LoRA tensors, e.g. {missing_lora[0]}")
-    optimizer = _optimizer(model, config)
+    optimizer = _optimizer(model, train)
     opt_file = Path(adapter_path) / OPTIMIZER_FILE
     if opt_file.is_file():
         try:
@@ -125,8 +93,8 @@ def load_adapter_state(model, adapter_path: str, config: RunConfig):
         except Exception as exc:  # noqa: BLE001 -- a truncated or foreign file fails in many ways
             raise AdapterError(f"adapter {adapter_path!r}: optimizer state {OPTIMIZER_FILE} cannot be loaded ({type(exc).__name__}: {exc})") from None
         for group in optimizer.param_groups:  # the config, not the file, sets the hyper-parameters
-            group["lr"] = config.learning_rate
-            group["weight_decay"] = config.weight_decay
+            group["lr"] = train.learning_rate
+            group["weight_decay"] = train.weight_decay
     return optimizer
 
 
@@ -139,53 +107,35 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
     (out / STATE_FILE).write_text(json.dumps({"version": version}))
 
 
-async def publish_dir(build, name: str) -> Dir:
-    """Write a directory with `build(path)` and return it as a Dir, never half-written.
 
-    `build` runs on the process's torch thread, which also serializes the steps that share the
-    replica's one PEFT model (locally every task shares one process). Locally (raw data on disk)
-    the folder is built in a staging folder beside its final place and renamed; on a cluster it is
-    built in a temp folder and uploaded.
-    """
-    ctx = flyte.ctx()
-    raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
-    if raw and "://" not in raw:
-        # Replaces a folder left by an attempt that died before the checkpoint.
-        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
-        return await Dir.from_local(str(final))
-    with tempfile.TemporaryDirectory() as tmp:
-        await run_on_torch_thread(build, Path(tmp))
-        return await Dir.from_local(tmp)
-
-
-_model_dirs = LocalDirCache(cache_root() / "replica" / f"train-models-{os.getpid()}", capacity=1)
-_adapter_dirs = LocalDirCache(cache_root() / "replica" / f"train-adapters-{os.getpid()}", capacity=2)
+_model_dirs = replica_cache("train-models", capacity=1)
+_adapter_dirs = replica_cache("train-adapters", capacity=2)
 
 
 @train_env.task(retries=2)
-async def init_adapter(config: RunConfig, base_model: Dir) -> AdapterRef:
+async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_model: Dir) -> AdapterRef:
     """Version 0: a freshly initialized LoRA adapter (equal to the base model) and no optimizer state."""
     model_path = await _model_dirs.get(base_model)
 
     def build(out: Path) -> None:
-        model = peft_model(config, model_path)
-        reset_lora(model, config.seed)
-        save_adapter(model, None, 0, out)
+        peft = peft_model(model, lora, model_path)
+        reset_lora(peft, seed)
+        save_adapter(peft, None, 0, out)
 
     return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
 
 
-def build_sequences(scored: list[ScoredGroup], config: RunConfig) -> tuple[list[grpo.TrainSequence], int]:
+def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list[grpo.TrainSequence], int]:
     """Training sequences with nonzero advantage, in a deterministic order, and the rollout count."""
     sequences = []
     total = 0
-    scale_by_std = config.loss_type != "dr_grpo"
+    scale_by_std = train.scale_rewards == "group"
     for sg in sorted(scored, key=lambda s: s.group.index):
-        rewards = sg.training_rewards(config.truncated)
-        advantages = grpo.group_advantages(rewards, config.advantage_eps, scale_by_std)
+        rewards = sg.training_rewards(train.truncated)
+        advantages = grpo.group_advantages(rewards, train.advantage_eps, scale_by_std)
         for rollout, adv in zip(sg.group.rollouts, advantages, strict=True):
             total += 1
-            masked = config.truncated == "mask" and rollout.finish_reason == "length"
+            masked = train.truncated == "mask" and rollout.finish_reason == "length"
             if adv != 0.0 and rollout.completion_ids and not masked:
                 sequences.append(
                     grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, rollout.sampling_logprobs)
@@ -215,7 +165,7 @@ def _completion_logprobs(model, sequences: list[grpo.TrainSequence], temperature
 KL_MONITOR_SEQUENCES = 8
 
 
-def _reference_pass(model, sequences: list[grpo.TrainSequence], config: RunConfig):
+def _reference_pass(model, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig):
     """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
     disabled: no second copy of the model) and, when several updates reuse the batch, the old ones.
 
@@ -225,8 +175,8 @@ def _reference_pass(model, sequences: list[grpo.TrainSequence], config: RunConfi
     import torch
 
     n = len(sequences)
-    need_old = config.updates_per_iter > 1
-    if config.beta > 0 or n <= KL_MONITOR_SEQUENCES:
+    need_old = train.updates_per_iter > 1
+    if train.beta > 0 or n <= KL_MONITOR_SEQUENCES:
         with_ref = set(range(n))
     else:
         with_ref = {i * n // KL_MONITOR_SEQUENCES for i in range(KL_MONITOR_SEQUENCES)}
@@ -234,17 +184,17 @@ def _reference_pass(model, sequences: list[grpo.TrainSequence], config: RunConfi
     old: list = [None] * n
     todo = [i for i in range(n) if need_old or i in with_ref]
     with torch.no_grad():
-        for local in grpo.plan_micro_batches([sequences[i].length for i in todo], config.micro_batch_tokens):
+        for local in grpo.plan_micro_batches([sequences[i].length for i in todo], train.micro_batch_tokens):
             ids = [todo[k] for k in local]
             splits = [len(sequences[i].completion_ids) for i in ids]
             ref_ids = [i for i in ids if i in with_ref]
             if ref_ids:
                 with model.disable_adapter():
-                    lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ref_ids], config.temperature)
+                    lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ref_ids], sampling.temperature)
                 for i, x in zip(ref_ids, lp.split([len(sequences[i].completion_ids) for i in ref_ids])):
                     ref[i] = x
             if need_old:
-                lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ids], config.temperature)
+                lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ids], sampling.temperature)
                 for i, x in zip(ids, lp.split(splits)):
                     old[i] = x
     return ref, old
@@ -272,7 +222,7 @@ class _Totals:
         )
 
 
-def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, config: RunConfig, totals: _Totals):
+def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, train: TrainConfig, sampling: SamplingConfig, totals: _Totals):
     """The loss of one micro-batch (its share of the minibatch loss); adds its metrics to `totals`.
 
     ref/old: per sequence of `seqs`, the reference and old log-probs (ref None where not computed;
@@ -281,7 +231,7 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     import torch
 
     device = next(model.parameters()).device
-    logprobs, entropy, rows = _completion_logprobs(model, seqs, config.temperature)
+    logprobs, entropy, rows = _completion_logprobs(model, seqs, sampling.temperature)
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
     kl = None
     if any(r is not None for r in ref):
@@ -293,24 +243,24 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     weights = None
     if all(s.sampling_logprobs is not None for s in seqs):
         samp = torch.tensor([x for s in seqs for x in s.sampling_logprobs], device=device)
-        capped, rho = grpo.truncated_is_weights(old_lp, samp, config.is_cap)
-        weights = capped if config.is_correction else None
+        capped, rho = grpo.truncated_is_weights(old_lp, samp, train.is_cap)
+        weights = capped if train.is_correction else None
         totals.is_sum += float(rho.sum())
         totals.is_max = max(totals.is_max, float(rho.max()))
         totals.is_tokens += rho.numel()
     advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
     token_loss, clipped = grpo.grpo_token_loss(
-        logprobs, old_lp, advantages, config.epsilon, config.epsilon_high, weights, kl, config.beta
+        logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta
     )
     lengths = torch.tensor([len(s.completion_ids) for s in seqs], device=device)
-    loss = grpo.aggregate_loss(token_loss, rows, lengths, config.loss_type, norm)
+    loss = grpo.aggregate_loss(token_loss, rows, lengths, train.loss_type, norm)
     totals.entropy += float(entropy.sum())
     totals.clipped += int(clipped.sum())
     totals.tokens += logprobs.numel()
     return loss
 
 
-def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: RunConfig) -> StepStats:
+def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig) -> StepStats:
     """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
 
     The reference and (with several updates) old log-probs are computed once, before the first
@@ -319,18 +269,18 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: Run
     """
     import torch
 
-    ref, old = _reference_pass(model, sequences, config)
-    reuse_old = config.updates_per_iter > 1
+    ref, old = _reference_pass(model, sequences, train, sampling)
+    reuse_old = train.updates_per_iter > 1
     model.train()
     totals = _Totals()
-    for minibatch in grpo.split_minibatches(len(sequences), config.updates_per_iter):
+    for minibatch in grpo.split_minibatches(len(sequences), train.updates_per_iter):
         optimizer.zero_grad(set_to_none=True)
         norm = grpo.LossNormalizer(
             num_sequences=len(minibatch),
             num_tokens=sum(len(sequences[i].completion_ids) for i in minibatch),
-            max_completion_tokens=config.max_new_tokens,
+            max_completion_tokens=sampling.max_new_tokens,
         )
-        for local in grpo.plan_micro_batches([sequences[i].length for i in minibatch], config.micro_batch_tokens):
+        for local in grpo.plan_micro_batches([sequences[i].length for i in minibatch], train.micro_batch_tokens):
             ids = [minibatch[k] for k in local]
             loss = _micro_batch_loss(
                 model,
@@ -338,12 +288,13 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: Run
                 [ref[i] for i in ids],
                 [old[i] for i in ids] if reuse_old else None,
                 norm,
-                config,
+                train,
+                sampling,
                 totals,
             )
             loss.backward()
             totals.loss += loss.item()
-        totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(_trainable(model), config.max_grad_norm))
+        totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(_trainable(model), train.max_grad_norm))
         optimizer.step()
         totals.updates += 1
     optimizer.zero_grad(set_to_none=True)
@@ -352,22 +303,29 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], config: Run
 
 
 @train_env.task(retries=2)
-async def train_step(config: RunConfig, base_model: Dir, adapter: AdapterRef, scored: list[ScoredGroup]) -> TrainStepResult:
+async def train_step(
+    model: ModelConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
+    scored: list[ScoredGroup],
+) -> TrainStepResult:
     """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the next adapter."""
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
-    sequences, num_rollouts = build_sequences(scored, config)
+    sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
     measured: list[StepStats] = []
 
     def build(out: Path) -> None:
-        model = peft_model(config, model_path)
-        optimizer = load_adapter_state(model, adapter_path, config)
+        peft = peft_model(model, lora, model_path)
+        optimizer = load_adapter_state(peft, adapter_path, train)
         if sequences:
-            measured.append(grpo_step(model, optimizer, sequences, config))
-        save_adapter(model, optimizer, version, out)
-        inject("train_step")  # test-only: a failure with the new adapter half-published
+            measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
+        save_adapter(peft, optimizer, version, out)
 
     new_dir = await publish_dir(build, f"v{version:04d}")
     return TrainStepResult(
@@ -402,7 +360,7 @@ def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
 
 
 @train_env.task(retries=2)
-async def merge_adapter(config: RunConfig, base_model: Dir, adapter: AdapterRef) -> Dir:
+async def merge_adapter(base_model: Dir, adapter: AdapterRef) -> Dir:
     """The adapter merged into the base: a full model folder for serving (no PEFT needed)."""
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)

@@ -1,0 +1,450 @@
+"""Generation engines and the per-replica batching in front of them.
+
+- `HFGenerator` (transformers + PEFT, our own decode loop) and `VLLMGenerator` (vLLM, the LoRA
+  adapter attached per request) share one interface: `generate_many(requests, adapter_path)`
+  decodes several groups that share an adapter and sampling settings in one batch.
+- `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
+  replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
+  the GPU).
+- `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
+  calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
+  batch. Every row draws from its own random stream seeded by (request seed, row), so a completion
+  does not depend on its batch mates, and a batch's failure reaches every group in it.
+
+Heavy libraries are imported inside the engines; importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from flyte.extras import DynamicBatcher
+from pydantic import BaseModel
+
+from grpo_flyte.config import PromptConfig, SamplingConfig
+from grpo_flyte.data import render_prompt
+from grpo_flyte.decoding import Sampling
+from grpo_flyte.errors import AdapterError
+from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.torch_thread import run_on_torch_thread
+from grpo_flyte.types import Example, Rollout
+
+logger = logging.getLogger(__name__)
+
+# How long the batcher waits for more groups once one arrived (the groups of one iteration arrive
+# within milliseconds of each other), and the most completion rows one engine batch decodes.
+BATCH_WINDOW_S = 0.05
+MAX_BATCH_ROWS = 4096
+# The LoRA ranks vLLM's `max_lora_rank` accepts; an adapter of a smaller rank runs on the next one up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class SamplingRequest(BaseModel):
+    prompt_ids: list[int]
+    group_size: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    greedy: bool = False  # evaluation: the most likely token at every step
+    min_new_tokens: int = 0  # no end-of-sequence before this many tokens (vLLM's min_tokens)
+
+    def sampling(self) -> Sampling:
+        """The settings a batch shares: requests batch together only when these are equal."""
+        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.greedy, self.min_new_tokens)
+
+
+class Generator(Protocol):
+    tokenizer: object
+
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]: ...
+
+    def close(self) -> None: ...
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend."""
+    if backend != "auto":
+        return backend
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "hf"
+
+
+def cut_at_eos(token_ids: list[int], logprobs: list[float], eos_ids: set[int]) -> tuple[list[int], list[float], str]:
+    """Keep tokens up to and including the first EOS; what follows is padding."""
+    for i, tok in enumerate(token_ids):
+        if tok in eos_ids:
+            return token_ids[: i + 1], logprobs[: i + 1], "stop"
+    return token_ids, logprobs, "length"
+
+
+class HFGenerator:
+    """transformers + PEFT generation; one adapter active at a time, a few kept loaded."""
+
+    def __init__(self, model_path: str, dtype: str, max_adapters: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = best_device()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
+        self.base = model.to(self.device).eval()
+        self.model = None  # the PeftModel, once the first adapter is loaded
+        self.adapters: OrderedDict[str, str] = OrderedDict()  # adapter path -> PEFT adapter name
+        self.max_adapters = max_adapters
+        self._next_name = 0
+        eos = self.base.generation_config.eos_token_id
+        self.eos_ids = {*(eos if isinstance(eos, list) else [eos] if eos is not None else []), self.tokenizer.eos_token_id}
+        self.eos_ids.discard(None)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+
+    def close(self) -> None:
+        import gc
+
+        del self.model, self.base
+        gc.collect()
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+
+    def _activate(self, adapter_path: str) -> None:
+        from peft import PeftModel
+
+        if adapter_path in self.adapters:
+            self.adapters.move_to_end(adapter_path)
+            self.model.set_adapter(self.adapters[adapter_path])
+            return
+        name = f"adapter{self._next_name}"
+        self._next_name += 1
+        try:
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(self.base, adapter_path, adapter_name=name, is_trainable=False)
+            else:
+                self.model.load_adapter(adapter_path, adapter_name=name, is_trainable=False)
+        except Exception as exc:  # noqa: BLE001 -- a missing, truncated or foreign adapter fails in many ways
+            if self.model is not None and name in self.model.peft_config:
+                self.model.delete_adapter(name)  # nothing half-loaded stays in the warm engine
+            raise AdapterError(f"adapter {adapter_path!r} cannot be loaded ({type(exc).__name__}: {exc})") from None
+        self.model.set_adapter(name)
+        self.model.eval()
+        self.adapters[adapter_path] = name
+        while len(self.adapters) > self.max_adapters:
+            _, old = self.adapters.popitem(last=False)
+            self.model.delete_adapter(old)
+
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+        """One batched decode for several groups sharing an adapter and sampling settings."""
+        import torch
+
+        from grpo_flyte.decoding import decode
+
+        self._activate(adapter_path)
+        prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
+        seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
+        with torch.inference_mode():
+            rows = decode(self.model, prompts, seeds, requests[0].sampling(), self.eos_ids, self.pad_id)
+        rollouts = []
+        for ids, lps in rows:
+            ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            rollouts.append(Rollout(completion_ids=ids, sampling_logprobs=lps, finish_reason=finish, text=text))
+        groups, start = [], 0
+        for r in requests:
+            groups.append(rollouts[start : start + r.group_size])
+            start += r.group_size
+        return groups
+
+
+class VLLMGenerator:
+    """vLLM generation with the adapter attached per request through LoRARequest."""
+
+    def __init__(self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int):
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError("the vLLM backend needs: pip install 'grpo-flyte[gpu]'") from exc
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            enable_lora=True,
+            max_lora_rank=max_lora_rank,
+            max_loras=1,
+            max_cpu_loras=max_adapters,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=0.85,
+            # Sampling log-probs after temperature, i.e. of the distribution actually sampled
+            # from, which is what the trainer computes.
+            logprobs_mode="processed_logprobs",
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.lora_ids: OrderedDict[str, int] = OrderedDict()  # adapter path -> LoRARequest int id
+        self.max_adapters = max_adapters
+        self._next_id = 1  # vLLM requires ids >= 1, unique per adapter
+
+    def _lora_request(self, adapter_path: str):
+        from vllm.lora.request import LoRARequest
+
+        if adapter_path not in self.lora_ids:
+            self.lora_ids[adapter_path] = self._next_id
+            self._next_id += 1
+            while len(self.lora_ids) > self.max_adapters:
+                _, old_id = self.lora_ids.popitem(last=False)
+                self.llm.llm_engine.remove_lora(old_id)
+        self.lora_ids.move_to_end(adapter_path)
+        lora_id = self.lora_ids[adapter_path]
+        return LoRARequest(f"adapter{lora_id}", lora_id, adapter_path)
+
+    def close(self) -> None:
+        """Give the GPU memory back (vLLM keeps it after `del`: vllm#1908)."""
+        import gc
+
+        del self.llm
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        except ImportError:
+            return
+        cleanup_dist_env_and_memory()
+
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=r.group_size,
+                temperature=0.0 if r.greedy else r.temperature,
+                top_p=r.top_p,
+                top_k=-1,
+                max_tokens=r.max_new_tokens,
+                min_tokens=r.min_new_tokens,
+                logprobs=0,
+                seed=r.seed,
+            )
+            for r in requests
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": r.prompt_ids} for r in requests],
+            params,
+            lora_request=self._lora_request(adapter_path),
+            use_tqdm=False,
+        )
+        return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
+
+
+def vllm_completion_to_rollout(completion) -> Rollout:
+    """A vLLM CompletionOutput -> Rollout; the sampled token's log-prob is in each step's dict."""
+    ids = list(completion.token_ids)
+    steps = completion.logprobs or []
+    if len(steps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens; was logprobs=0 set?")
+    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids)]
+    finish = "stop" if completion.finish_reason == "stop" else "length"
+    return Rollout(completion_ids=ids, sampling_logprobs=logprobs, finish_reason=finish, text=completion.text)
+
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as `max_lora_rank` that holds an adapter of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise AdapterError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}", field="lora_rank")
+
+
+def adapter_rank(adapter_path: str) -> int:
+    """The LoRA rank `r` recorded in an adapter folder's adapter_config.json."""
+    path = Path(adapter_path) / "adapter_config.json"
+    try:
+        return int(json.loads(path.read_text())["r"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AdapterError(f"adapter {adapter_path!r} has no readable LoRA rank in adapter_config.json ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What an engine is built from. Sampling settings and seeds are per request, not part of it."""
+
+    backend: Literal["hf", "vllm"]
+    model_path: str
+    dtype: str
+    max_adapters: int
+    max_lora_rank: int  # vLLM only (0 for hf)
+    max_model_len: int  # vLLM only (0 for hf)
+
+    def build(self) -> Generator:
+        logger.info("building the %s generator for %s (once per replica)", self.backend, self.model_path)
+        if self.backend == "vllm":
+            return VLLMGenerator(self.model_path, self.dtype, self.max_adapters, self.max_lora_rank, self.max_model_len)
+        return HFGenerator(self.model_path, self.dtype, self.max_adapters)
+
+
+class EngineSlot:
+    """One engine per replica: built on first use, replaced (old one freed first) when the key changes.
+
+    Used only on the torch thread, which serializes every use; warm state is a cache: any engine
+    built from the same key produces the same rollouts.
+    """
+
+    def __init__(self) -> None:
+        self.key: EngineKey | None = None
+        self.engine: Generator | None = None
+
+    def get(self, key: EngineKey) -> Generator:
+        if self.key != key:
+            self.clear()
+            self.engine = key.build()
+            self.key = key
+        assert self.engine is not None
+        return self.engine
+
+    def clear(self) -> None:
+        if self.engine is not None:
+            engine, self.engine, self.key = self.engine, None, None
+            engine.close()
+
+
+_slot = EngineSlot()
+
+
+def engine_key(model_path: str, dtype: str, backend: str, max_adapters: int, adapter_path: str, max_model_len: int) -> EngineKey:
+    """The engine for these settings; vLLM's LoRA capacity comes from the adapter's own rank."""
+    resolved = resolve_backend(backend)
+    if resolved == "vllm":
+        return EngineKey("vllm", model_path, dtype, max_adapters, vllm_max_lora_rank(adapter_rank(adapter_path)), max_model_len)
+    return EngineKey("hf", model_path, dtype, max_adapters, 0, 0)
+
+
+def get_engine(key: EngineKey) -> Generator:
+    """This replica's engine for `key` (call on the torch thread)."""
+    return _slot.get(key)
+
+
+def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
+    text = render_prompt(
+        example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+    )
+    # The chat template already wrote the special tokens; the plain template gets the tokenizer's.
+    ids = tokenizer(text, add_special_tokens=prompt.prompt_format == "plain")["input_ids"]
+    if len(ids) > prompt.max_prompt_tokens:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={prompt.max_prompt_tokens}: {example.question[:80]!r}"
+        )
+    return list(ids)
+
+
+def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:
+    """The generation settings of one prompt: a group of `group_size`, or one greedy answer."""
+    return SamplingRequest(
+        prompt_ids=prompt_ids,
+        group_size=1 if greedy else sampling.group_size,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_new_tokens=sampling.max_new_tokens,
+        seed=seed,
+        greedy=greedy,
+    )
+
+
+def batch_order(request: SamplingRequest) -> tuple[int, list[int]]:
+    """Where a request sits in an engine batch: by seed, then prompt (not by arrival)."""
+    return request.seed, request.prompt_ids
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One group for the batcher: which engine and adapter, and what to sample."""
+
+    key: EngineKey
+    adapter_path: str
+    request: SamplingRequest
+
+    def batches_with(self) -> tuple:
+        """Calls decode in one engine batch when these are equal."""
+        return self.key, self.adapter_path, self.request.sampling()
+
+
+async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
+    """The batcher's function: the calls of one batch, decoded one engine batch per shared settings.
+
+    A failing engine batch fails every group in it (its exception is each one's result) and no other.
+    """
+    results: list[list[Rollout] | BaseException | None] = [None] * len(calls)
+    batches: dict[tuple, list[int]] = {}
+    for i, call in enumerate(calls):
+        batches.setdefault(call.batches_with(), []).append(i)
+    for members in batches.values():
+        # Sorted, so the batch does not depend on arrival order: the same groups give the same rollouts.
+        members.sort(key=lambda i: batch_order(calls[i].request))
+        first = calls[members[0]]
+        requests = [calls[i].request for i in members]
+        try:
+            out = await run_on_torch_thread(_decode, first.key, requests, first.adapter_path)
+        except Exception as exc:  # noqa: BLE001 -- handed to every group of this engine batch, raised there
+            out = [exc] * len(members)
+        for i, rollouts in zip(members, out, strict=True):
+            results[i] = rollouts
+    return results  # type: ignore[return-value]
+
+
+def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+    return get_engine(key).generate_many(requests, adapter_path)
+
+
+class _ReplicaBatcher:
+    """The replica's DynamicBatcher, started on first use in the running event loop.
+
+    Locally every task shares one loop; a new loop (a test's `asyncio.run`) gets a new batcher.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.batcher: DynamicBatcher | None = None
+
+    async def get(self) -> DynamicBatcher:
+        loop = asyncio.get_running_loop()
+        if self.batcher is None or self.loop is not loop:
+            batcher = DynamicBatcher(
+                _process,
+                cost_estimator=lambda call: call.request.group_size,
+                target_batch_cost=MAX_BATCH_ROWS,
+                max_batch_size=MAX_BATCH_ROWS,
+                batch_timeout_s=BATCH_WINDOW_S,
+            )
+            await batcher.start()
+            self.loop, self.batcher = loop, batcher
+        return self.batcher
+
+
+_batcher = _ReplicaBatcher()
+
+
+async def batcher_stats():
+    """The replica batcher's `flyte.extras.BatchStats` (batches, records, mean batch size)."""
+    return (await _batcher.get()).stats
+
+
+async def generate_groups(key: EngineKey, adapter_path: str, requests: list[SamplingRequest]) -> list[list[Rollout]]:
+    """Each request's group of rollouts, through the replica's batcher (so they batch with others')."""
+    batcher = await _batcher.get()
+    futures = [await batcher.submit(EngineCall(key, adapter_path, r)) for r in requests]
+    results = await asyncio.gather(*futures)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def tokenize(key: EngineKey, examples: list[Example], prompt: PromptConfig) -> list[list[int]]:
+    """The prompt token ids of each example, with the engine's tokenizer (the engine is built if needed)."""
+    engine = await run_on_torch_thread(get_engine, key)
+    return [tokenize_prompt(engine.tokenizer, example, prompt) for example in examples]

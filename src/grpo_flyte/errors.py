@@ -1,0 +1,47 @@
+"""The exceptions a user can cause. Every one derives from `GrpoFlyteError`, so the CLI catches one type.
+
+A library error names the config field it is about (`field`), not a command-line flag: the CLI maps
+the field to its flag when it prints the message, and a user of the Python API reads the field name.
+"""
+
+from __future__ import annotations
+
+
+class GrpoFlyteError(Exception):
+    """Bad input from the user: a one-line message saying what was given and what was expected.
+
+    `field` is the config field the message is about (None when it is about no single field);
+    `str(exc)` reads `"<field> <detail>"`.
+    """
+
+    def __init__(self, detail: str, *, field: str | None = None):
+        self.field = field
+        self.detail = detail
+        super().__init__(f"{field} {detail}" if field else detail)
+
+
+class ConfigError(GrpoFlyteError, ValueError):
+    """A bad option value or config file."""
+
+
+class DatasetError(GrpoFlyteError, ValueError):
+    """A dataset that cannot be used; the message names the file and line."""
+
+    def __init__(self, detail: str, *, field: str | None = "dataset"):
+        super().__init__(detail, field=field)
+
+
+class ModelError(GrpoFlyteError, ValueError):
+    """A base model that cannot be used."""
+
+
+class RewardSpecError(GrpoFlyteError, ValueError):
+    """A `rewards` entry that names no built-in reward and no importable module:function."""
+
+
+class RewardError(GrpoFlyteError, RuntimeError):
+    """A reward function raised or returned something other than one finite number per completion."""
+
+
+class AdapterError(GrpoFlyteError, ValueError):
+    """An adapter directory that cannot be used; the message names it."""

@@ -1,0 +1,81 @@
+"""Where task data lives: a local path (Flyte local mode) or an object-store URI (a cluster).
+
+This module is the one place that tells the two apart. Tasks read inputs through `LocalDirCache`
+(download once per replica, bounded) and write outputs through `publish_dir` (never half-written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import flyte
+from flyte.io import Dir
+
+from grpo_flyte.files import build_dir_atomic
+from grpo_flyte.models import cache_root
+from grpo_flyte.torch_thread import run_on_torch_thread
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` is an object-store URI (s3://, gs://, ...) rather than a local path."""
+    return "://" in path
+
+
+class LocalDirCache:
+    """Remote directories downloaded once per replica, newest `capacity` kept on disk.
+
+    A directory that is already local (local mode) is used in place and never deleted.
+    """
+
+    def __init__(self, root: Path, capacity: int):
+        self.root = root
+        self.capacity = capacity
+        self.entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def get(self, d: Dir) -> str:
+        if not is_remote(d.path):
+            return d.path
+        async with self._lock:
+            if d.path in self.entries:
+                self.entries.move_to_end(d.path)
+                return self.entries[d.path]
+            target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+            shutil.rmtree(target, ignore_errors=True)
+            local = await d.download(str(target))
+            self.entries[d.path] = local
+            while len(self.entries) > self.capacity:
+                _, old = self.entries.popitem(last=False)
+                shutil.rmtree(old, ignore_errors=True)
+            return local
+
+
+def replica_cache(name: str, capacity: int) -> LocalDirCache:
+    """A per-process download cache under the user cache (one folder per process and purpose)."""
+    return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
+
+
+async def publish_dir(build: Callable[[Path], object], name: str) -> Dir:
+    """Write a directory with `build(path)` and return it as a Dir, never half-written.
+
+    `build` runs on the process's torch thread, which also serializes the steps that share a
+    replica's models (locally every task shares one process). With local raw data (local mode) the
+    folder is built in a staging folder beside `<raw data>/adapters/<name>` and renamed; on a
+    cluster it is built in a temp folder and uploaded.
+    """
+    ctx = flyte.ctx()
+    raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
+    if raw and not is_remote(raw):
+        # Replaces a folder left by an attempt that died before the checkpoint.
+        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
+        return await Dir.from_local(str(final))
+    with tempfile.TemporaryDirectory() as tmp:
+        await run_on_torch_thread(build, Path(tmp))
+        return await Dir.from_local(tmp)

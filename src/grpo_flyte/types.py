@@ -1,0 +1,206 @@
+"""The values that cross task boundaries: what `generate`, `score_group` and `train_step` take and
+return, the driver's per-iteration metrics row and its result.
+
+This module sits at the bottom with `config`: the task modules import these types from here and
+never from each other. Importing it is cheap (pydantic and `flyte.io`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from flyte.io import Dir
+from pydantic import BaseModel, ConfigDict
+
+# The report's file name: in a local run folder, and inside `RunResult.report`.
+REPORT_FILE = "report.html"
+
+
+class Example(BaseModel):
+    """One prompt and its ground-truth answer."""
+
+    model_config = ConfigDict(frozen=True)
+
+    question: str
+    answer: str
+
+
+class AdapterRef(BaseModel):
+    """A LoRA adapter version: PEFT files plus the optimizer state that produced it."""
+
+    version: int
+    dir: Dir
+
+
+class Rollout(BaseModel):
+    completion_ids: list[int]
+    sampling_logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
+    finish_reason: Literal["stop", "length"]
+    text: str
+
+
+class RolloutGroup(BaseModel):
+    """All completions of one prompt; `index` is the prompt's position within its iteration."""
+
+    index: int
+    example: Example
+    adapter_version: int
+    prompt_ids: list[int]
+    rollouts: list[Rollout]
+    generate_s: float
+
+
+class RewardParts(BaseModel):
+    """The reward of one completion, with each named reward's unweighted score.
+
+    `correct` and `format` are always measured (for the accuracy and format-rate metrics), whether
+    or not they are weighted rewards. `errors` names the rewards that failed and scored 0
+    (on_reward_error='zero').
+    """
+
+    reward: float
+    correct: bool
+    format: bool
+    scores: dict[str, float] = {}
+    errors: list[str] = []
+
+
+class ScoredGroup(BaseModel):
+    group: RolloutGroup
+    rewards: list[RewardParts]
+    score_s: float = 0.0
+
+    def training_rewards(self, truncated: str) -> list[float]:
+        """The rewards advantages are computed from: with truncated='zero_reward' a completion cut
+        off at the length limit counts as 0 (it never reached its answer)."""
+        if truncated == "zero_reward":
+            return [0.0 if r.finish_reason == "length" else p.reward for r, p in zip(self.group.rollouts, self.rewards, strict=True)]
+        return [p.reward for p in self.rewards]
+
+    def informative(self, truncated: str) -> bool:
+        """Whether the training rewards differ: a group scored all alike has zero advantages."""
+        values = self.training_rewards(truncated)
+        return max(values) != min(values)
+
+
+class StepStats(BaseModel):
+    """What one iteration's optimizer steps measured (means over updates or tokens)."""
+
+    loss: float = 0.0  # mean over the optimizer steps
+    grad_norm: float = 0.0  # mean pre-clip gradient norm over the optimizer steps
+    num_updates: int = 0
+    num_tokens: int = 0  # completion tokens in the loss
+    kl: float = 0.0  # mean per-token k3 KL to the reference (adapter disabled)
+    clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
+    entropy: float = 0.0  # mean per-token entropy of the trainer's policy
+    is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
+    is_ratio_max: float = 1.0
+
+
+class TrainStepResult(BaseModel):
+    adapter: AdapterRef
+    num_rollouts: int
+    num_contributing: int  # rollouts with a nonzero advantage
+    stats: StepStats
+    train_s: float
+
+
+class TrainMetrics(BaseModel):
+    """What one training iteration measured. `reward_means`: each weighted reward's mean unweighted
+    score; `reward_errors`: (completion, reward) scores that failed and counted as 0."""
+
+    mean_reward: float
+    accuracy: float
+    format_rate: float
+    reward_means: dict[str, float]
+    reward_errors: int
+    loss: float
+    num_rollouts: int
+    num_groups: int
+    topup_groups: int
+    num_contributing: int
+    frac_zero_std_groups: float
+    num_updates: int
+    num_tokens: int
+    kl: float
+    clip_fraction: float
+    is_ratio_mean: float
+    is_ratio_max: float
+    entropy: float
+    grad_norm: float
+    completion_len_mean: float
+    completion_len_max: int
+    truncated_fraction: float
+    generate_s: float
+    score_s: float  # the scoring tail after the last group was generated
+    train_s: float
+    iteration_s: float
+    generate_tokens_per_s: float
+    score_tokens_per_s: float
+    train_tokens_per_s: float
+
+
+class EvalMetrics(BaseModel):
+    """One held-out evaluation (greedy answers); `*_ci95` are 95% interval half-widths."""
+
+    eval_reward: float
+    eval_reward_ci95: float
+    eval_accuracy: float
+    eval_accuracy_ci95: float
+    eval_format_rate: float
+    eval_reward_means: dict[str, float]
+    eval_reward_errors: int
+    eval_size: int
+    eval_s: float
+
+
+class MetricsRow(BaseModel):
+    """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
+    an iteration without a held-out evaluation has no `eval`."""
+
+    iteration: int
+    adapter_version: int
+    train: TrainMetrics | None = None
+    eval: EvalMetrics | None = None
+
+    def flat(self) -> dict[str, Any]:
+        """The row as flat keys (`reward/<name>`, `eval_reward/<name>`): metrics.jsonl, the report, W&B."""
+        row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
+        for part, means_key, prefix in ((self.train, "reward_means", "reward/"), (self.eval, "eval_reward_means", "eval_reward/")):
+            if part is None:
+                continue
+            for key, value in part.model_dump().items():
+                if key == means_key:
+                    row.update({f"{prefix}{name}": mean for name, mean in value.items()})
+                else:
+                    row[key] = value
+        return row
+
+
+class EvalAnswer(BaseModel):
+    """One held-out question, the model's greedy answer and its scores."""
+
+    question: str
+    answer: str
+    completion: str
+    reward: float
+    correct: bool
+    format: bool
+    scores: dict[str, float]
+
+
+class BestCompletion(BaseModel):
+    question: str
+    answer: str
+    completion: str
+    reward: float
+
+
+class RunResult(BaseModel):
+    """What `train_rl` returns: the final adapter, every metrics row, the final report (a folder
+    holding report.html) and, with `export_merged`, the merged model folder."""
+
+    adapter: AdapterRef
+    history: list[MetricsRow]
+    report: Dir
+    merged: Dir | None = None
