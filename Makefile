@@ -36,6 +36,7 @@ demo: setup
 	$(PY) -m grpo_flyte.driver --local $(ARGS)
 
 test: setup chromium
+	$(PY) -m ruff check .
 	$(PY) -m pytest
 
 clean:

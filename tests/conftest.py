@@ -18,7 +18,7 @@ def embedded_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A 2-layer, 32-wide random Llama that shares SmolLM2's tokenizer and chat template."""
-    from grpo_flyte.models import build_tiny_model
+    from tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), embedded_dir)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_flyte.cli import UserError, parse_args
-from grpo_flyte.config import ConfigError, RunConfig
+from grpo_flyte.config import ConfigError, RunConfig, leaf_fields
 
 # --------------------------------------------------------------------------- parse_args
 
@@ -37,25 +37,25 @@ def test_flags_map_to_fields():
         ]
     )  # fmt: skip
     assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "config": None}
-    assert config.model == "/models/tiny"
-    assert config.dataset == "train.jsonl"
+    assert config.flat()["model"] == "/models/tiny"
+    assert config.flat()["dataset"] == "train.jsonl"
     assert config.num_iterations == 7
     assert config.prompts_per_iter == 3
-    assert config.group_size == 5
-    assert config.max_new_tokens == 64
-    assert config.temperature == 0.7
-    assert config.learning_rate == 0.002
-    assert config.lora_rank == 4
+    assert config.flat()["group_size"] == 5
+    assert config.flat()["max_new_tokens"] == 64
+    assert config.flat()["temperature"] == 0.7
+    assert config.flat()["learning_rate"] == 0.002
+    assert config.flat()["lora_rank"] == 4
     assert config.seed == 42
-    assert config.backend == "hf"
-    assert config.prompt_format == "plain"
+    assert config.flat()["backend"] == "hf"
+    assert config.flat()["prompt_format"] == "plain"
     assert explicit == {
         "model", "dataset", "num_iterations", "prompts_per_iter", "group_size", "max_new_tokens",
         "temperature", "learning_rate", "lora_rank", "seed", "backend", "prompt_format",
     }  # fmt: skip
     # everything not given keeps its default
-    assert config.top_p == RunConfig().top_p
-    assert config.lora_alpha == RunConfig().lora_alpha
+    assert config.flat()["top_p"] == RunConfig().sampling.top_p
+    assert config.flat()["lora_alpha"] == RunConfig().lora.lora_alpha
 
 
 def test_objective_flags_map_to_fields():
@@ -66,10 +66,10 @@ def test_objective_flags_map_to_fields():
             "--min-informative-groups", "3", "--max-topup-rounds", "1", "--eval-every", "5", "--eval-size", "50",
         ]
     )  # fmt: skip
-    assert (config.loss_type, config.epsilon, config.epsilon_high, config.updates_per_iter) == ("dapo", 0.1, 0.28, 2)
-    assert (config.beta, config.is_correction, config.is_cap, config.truncated) == (0.04, False, 3.0, "mask")
+    assert (config.flat()["loss_type"], config.flat()["epsilon"], config.flat()["epsilon_high"], config.flat()["updates_per_iter"]) == ("dapo", 0.1, 0.28, 2)
+    assert (config.flat()["beta"], config.flat()["is_correction"], config.flat()["is_cap"], config.flat()["truncated"]) == (0.04, False, 3.0, "mask")
     assert (config.min_informative_groups, config.max_topup_rounds) == (3, 1)
-    assert (config.eval_every, config.eval_size) == (5, 50)
+    assert (config.flat()["eval_every"], config.flat()["eval_size"]) == (5, 50)
     assert "is_correction" in explicit and "truncated" in explicit
 
 
@@ -101,10 +101,10 @@ def test_config_file_values_overridden_by_flags(tmp_path):
         ["--config", str(cfg), "--group-size", "8", "--seed", str(default_seed)]
     )
     assert options["config"] == cfg
-    assert config.group_size == 8  # flag beats the file
+    assert config.flat()["group_size"] == 8  # flag beats the file
     assert config.seed == default_seed  # a flag equal to the default still beats the file
-    assert config.learning_rate == 0.01  # file beats the default
-    assert config.prompt_format == "plain"
+    assert config.flat()["learning_rate"] == 0.01  # file beats the default
+    assert config.flat()["prompt_format"] == "plain"
     assert explicit == {"group_size", "seed"}  # file values are not "given on the command line"
 
 
@@ -113,7 +113,7 @@ def test_json_config_file(tmp_path):
     cfg.write_text(json.dumps({"num_iterations": 2, "lora_target_modules": ["q_proj"]}))
     _, config, explicit = parse_args(["--config", str(cfg)])
     assert config.num_iterations == 2
-    assert config.lora_target_modules == ("q_proj",)
+    assert config.flat()["lora_target_modules"] == ("q_proj",)
     assert explicit == set()
 
 
@@ -219,7 +219,7 @@ def test_help_lists_the_flags(help_text):
 
 def test_help_has_every_config_field_with_default(help_text):
     blocks = _option_blocks(help_text)
-    for name, field in RunConfig.model_fields.items():
+    for name, field in leaf_fields():
         f = "--" + name.replace("_", "-")
         assert f in blocks, f"{name} has no flag {f}"
         block = blocks[f]
@@ -287,15 +287,15 @@ BAD_INPUT_IN_PROCESS = [
     ("run-dir-without-local", ["--run-dir", "D"], None, ["--local"]),
     ("resume-changed-config", ["--local", "--resume", "--run-dir", "D", "--seed", "99"], _make_existing_run, ["--seed"]),
     ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["x.csv"]),
-    ("eval-size-above-held-out", ["--local", "--eval-size", "501", "--run-dir", "D"], None, ["--eval-size=501", "500"]),
+    ("eval-size-above-held-out", ["--local", "--eval-size", "501", "--run-dir", "D"], None, ["--eval-size 501", "500"]),
     ("eval-size-vs-small-file", ["--local", "--dataset", "small.jsonl", "--eval-size", "3", "--run-dir", "D"],
-     _make_small_jsonl, ["--eval-size=3", "small.jsonl", "3 examples"]),
+     _make_small_jsonl, ["--eval-size 3", "small.jsonl", "3 examples"]),
     ("loss-type", ["--local", "--loss-type", "ppo", "--run-dir", "D"], None, ["--loss-type", "ppo"]),
     ("epsilon-zero", ["--local", "--epsilon", "0", "--run-dir", "D"], None, ["--epsilon=0.0"]),
     ("gsm8k-row-without-answer", ["--local", "--dataset", "gsm.jsonl", "--eval-size", "0", "--run-dir", "D"],
      _make_bad_gsm8k, ["gsm.jsonl", "line 3", "no usable answer in 'answer'"]),
     ("csv-missing-column", ["--local", "--dataset", "cols.csv", "--run-dir", "D"], _make_csvs,
-     ["cols.csv", "no column 'question' (columns: q, a)", "--question-column"]),
+     ["cols.csv", "no column 'question' (columns: q, a)", "question_column"]),
     ("csv-row-without-answer", ["--local", "--dataset", "rows.csv", "--run-dir", "D"], _make_csvs,
      ["rows.csv", "row 2", "no usable answer"]),
     ("reward-unknown-name", ["--local", "--rewards", "corect=1", "--run-dir", "D"], None,

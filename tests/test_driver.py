@@ -8,7 +8,6 @@ import pytest
 from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example
 from grpo_flyte.driver import (
     eval_due,
     iteration_metrics,
@@ -16,9 +15,19 @@ from grpo_flyte.driver import (
     progress_line,
     reward_means,
 )
-from grpo_flyte.reward import RewardParts, ScoredGroup
-from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
-from grpo_flyte.trainer import StepStats, TrainStepResult
+from grpo_flyte.types import (
+    AdapterRef,
+    EvalMetrics,
+    Example,
+    MetricsRow,
+    RewardParts,
+    Rollout,
+    RolloutGroup,
+    ScoredGroup,
+    StepStats,
+    TrainMetrics,
+    TrainStepResult,
+)
 
 
 def test_mean_ci95_hand_computed():
@@ -74,7 +83,7 @@ def test_iteration_metrics_hand_computed():
         train_s=3.0,
     )
     timings = {"generate_s": 10.0, "score_s": 0.5, "train_s": 3.0, "iteration_s": 14.0}
-    row = iteration_metrics(config, 5, scored, result, timings)
+    row = MetricsRow(iteration=5, adapter_version=result.adapter.version, train=iteration_metrics(config, scored, result, timings)).flat()
     assert row["mean_reward"] == pytest.approx(1.2 / 4)
     assert row["accuracy"] == 0.25 and row["format_rate"] == 0.25
     assert row["frac_zero_std_groups"] == 0.5
@@ -94,8 +103,8 @@ def test_reward_means_per_named_reward_and_failures():
         RewardParts(reward=1.5, correct=True, format=False, scores={"correct": 1.0, "tags": 1.0}),
         RewardParts(reward=0.0, correct=False, format=False, scores={"correct": 0.0, "tags": 0.0}, errors=["tags"]),
     ]
-    means = reward_means(config, [ScoredGroup(group=group, rewards=parts)], prefix="eval_")
-    assert means == {"eval_reward/correct": 0.5, "eval_reward/tags": 0.5, "eval_reward_errors": 1}
+    means, errors = reward_means(config, [ScoredGroup(group=group, rewards=parts)])
+    assert (means, errors) == ({"correct": 0.5, "tags": 0.5}, 1)
 
 
 def test_iteration_metrics_count_zero_std_after_truncation_policy():
@@ -104,20 +113,39 @@ def test_iteration_metrics_count_zero_std_after_truncation_policy():
     result = TrainStepResult(adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2,
                              num_contributing=0, stats=StepStats(), train_s=0.0)
     timings = {"generate_s": 1.0, "score_s": 0.0, "train_s": 0.0, "iteration_s": 1.0}
-    assert iteration_metrics(RunConfig(truncated="zero_reward", prompts_per_iter=1), 1, scored, result, timings)["frac_zero_std_groups"] == 1.0
-    assert iteration_metrics(RunConfig(truncated="keep", prompts_per_iter=1), 1, scored, result, timings)["frac_zero_std_groups"] == 0.0
+    assert iteration_metrics(RunConfig(truncated="zero_reward", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 1.0
+    assert iteration_metrics(RunConfig(truncated="keep", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 0.0
+
+
+def _train_metrics(**values) -> TrainMetrics:
+    """A TrainMetrics with every field 0 (reward_means empty) but those given."""
+    zeros = {name: ({} if name == "reward_means" else 0) for name in TrainMetrics.model_fields}
+    return TrainMetrics(**{**zeros, **values})
 
 
 def test_progress_lines_for_evaluation_and_iteration_rows():
-    evaluated = {"eval_reward": 0.25, "eval_reward_ci95": 0.05, "eval_accuracy": 0.2, "eval_format_rate": 0.5,
-                 "eval_size": 100, "eval_s": 12.0}
-    line = progress_line({"iteration": 0, "adapter_version": 0, **evaluated}, 20)
+    evaluated = EvalMetrics(eval_reward=0.25, eval_reward_ci95=0.05, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
+                            eval_format_rate=0.5, eval_reward_means={}, eval_reward_errors=0, eval_size=100, eval_s=12.0)
+    line = progress_line(MetricsRow(iteration=0, adapter_version=0, eval=evaluated), 20)
     assert line.startswith("iter 0/20") and "held-out reward 0.250 +- 0.050" in line and "n=100" in line
-    row = {"iteration": 3, "mean_reward": 0.5, "accuracy": 0.25, "format_rate": 1.0, "loss": -0.01,
-           "completion_len_mean": 12.0, "generate_s": 1.0, "score_s": 0.1, "train_s": 2.0, "iteration_s": 3.5}
+    trained = _train_metrics(mean_reward=0.5, accuracy=0.25, format_rate=1.0, loss=-0.01, completion_len_mean=12.0,
+                             generate_s=1.0, score_s=0.1, train_s=2.0, iteration_s=3.5)
+    row = MetricsRow(iteration=3, adapter_version=3, train=trained)
     assert "held-out" not in progress_line(row, 20)
-    both = progress_line({**row, **evaluated}, 20)
+    both = progress_line(row.model_copy(update={"eval": evaluated}), 20)
     assert both.startswith("iter 3/20") and "held-out reward 0.250" in both
     # rewards beyond accuracy and format, and failed scores, join the line
-    custom = progress_line({**row, "reward/correct": 0.25, "reward/mod:fn": 0.75, "reward_errors": 2}, 20)
-    assert "mod:fn 0.750  reward errors 2" in custom and "correct 0.250" not in custom
+    custom = trained.model_copy(update={"reward_means": {"correct": 0.25, "mod:fn": 0.75}, "reward_errors": 2})
+    line = progress_line(MetricsRow(iteration=3, adapter_version=3, train=custom), 20)
+    assert "mod:fn 0.750  reward errors 2" in line and "correct 0.250" not in line
+
+
+def test_a_metrics_row_flattens_to_the_metrics_file_keys():
+    evaluated = EvalMetrics(eval_reward=0.25, eval_reward_ci95=0.05, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
+                            eval_format_rate=0.5, eval_reward_means={"correct": 0.2}, eval_reward_errors=1, eval_size=100, eval_s=12.0)
+    row = MetricsRow(iteration=2, adapter_version=2, train=_train_metrics(reward_means={"correct": 0.5, "m:f": 0.1}), eval=evaluated)
+    flat = row.flat()
+    assert (flat["iteration"], flat["adapter_version"]) == (2, 2)
+    assert (flat["reward/correct"], flat["reward/m:f"], flat["eval_reward/correct"], flat["eval_reward_errors"]) == (0.5, 0.1, 0.2, 1)
+    assert "reward_means" not in flat and "eval_reward_means" not in flat
+    assert set(MetricsRow(iteration=0, adapter_version=0, eval=evaluated).flat()) == set(flat) - set(TrainMetrics.model_fields) - {"reward/correct", "reward/m:f"}

@@ -75,7 +75,9 @@ def test_generate_is_a_warm_actor_pool(specs):
     assert custom["name"] == "grpo_flyte-rollout"
     spec = custom["spec"]
     assert (spec["min_replica_count"], spec["replica_count"]) == (1, 4)
-    assert spec["parallelism"] == 1  # concurrency=1: one engine, one request at a time
+    # several generate calls per replica at once, so the replica's batcher can put them in one
+    # engine batch (concurrency=1 would decode one group at a time)
+    assert spec["parallelism"] == envs.settings.rollout_concurrency > 1
     assert spec["ttl_seconds"] == 300
     assert spec["scaledown_ttl_seconds"] == 120
 
@@ -188,7 +190,7 @@ from pathlib import Path
 import flyte
 from flyte.io import Dir
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example
+from grpo_flyte.types import Example
 from grpo_flyte.driver import train_rl
 flyte.init(root_dir=Path({src!r}))
 run = flyte.with_runcontext(mode="remote", dry_run=True).run(
@@ -201,5 +203,5 @@ print("FILES", sorted(Path(f).name for f in run.code_bundle.files))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "MOD grpo_flyte.driver train_rl" in out.stdout
-    for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py"):
+    for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py", "engines.py", "types.py"):
         assert name in out.stdout

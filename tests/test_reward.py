@@ -7,12 +7,16 @@ import asyncio
 import pytest
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example
-from grpo_flyte.reward import ScoredGroup, score_group
-from grpo_flyte.rewards import RewardError, RewardParts
-from grpo_flyte.rollout import Rollout, RolloutGroup
+from grpo_flyte.errors import RewardError
+from grpo_flyte.reward import score_group
+from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
 # --------------------------------------------------------------------------- score_group
+
+
+def _parts(config: RunConfig):
+    """What score_group takes of a run's config."""
+    return config.scoring, config.sampling
 
 
 def _rollout(text: str) -> Rollout:
@@ -29,7 +33,7 @@ def test_score_group_called_directly_outside_flyte():
         rollouts=[_rollout(t) for t in texts],
         generate_s=0.5,
     )
-    scored = asyncio.run(score_group(RunConfig(), group))
+    scored = asyncio.run(score_group(*_parts(RunConfig()), group))
     assert isinstance(scored, ScoredGroup)
     assert scored.group == group
     # in rollout order: 1.0 + 0.2, 1.0, 0.2, 0.0, 1.0 + 0.2
@@ -55,8 +59,8 @@ def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypa
     )
     weights = {"correct": 2.0, "grader_for_task:picky": 0.5}
     with pytest.raises(RewardError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'"):
-        asyncio.run(score_group(RunConfig(rewards=weights), group))
-    scored = asyncio.run(score_group(RunConfig(rewards=weights, on_reward_error="zero"), group))
+        asyncio.run(score_group(*_parts(RunConfig(rewards=weights)), group))
+    scored = asyncio.run(score_group(*_parts(RunConfig(rewards=weights, on_reward_error="zero")), group))
     assert [p.reward for p in scored.rewards] == [2.5, 2.0]
     assert [p.errors for p in scored.rewards] == [[], ["grader_for_task:picky"]]
 
@@ -70,7 +74,7 @@ def test_score_group_empty_group():
         rollouts=[],
         generate_s=0.0,
     )
-    assert asyncio.run(score_group(RunConfig(), group)).rewards == []
+    assert asyncio.run(score_group(*_parts(RunConfig()), group)).rewards == []
 
 
 # --------------------------------------------------------------------------- training rewards

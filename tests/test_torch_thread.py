@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flyte import rollout, trainer
+from grpo_flyte import engines, trainer
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.torch_thread import (
     THREAD_NAME,
@@ -72,7 +72,7 @@ def test_async_form_keeps_the_event_loop_running():
 
 def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_model_dir, monkeypatch):
     """Engine build, sampling, held-out greedy decoding, the training step, saving and the merge:
-    all on one thread, whichever thread Flyte, asyncio or the generate coalescing called from."""
+    all on one thread, whichever thread Flyte, asyncio or the replica's batcher called from."""
     seen: dict[str, set[str]] = {}
 
     def spy(owner, name: str) -> None:
@@ -84,11 +84,11 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    rollout._engine.cache_clear()  # so this run builds its engine
+    engines._slot.clear()  # so this run builds its engine
     for owner, name in [
-        (rollout, "get_engine"),
-        (rollout, "HFGenerator"),
-        (rollout.HFGenerator, "generate_many"),
+        (engines, "get_engine"),
+        (engines, "HFGenerator"),
+        (engines.HFGenerator, "generate_many"),
         (trainer, "peft_model"),
         (trainer, "load_adapter_state"),  # grpo_step runs beside it (not here: the tiny model earns no advantage)
         (trainer, "save_adapter"),
@@ -98,7 +98,7 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
     argv = ["--local", "--model", str(tiny_model_dir), "--num-iterations", "1", "--max-new-tokens", "4"]
     argv += ["--prompts-per-iter", "2", "--group-size", "2", "--eval-size", "2", "--min-informative-groups", "0"]
     assert cli_main([*argv, "--backend", "hf", "--export-merged", "--run-dir", str(tmp_path / "run")]) == 0
-    rollout._engine.cache_clear()
+    engines._slot.clear()
 
     assert set(seen) == {"get_engine", "HFGenerator", "generate_many", "peft_model", "load_adapter_state", "save_adapter", "merge_into_base"}
     threads = set().union(*seen.values())

@@ -1,7 +1,9 @@
 """grpo_flyte: GRPO + LoRA reinforcement learning for LLMs as ordinary Flyte 2 tasks.
 
 Importing the package is cheap: tasks live in `grpo_flyte.rollout`, `.reward`, `.trainer` and
-`.driver`, and import torch, transformers, peft and vLLM only when they run.
+`.driver`, and import torch, transformers, peft and vLLM only when they run. The values they
+exchange are in `grpo_flyte.types`, the run's config in `grpo_flyte.config`, and every error a
+user can cause derives from `grpo_flyte.errors.GrpoFlyteError`. `python -m grpo_flyte` is the CLI.
 """
 
 from grpo_flyte.config import RunConfig

@@ -38,7 +38,6 @@ from grpo_flyte.config import (
 from grpo_flyte.data import load_file, train_eval_split
 from grpo_flyte.errors import GrpoFlyteError, ModelError
 from grpo_flyte.files import build_dir_atomic, write_text_atomic
-
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote
 from grpo_flyte.types import REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow

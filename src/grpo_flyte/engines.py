@@ -247,7 +247,7 @@ def vllm_completion_to_rollout(completion) -> Rollout:
     steps = completion.logprobs or []
     if len(steps) != len(ids):
         raise RuntimeError(f"vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens; was logprobs=0 set?")
-    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids)]
+    logprobs = [float(step[tok].logprob) for step, tok in zip(steps, ids, strict=True)]
     finish = "stop" if completion.finish_reason == "stop" else "length"
     return Rollout(completion_ids=ids, sampling_logprobs=logprobs, finish_reason=finish, text=completion.text)
 

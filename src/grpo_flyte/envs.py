@@ -73,7 +73,6 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "peft>=0.13",
         "accelerate>=1.0",
         "unionai-reuse>=0.2.0,<0.3",
-        "async-lru>=2.0",
         "pydantic-settings>=2.6",
         "pyyaml>=6",
         "datasets>=3.0",

@@ -299,7 +299,7 @@ def _series_svg(key: str, points: Sequence[tuple[float, float]], colour: str, sc
         parts.append(
             f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{joined}"/>'
         )
-    for (x, y), (cx, cy) in zip(points, coords):
+    for (x, y), (cx, cy) in zip(points, coords, strict=True):
         tip = f"{_esc(key)}, iteration {_tick_label(x)}: {y:.4g}"
         parts.append(
             f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{colour}"><title>{tip}</title></circle>'

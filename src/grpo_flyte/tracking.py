@@ -22,7 +22,7 @@ def new_run_id() -> str:
 class Tracker:
     """Logs metrics rows to a W&B run when a project is given; does nothing otherwise."""
 
-    def __init__(self, project: str | None, run_id: str, config: dict[str, Any], directory: str | None = None):
+    def __init__(self, project: str | None, run_id: str, config: dict[str, Any]):
         self._run = None
         if not project:
             return
@@ -32,7 +32,8 @@ class Tracker:
             raise RuntimeError(
                 f"--wandb-project {project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'"
             ) from None
-        self._run = wandb.init(project=project, id=run_id, resume="allow", config=config, dir=directory)
+        # WANDB_DIR says where wandb keeps its local files (a local run sets it to the run folder).
+        self._run = wandb.init(project=project, id=run_id, resume="allow", config=config)
         logger.info("logging metrics to W&B project %s, run %s", project, run_id)
 
     def log(self, row: dict[str, Any]) -> None:

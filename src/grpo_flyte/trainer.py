@@ -65,7 +65,7 @@ def reset_lora(model, seed: int) -> None:
     from peft.tuners.lora import LoraLayer
 
     torch.manual_seed(seed)
-    for name, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
+    for _, module in sorted(model.named_modules(), key=lambda kv: kv[0]):
         if isinstance(module, LoraLayer):
             module.reset_lora_parameters("default", True)
 
@@ -191,11 +191,11 @@ def _reference_pass(model, sequences: list[grpo.TrainSequence], train: TrainConf
             if ref_ids:
                 with model.disable_adapter():
                     lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ref_ids], sampling.temperature)
-                for i, x in zip(ref_ids, lp.split([len(sequences[i].completion_ids) for i in ref_ids])):
+                for i, x in zip(ref_ids, lp.split([len(sequences[i].completion_ids) for i in ref_ids]), strict=True):
                     ref[i] = x
             if need_old:
                 lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ids], sampling.temperature)
-                for i, x in zip(ids, lp.split(splits)):
+                for i, x in zip(ids, lp.split(splits), strict=True):
                     old[i] = x
     return ref, old
 
@@ -235,8 +235,8 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
     kl = None
     if any(r is not None for r in ref):
-        has_ref = torch.cat([torch.full((len(s.completion_ids),), r is not None) for r, s in zip(ref, seqs)]).to(device)
-        ref_lp = torch.cat([r if r is not None else torch.zeros(len(s.completion_ids), device=device) for r, s in zip(ref, seqs)])
+        has_ref = torch.cat([torch.full((len(s.completion_ids),), r is not None) for r, s in zip(ref, seqs, strict=True)]).to(device)
+        ref_lp = torch.cat([r if r is not None else torch.zeros(len(s.completion_ids), device=device) for r, s in zip(ref, seqs, strict=True)])
         kl = grpo.kl_k3(logprobs, ref_lp) * has_ref
         totals.kl += float(kl.detach().sum())
         totals.kl_tokens += int(has_ref.sum())

@@ -1,0 +1,343 @@
+"""grpo_flyte.engines: EOS cutting, vLLM output conversion, backend choice, the engine slot, and the
+replica batcher (flyte.extras.DynamicBatcher) in front of the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+
+from grpo_flyte import engines
+from grpo_flyte.engines import (
+    EngineKey,
+    EngineSlot,
+    SamplingRequest,
+    cut_at_eos,
+    resolve_backend,
+    vllm_completion_to_rollout,
+    vllm_max_lora_rank,
+)
+from grpo_flyte.errors import AdapterError
+from grpo_flyte.types import Rollout
+
+# --------------------------------------------------------------------------- cut_at_eos
+
+EOS = {2, 7}
+
+
+def test_cut_at_eos_keeps_the_first_eos_and_drops_the_rest():
+    ids = [5, 9, 2, 0, 0, 2]
+    lps = [-0.1, -0.2, -0.3, -0.4, -0.5, -0.6]
+    out_ids, out_lps, finish = cut_at_eos(ids, lps, EOS)
+    # first EOS is at index 2: keep ids[0..2] inclusive
+    assert out_ids == [5, 9, 2]
+    assert out_lps == [-0.1, -0.2, -0.3]
+    assert finish == "stop"
+
+
+def test_cut_at_eos_any_of_several_eos_ids():
+    out_ids, out_lps, finish = cut_at_eos([3, 7, 2], [-1.0, -2.0, -3.0], EOS)
+    assert (out_ids, out_lps, finish) == ([3, 7], [-1.0, -2.0], "stop")
+
+
+def test_cut_at_eos_eos_first_token():
+    assert cut_at_eos([2, 4, 4], [-0.5, -1.0, -1.0], EOS) == ([2], [-0.5], "stop")
+
+
+def test_cut_at_eos_without_eos_is_length():
+    ids, lps = [4, 5, 6], [-1.0, -2.0, -3.0]
+    assert cut_at_eos(ids, lps, EOS) == ([4, 5, 6], [-1.0, -2.0, -3.0], "length")
+    assert cut_at_eos([], [], EOS) == ([], [], "length")
+
+
+def test_cut_at_eos_does_not_modify_inputs():
+    ids, lps = [1, 2, 3], [-1.0, -2.0, -3.0]
+    cut_at_eos(ids, lps, EOS)
+    assert ids == [1, 2, 3] and lps == [-1.0, -2.0, -3.0]
+
+
+# --------------------------------------------------------------------------- vLLM conversion
+
+
+def _lp(value: float):
+    return SimpleNamespace(logprob=value, rank=1, decoded_token="x")
+
+
+def test_vllm_completion_to_rollout_picks_the_sampled_tokens_logprob():
+    completion = SimpleNamespace(
+        token_ids=(11, 12, 2),
+        # each step's dict can hold other tokens too; the sampled one must be picked
+        logprobs=[{11: _lp(-0.5), 99: _lp(-0.1)}, {5: _lp(-0.01), 12: _lp(-1.25)}, {2: _lp(-0.75)}],
+        finish_reason="stop",
+        text="#### 4",
+    )
+    rollout = vllm_completion_to_rollout(completion)
+    assert isinstance(rollout, Rollout)
+    assert rollout.completion_ids == [11, 12, 2]
+    assert rollout.sampling_logprobs == [-0.5, -1.25, -0.75]
+    assert rollout.finish_reason == "stop"
+    assert rollout.text == "#### 4"
+
+
+@pytest.mark.parametrize(("reason", "expected"), [("length", "length"), ("stop", "stop"), ("abort", "length")])
+def test_vllm_finish_reason(reason, expected):
+    completion = SimpleNamespace(token_ids=[3], logprobs=[{3: _lp(-1.0)}], finish_reason=reason, text="x")
+    assert vllm_completion_to_rollout(completion).finish_reason == expected
+
+
+@pytest.mark.parametrize("logprobs", [None, [], [{1: _lp(-1.0)}], [{1: _lp(-1.0)}, {2: _lp(-1.0)}, {3: _lp(-1.0)}]])
+def test_vllm_mismatched_logprobs_raise(logprobs):
+    completion = SimpleNamespace(token_ids=[1, 2], logprobs=logprobs, finish_reason="stop", text="ab")
+    with pytest.raises(RuntimeError, match="logprobs=0"):
+        vllm_completion_to_rollout(completion)
+
+
+def test_vllm_empty_completion():
+    completion = SimpleNamespace(token_ids=[], logprobs=None, finish_reason="length", text="")
+    rollout = vllm_completion_to_rollout(completion)
+    assert rollout.completion_ids == [] and rollout.sampling_logprobs == []
+
+
+# --------------------------------------------------------------------------- resolve_backend
+
+
+def test_resolve_backend_explicit():
+    assert resolve_backend("hf") == "hf"
+    assert resolve_backend("vllm") == "vllm"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_resolve_backend_auto_without_vllm_is_hf():
+    assert resolve_backend("auto") == "hf"
+
+
+# --------------------------------------------------------------------------- VLLMGenerator, fake engine
+
+
+class _FakeLLM:
+    """vLLM's LLM as VLLMGenerator uses it: generate(prompts, params, lora_request=...), a tokenizer,
+    and llm_engine.remove_lora. Each completion echoes a token per request so outputs can be checked."""
+
+    instances: list[_FakeLLM] = []  # noqa: RUF012 (records instances for the test)
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list = []
+        self.removed: list[int] = []
+        self.llm_engine = SimpleNamespace(remove_lora=self.removed.append)
+        _FakeLLM.instances.append(self)
+
+    def get_tokenizer(self):
+        return SimpleNamespace(eos_token_id=2)
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        self.calls.append((prompts, params, lora_request))
+        outputs = []
+        for prompt, p in zip(prompts, params, strict=True):
+            tok = prompt["prompt_token_ids"][-1]
+            completions = [
+                SimpleNamespace(token_ids=[tok, 2], logprobs=[{tok: _lp(-0.5)}, {2: _lp(-0.25)}], finish_reason="stop", text=f"{tok}")
+                for _ in range(p.n)
+            ]
+            outputs.append(SimpleNamespace(outputs=completions))
+        return outputs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import sys
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = _FakeLLM
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, lora_id, path: SimpleNamespace(name=name, id=lora_id, path=path)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    _FakeLLM.instances.clear()
+    return _FakeLLM
+
+
+def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
+    from grpo_flyte.engines import VLLMGenerator
+
+    gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
+    llm = fake_vllm.instances[0]
+    assert llm.kwargs["enable_lora"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    sampled = SamplingRequest(prompt_ids=[1, 7], group_size=3, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=11)
+    greedy = sampled.model_copy(update={"prompt_ids": [1, 8], "group_size": 1, "greedy": True})
+    groups = gen.generate_many([sampled, greedy], "/adapters/v1")
+    assert [len(g) for g in groups] == [3, 1]
+    assert groups[0][0].completion_ids == [7, 2] and groups[0][0].sampling_logprobs == [-0.5, -0.25]
+    assert groups[1][0].text == "8"
+    _, params, lora = llm.calls[0]
+    assert (params[0].n, params[0].temperature, params[0].top_p, params[0].seed, params[0].logprobs) == (3, 0.7, 0.9, 11, 0)
+    assert params[0].top_k == -1 and params[0].max_tokens == 16
+    assert (params[1].n, params[1].temperature) == (1, 0.0)  # greedy
+    assert (lora.id, lora.path) == (1, "/adapters/v1")
+    # a new adapter gets a new id; the third evicts the oldest (max_adapters=2) from the engine
+    gen.generate_many([sampled], "/adapters/v2")
+    gen.generate_many([sampled], "/adapters/v3")
+    assert [c[2].id for c in llm.calls] == [1, 2, 3]
+    assert llm.removed == [1]
+    gen.generate_many([sampled], "/adapters/v2")  # still loaded: same id, nothing evicted
+    assert llm.calls[-1][2].id == 2 and llm.removed == [1]
+
+
+# --------------------------------------------------------------------------- vLLM LoRA ranks
+
+
+@pytest.mark.parametrize(("rank", "engine_rank"), [(1, 1), (2, 8), (4, 8), (8, 8), (16, 16), (24, 32), (300, 320), (512, 512)])
+def test_vllm_max_lora_rank_rounds_up_to_a_rank_vllm_accepts(rank, engine_rank):
+    assert vllm_max_lora_rank(rank) == engine_rank
+
+
+def test_vllm_max_lora_rank_above_vllms_largest_names_the_field():
+    with pytest.raises(AdapterError, match="lora_rank"):
+        vllm_max_lora_rank(513)
+
+
+def test_engine_key_reads_the_rank_from_the_adapter(tmp_path, monkeypatch):
+    (tmp_path / "adapter_config.json").write_text('{"r": 24, "lora_alpha": 48}')
+    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
+    vllm = engines.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
+    assert (vllm.backend, vllm.max_lora_rank, vllm.max_model_len) == ("vllm", 32, 576)
+    # the HF engine does not depend on the rank or the length: one engine serves every adapter
+    hf = engines.engine_key("/m", "bfloat16", "hf", 4, str(tmp_path), max_model_len=576)
+    assert hf == engines.engine_key("/m", "bfloat16", "hf", 4, "/elsewhere", max_model_len=1024)
+
+
+def test_engine_key_without_adapter_config_is_an_adapter_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
+    with pytest.raises(AdapterError, match=str(tmp_path)):
+        engines.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
+
+
+# --------------------------------------------------------------------------- the engine slot
+
+
+class _Recorded:
+    """An engine that records when it is built and closed, in one shared event list."""
+
+    def __init__(self, name: str, events: list[str]):
+        self.name, self.events = name, events
+        events.append(f"build {name}")
+
+    def close(self) -> None:
+        self.events.append(f"close {self.name}")
+
+
+def test_engine_slot_frees_the_old_engine_before_building_the_new_one(monkeypatch):
+    """A vLLM engine holds most of the GPU: a second one built before the first is freed would not fit."""
+    events: list[str] = []
+    monkeypatch.setattr(EngineKey, "build", lambda key: _Recorded(key.model_path, events))
+    slot = EngineSlot()
+    a = EngineKey("hf", "/a", "bfloat16", 4, 0, 0)
+    first = slot.get(a)
+    assert slot.get(a) is first  # cached
+    second = slot.get(EngineKey("hf", "/b", "bfloat16", 4, 0, 0))
+    assert second is not first
+    assert events == ["build /a", "close /a", "build /b"]
+
+
+# --------------------------------------------------------------------------- the replica batcher
+
+
+class FakeEngine:
+    """Records each engine batch as the list of its requests' seeds; one rollout per completion,
+    whose single token is the request's seed (so a group can be matched to its request)."""
+
+    tokenizer = None
+
+    def __init__(self, fail_on_adapter: str | None = None):
+        self.batches: list[list[int]] = []
+        self.fail_on_adapter = fail_on_adapter
+
+    def generate_many(self, requests, adapter_path):
+        if adapter_path == self.fail_on_adapter:
+            raise RuntimeError(f"engine failed on {adapter_path}")
+        self.batches.append([r.seed for r in requests])
+        return [
+            [Rollout(completion_ids=[r.seed], sampling_logprobs=[-0.5], finish_reason="stop", text=str(r.seed))] * r.group_size
+            for r in requests
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+KEY = EngineKey("hf", "/m", "bfloat16", 4, 0, 0)
+
+
+def _request(seed: int, **changes) -> SamplingRequest:
+    values = dict(prompt_ids=[1, seed], group_size=2, temperature=0.7, top_p=1.0, max_new_tokens=8, seed=seed)
+    return SamplingRequest(**{**values, **changes})
+
+
+def test_concurrent_groups_decode_in_one_engine_batch_in_seed_order(monkeypatch):
+    """Twelve groups submitted concurrently (more than asyncio's default executor has threads on 2
+    cores) land in one engine batch through the DynamicBatcher, ordered by seed whatever order they
+    arrived in, and each caller gets its own group back."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    seeds = [50, 10, 40, 30, 20, 70, 60, 80, 90, 15, 25, 35]
+
+    async def run_all():
+        groups = await asyncio.gather(*[engines.generate_groups(KEY, "/adapters/v1", [_request(s)]) for s in seeds])
+        return groups, await engines.batcher_stats()
+
+    groups, stats = asyncio.run(run_all())
+    assert engine.batches == [sorted(seeds)]
+    assert [g[0][0].completion_ids for g in groups] == [[s] for s in seeds]
+    assert all(len(g[0]) == 2 for g in groups)
+    assert (stats.total_batches, stats.total_completed) == (1, len(seeds))
+
+
+def test_groups_with_other_settings_or_adapters_get_their_own_engine_batch(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+
+    async def run_all():
+        return await asyncio.gather(
+            engines.generate_groups(KEY, "/adapters/v1", [_request(1)]),
+            engines.generate_groups(KEY, "/adapters/v1", [_request(2)]),
+            engines.generate_groups(KEY, "/adapters/v2", [_request(3)]),
+            engines.generate_groups(KEY, "/adapters/v1", [_request(4, temperature=1.0)]),
+            engines.generate_groups(KEY, "/adapters/v1", [_request(5, group_size=1, greedy=True)]),
+        )
+
+    asyncio.run(run_all())
+    assert sorted(engine.batches) == [[1, 2], [3], [4], [5]]
+
+
+def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeypatch):
+    engine = FakeEngine(fail_on_adapter="/adapters/bad")
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+
+    async def run_all():
+        return await asyncio.gather(
+            engines.generate_groups(KEY, "/adapters/bad", [_request(1)]),
+            engines.generate_groups(KEY, "/adapters/bad", [_request(2)]),
+            engines.generate_groups(KEY, "/adapters/good", [_request(3)]),
+            return_exceptions=True,
+        )
+
+    bad1, bad2, good = asyncio.run(run_all())
+    assert isinstance(bad1, RuntimeError) and "engine failed on /adapters/bad" in str(bad1)
+    assert isinstance(bad2, RuntimeError) and "engine failed on /adapters/bad" in str(bad2)
+    assert good[0][0].completion_ids == [3]
+    assert engine.batches == [[3]]
+
+
+def test_the_batcher_survives_a_new_event_loop(monkeypatch):
+    """Each asyncio.run is a new loop: the batcher started in the first is replaced, not reused."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    for seed in (1, 2):
+        assert asyncio.run(engines.generate_groups(KEY, "/a", [_request(seed)]))[0][0].completion_ids == [seed]
+    assert engine.batches == [[1], [2]]

@@ -1,0 +1,88 @@
+"""The package's import graph: one-way layers, task modules side by side, no cycle.
+
+Every `grpo_flyte` import counts, module-level or inside a function (a lazy import is still a
+dependency). A new module must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grpo_flyte
+
+PACKAGE = Path(grpo_flyte.__file__).resolve().parent
+
+# Bottom to top: a module may import only modules of a lower layer.
+LAYERS = {
+    # 0: no grpo_flyte imports (shared types, pure helpers and math)
+    "errors": 0, "types": 0, "files": 0, "torch_thread": 0, "decoding": 0, "grpo": 0, "tracking": 0,
+    # 1: the run's config; the report renderer
+    "config": 1, "report_helpers": 1, "__init__": 2,
+    # 2-4: models, rewards, data, storage, engines, the task environments
+    "models": 2, "rewards": 2, "data": 3, "storage": 3, "engines": 4, "envs": 4,
+    # 5: the task modules, side by side
+    "rollout": 5, "reward": 5, "trainer": 5,
+    # 6-8: the driver, the command line, `python -m grpo_flyte`
+    "driver": 6, "cli": 7, "__main__": 8,
+}  # fmt: skip
+TASK_MODULES = {"rollout", "reward", "trainer"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The grpo_flyte modules `path` imports, anywhere in it but an `if __name__ == "__main__":` block."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpo_flyte":
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                found.add(parts[1])
+            else:  # from grpo_flyte import grpo, engines
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("grpo_flyte."))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found - {path.stem}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {p.stem: _imports(p) for p in sorted(PACKAGE.glob("*.py"))}
+
+
+def test_every_module_has_a_layer():
+    assert set(_graph()) == set(LAYERS)
+
+
+def test_imports_go_down_the_layers_only():
+    upward = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps if LAYERS[d] >= LAYERS[m]]
+    assert upward == []
+
+
+def test_task_modules_do_not_import_each_other():
+    graph = _graph()
+    for module in TASK_MODULES:
+        assert graph[module] & TASK_MODULES == set(), module
+
+
+def test_only_the_cli_imports_the_driver_and_nothing_imports_the_cli():
+    graph = _graph()
+    assert {m for m, deps in graph.items() if "driver" in deps} == {"cli"}
+    assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__"}
+
+
+def test_the_import_checker_sees_lazy_and_package_imports(tmp_path):
+    """The checker itself: an import inside a function and `from grpo_flyte import x` both count."""
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from grpo_flyte import grpo, engines\n"
+        "def f():\n    from grpo_flyte.rollout import generate\n    import grpo_flyte.trainer\n"
+        "if __name__ == '__main__':\n    from grpo_flyte.cli import main\n"
+    )
+    assert _imports(source) == {"grpo", "engines", "rollout", "trainer"}

@@ -1,0 +1,72 @@
+"""grpo_flyte.storage: local paths used in place, remote folders downloaded once per replica and evicted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import ClassVar
+
+from flyte.io import Dir
+
+from grpo_flyte.storage import LocalDirCache, is_remote
+
+
+def test_is_remote():
+    assert is_remote("s3://bucket/a") and is_remote("gs://b/x")
+    assert not is_remote("/tmp/a") and not is_remote("runs/a")
+
+
+# --------------------------------------------------------------------------- LocalDirCache
+
+
+def test_local_dir_is_used_in_place(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cache = LocalDirCache(tmp_path / "cache", capacity=1)
+    assert asyncio.run(cache.get(Dir(path=str(model)))) == str(model)
+    assert asyncio.run(cache.get(Dir(path=str(model)))) == str(model)
+    # nothing downloaded, nothing recorded, the directory untouched
+    assert not (tmp_path / "cache").exists()
+    assert cache.entries == {}
+    assert (model / "config.json").read_text() == "{}"
+
+
+class FakeRemoteDir:
+    """Stands in for a remote flyte.io.Dir: download() writes a marker file into the target."""
+
+    downloads: ClassVar[list[str]] = []
+
+    def __init__(self, path: str):
+        self.path = path
+
+    async def download(self, local_path: str) -> str:
+        FakeRemoteDir.downloads.append(self.path)
+        Path(local_path).mkdir(parents=True)
+        (Path(local_path) / "from.txt").write_text(self.path)
+        return local_path
+
+
+def test_remote_dirs_are_downloaded_once_and_evicted(tmp_path):
+    FakeRemoteDir.downloads = []
+    cache = LocalDirCache(tmp_path / "cache", capacity=2)
+
+    async def scenario():
+        a1 = await cache.get(FakeRemoteDir("s3://b/a"))
+        a2 = await cache.get(FakeRemoteDir("s3://b/a"))
+        b = await cache.get(FakeRemoteDir("s3://b/b"))
+        a3 = await cache.get(FakeRemoteDir("s3://b/a"))  # a becomes the newest
+        c = await cache.get(FakeRemoteDir("s3://b/c"))  # capacity 2: evicts b, the oldest
+        return a1, a2, b, a3, c
+
+    a1, a2, b, a3, c = asyncio.run(scenario())
+    assert a1 == a2 == a3
+    assert Path(a1).parent == tmp_path / "cache"
+    assert (Path(a1) / "from.txt").read_text() == "s3://b/a"
+    assert len({a1, b, c}) == 3
+    assert FakeRemoteDir.downloads == ["s3://b/a", "s3://b/b", "s3://b/c"]
+    assert not Path(b).exists()
+    assert Path(a1).exists() and Path(c).exists()
+    assert list(cache.entries) == ["s3://b/a", "s3://b/c"]
+
+
