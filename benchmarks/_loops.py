@@ -11,32 +11,33 @@ for loading a model once warmed up.
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte import rollout, trainer
+from grpo_flyte import engines, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
-from grpo_flyte.driver import METRICS_FILE, rollout_seed
-from grpo_flyte.reward import ScoredGroup, score
-from grpo_flyte.rollout import RolloutGroup
+from grpo_flyte.driver import rollout_seed
+from grpo_flyte.reward import score
+from grpo_flyte.types import RolloutGroup, ScoredGroup, StepStats
 
 
 def flyte_iteration(config: RunConfig, model_dir: Path, run_dir: Path) -> dict[str, Any]:
-    """`train_rl` for one iteration in Flyte local mode; returns its metrics row and final adapter dir."""
+    """`train_rl` for one iteration in Flyte local mode; returns its metrics row and final adapter dir.
+
+    The metrics row comes from the task's typed result (the CLI would write it to metrics.jsonl)."""
     import flyte
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
 
-    assert config.num_iterations == 1 and config.eval_size == 0, "one iteration, no held-out evaluation"
+    assert config.num_iterations == 1 and config.evaluation.eval_size == 0, "one iteration, no held-out evaluation"
     runner = flyte.with_runcontext(mode="local", name=f"bench-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / "flyte"))
-    run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), run_dir=str(run_dir))
-    adapter = run.outputs()[0]
-    (row,) = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
-    return {"row": row, "adapter_dir": adapter.dir.path}
+    run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)))
+    result = run.outputs()[0]
+    (row,) = [r.flat() for r in result.history]
+    return {"row": row, "adapter_dir": result.adapter.dir.path}
 
 
 def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[str, Any]:
@@ -44,38 +45,39 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
     model_path = str(model_dir)
     iteration = 0
     dataset, _ = train_eval_split(config)
-    model = trainer.peft_model(config, model_path)
+    model = trainer.peft_model(config.base, config.lora, model_path)
     trainer.reset_lora(model, config.seed)
     v0 = out_dir / "v0000"
     trainer.save_adapter(model, None, 0, v0)
 
-    engine = rollout.get_engine(config, model_path)
+    key = engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0)
+    engine = engines.get_engine(key)
     scored: list[ScoredGroup] = []
     prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)
         requests = [
-            rollout.sampling_request(
-                config, rollout.tokenize_prompt(engine.tokenizer, ex, config), rollout_seed(config.seed, iteration, first + i)
+            engines.sampling_request(
+                config.sampling, engines.tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, iteration, first + i)
             )
             for i, ex in enumerate(prompts)
         ]
-        # One batch per round, in the order grpo_flyte's coalescing gives a batch.
-        order = sorted(range(len(requests)), key=lambda k: rollout.batch_order(requests[k]))
+        # One batch per round, in the order grpo_flyte's batcher gives a batch.
+        order = sorted(range(len(requests)), key=lambda k: engines.batch_order(requests[k]))
         results = dict(zip(order, engine.generate_many([requests[k] for k in order], str(v0)), strict=True))
         for i, ex in enumerate(prompts):
             group = RolloutGroup(
                 index=first + i, example=ex, adapter_version=0, prompt_ids=requests[i].prompt_ids, rollouts=results[i], generate_s=0.0
             )
-            scored.append(score(config, group))
-        missing = config.min_informative_groups - sum(sg.informative(config.truncated) for sg in scored)
+            scored.append(score(config.scoring, config.sampling, group))
+        missing = config.min_informative_groups - sum(sg.informative(config.train.truncated) for sg in scored)
         if missing <= 0 or round_ == config.max_topup_rounds:
             break
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
 
-    sequences, num_rollouts = trainer.build_sequences(scored, config)
-    optimizer = trainer.load_adapter_state(model, str(v0), config)
-    stats = trainer.grpo_step(model, optimizer, sequences, config) if sequences else trainer.StepStats()
+    sequences, num_rollouts = trainer.build_sequences(scored, config.train)
+    optimizer = trainer.load_adapter_state(model, str(v0), config.train)
+    stats = trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling) if sequences else StepStats()
     v1 = out_dir / "v0001"
     trainer.save_adapter(model, optimizer, 1, v1)
     return {"scored": scored, "stats": stats, "num_rollouts": num_rollouts, "adapter_dir": str(v1)}

@@ -32,11 +32,12 @@ from pathlib import Path
 import _common
 from flyte.io import Dir
 
-from grpo_flyte import rollout, trainer
+from grpo_flyte import engines, rollout, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import arithmetic_split
 from grpo_flyte.models import embedded_model_dir
 from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.types import AdapterRef
 
 TARGET_S = 1.0
 SHORT_COMPLETION_TOKENS = 16
@@ -60,26 +61,26 @@ def main(argv: list[str] | None = None) -> int:
         # Every torch call goes through the thread the generate task uses (grpo_flyte.torch_thread):
         # torch driven from two threads is slower on both.
         def make_adapter(k: int) -> str:
-            train_model = trainer.peft_model(config, model_path)
+            train_model = trainer.peft_model(config.base, config.lora, model_path)
             trainer.reset_lora(train_model, seed=k)
             out = root / f"v{k:04d}"
             trainer.save_adapter(train_model, None, k, out)
             return str(out)
 
-        dirs = [on_torch_thread(make_adapter, k) for k in range(config.adapter_cache_size + 3 * trials + 1)]
+        dirs = [on_torch_thread(make_adapter, k) for k in range(config.engine.adapter_cache_size + 3 * trials + 1)]
         adapter_bytes = sum(f.stat().st_size for f in Path(dirs[0]).iterdir())
 
-        engine = on_torch_thread(rollout.get_engine, config, model_path)
-        prompt_ids = rollout.tokenize_prompt(engine.tokenizer, example, config)
-        short = rollout.SamplingRequest(
-            prompt_ids=prompt_ids, group_size=1, temperature=config.temperature, top_p=config.top_p,
+        engine = on_torch_thread(engines.get_engine, engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0))
+        prompt_ids = engines.tokenize_prompt(engine.tokenizer, example, config.prompt)
+        short = engines.SamplingRequest(
+            prompt_ids=prompt_ids, group_size=1, temperature=config.sampling.temperature, top_p=config.sampling.top_p,
             max_new_tokens=SHORT_COMPLETION_TOKENS, seed=0,
         )  # fmt: skip
         fresh = iter(dirs)
         # Warm: engine built, a first adapter served, the adapter cache filled.
-        for _ in range(config.adapter_cache_size):
+        for _ in range(config.engine.adapter_cache_size):
             on_torch_thread(engine.generate_many, [short], next(fresh))
-        cached = dirs[config.adapter_cache_size - 1]  # the most recently used: stays loaded
+        cached = dirs[config.engine.adapter_cache_size - 1]  # the most recently used: stays loaded
 
         def load_only() -> dict:
             path = next(fresh)
@@ -89,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def first_token_task(path: str | None = None) -> dict:
             path = path or next(fresh)
-            adapter = rollout.AdapterRef(version=0, dir=Dir(path=path))
+            adapter = AdapterRef(version=0, dir=Dir(path=path))
             started = time.perf_counter()
-            group = asyncio.run(rollout.generate(config, Dir(path=model_path), adapter, example, 0, 0))
+            parts = (config.base, config.engine, config.prompt, config.sampling)
+            group = asyncio.run(rollout.generate(*parts, Dir(path=model_path), adapter, example, 0, 0))
             assert len(group.rollouts) == 2 and all(len(r.completion_ids) == 1 for r in group.rollouts)
             return {"s": time.perf_counter() - started}
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 2 if args.quick else args.rounds
     config = RunConfig(num_iterations=1, eval_size=0, **sizes)
     # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.
-    warm = config.model_copy(update={"prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})
+    warm = RunConfig(**{**config.flat(), "prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})
     model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-overhead-"))
     counter = iter(range(10_000))
@@ -132,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     try:
-        print(f"warm-up (model loading, excluded): {model_dir.name}, {config.torch_dtype_name}")
+        print(f"warm-up (model loading, excluded): {model_dir.name}, {config.base.torch_dtype_name}")
         with _common.Stopwatch() as w:
             flyte_side(warm)
             bare_side(warm)
         print(f"  {w.s:.1f} s")
         adapters = {"flyte": [], "bare": []}
         print(
-            f"{rounds} rounds of one iteration: {config.prompts_per_iter} prompts x {config.group_size} completions, "
-            f"up to {config.max_new_tokens} new tokens, top-up to {config.min_informative_groups} informative groups"
+            f"{rounds} rounds of one iteration: {config.prompts_per_iter} prompts x {config.sampling.group_size} completions, "
+            f"up to {config.sampling.max_new_tokens} new tokens, top-up to {config.min_informative_groups} informative groups"
         )
         runs = _common.alternate({"flyte": flyte_side, "bare": bare_side}, rounds)
         identical = [same_adapter(a, b) for a, b in zip(adapters["flyte"], adapters["bare"], strict=True)]

@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpo_flyte.cli import EVAL_DIR, METRICS_FILE
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
-from grpo_flyte.driver import EVAL_DIR, METRICS_FILE, mean_ci95
+from grpo_flyte.driver import mean_ci95
 
 # The budget the README reports: 20 iterations and 5 evaluations took 25 minutes on a 2-core CPU.
 ITERATIONS = 20
@@ -42,8 +43,8 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
     after = read_jsonl(run_dir / EVAL_DIR / f"iter-{last['iteration']:04d}.jsonl")
     if [a["question"] for a in before] != [a["question"] for a in after]:
         raise RuntimeError("the first and last evaluations asked different questions")
-    gain, gain_ci = mean_ci95([a["reward"] - b["reward"] for a, b in zip(after, before)])
-    acc_gain, acc_gain_ci = mean_ci95([float(a["correct"]) - float(b["correct"]) for a, b in zip(after, before)])
+    gain, gain_ci = mean_ci95([a["reward"] - b["reward"] for a, b in zip(after, before, strict=False)])
+    acc_gain, acc_gain_ci = mean_ci95([float(a["correct"]) - float(b["correct"]) for a, b in zip(after, before, strict=False)])
     trained = [r for r in rows if "iteration_s" in r]
     return {
         "eval_questions": len(before),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import grpo, rollout, trainer
+from grpo_flyte import engines, grpo, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.driver import rollout_seed
@@ -42,17 +42,17 @@ TARGET = 0.9
 
 def realistic_sequences(config: RunConfig, model_path: str, adapter_dir: Path) -> list[grpo.TrainSequence]:
     """Iteration 0's rollouts of a default run, all of them, as training sequences."""
-    engine = rollout.get_engine(config, model_path)
+    engine = engines.get_engine(engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0))
     dataset, _ = train_eval_split(config)
     prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
     requests = [
-        rollout.sampling_request(config, rollout.tokenize_prompt(engine.tokenizer, ex, config), rollout_seed(config.seed, 0, i))
+        engines.sampling_request(config.sampling, engines.tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
         for i, ex in enumerate(prompts)
     ]
     sequences = []
     for ex, request, group in zip(prompts, requests, engine.generate_many(requests, str(adapter_dir)), strict=True):
         rewards = [_common.arithmetic_reward(r.text, ex.answer) for r in group]
-        advantages = grpo.group_advantages(rewards, config.advantage_eps, True)
+        advantages = grpo.group_advantages(rewards, config.train.advantage_eps, True)
         for k, (r, adv) in enumerate(zip(group, advantages, strict=True)):
             if adv == 0.0:
                 adv = 1.0 if k % 2 == 0 else -1.0
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(embedded_model_dir())
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-train-"))
     try:
-        model = trainer.peft_model(config, model_path)
+        model = trainer.peft_model(config.base, config.lora, model_path)
         trainer.reset_lora(model, config.seed)
         v0 = root / "v0000"
         trainer.save_adapter(model, None, 0, v0)
@@ -100,25 +100,25 @@ def main(argv: list[str] | None = None) -> int:
         completion_tokens = sum(len(s.completion_ids) for s in sequences)
         width = max(s.length for s in sequences)
         print(
-            f"batch: {len(sequences)} rollouts of {model_path.rsplit('/', 1)[-1]} ({config.torch_dtype_name}), "
+            f"batch: {len(sequences)} rollouts of {model_path.rsplit('/', 1)[-1]} ({config.base.torch_dtype_name}), "
             f"{tokens} tokens ({completion_tokens} completion), {len(sequences) * width} when padded to one batch; "
             f"generated in {gen.s:.1f} s"
         )
-        grpo_optimizer = trainer.load_adapter_state(model, str(v0), config)
-        bare_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
+        grpo_optimizer = trainer.load_adapter_state(model, str(v0), config.train)
+        bare_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.learning_rate)
         counter = iter(range(10_000))
 
         def grpo_side() -> dict:
             started = time.perf_counter()
-            stats = trainer.grpo_step(model, grpo_optimizer, sequences, config)
+            stats = trainer.grpo_step(model, grpo_optimizer, sequences, config.train, config.sampling)
             s = time.perf_counter() - started
             return {"s": s, "tokens_per_s": tokens / s, "loss": stats.loss, "note": f"{tokens / s:.0f} tokens/s"}
 
         def train_path_side() -> dict:
             # The train_step task's body: adapter + optimizer state in, grpo_step, new adapter out.
             started = time.perf_counter()
-            optimizer = trainer.load_adapter_state(model, str(v0), config)
-            trainer.grpo_step(model, optimizer, sequences, config)
+            optimizer = trainer.load_adapter_state(model, str(v0), config.train)
+            trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling)
             trainer.save_adapter(model, optimizer, 1, root / f"v{next(counter) + 1:04d}")
             s = time.perf_counter() - started
             return {"s": s, "tokens_per_s": tokens / s, "note": f"{tokens / s:.0f} tokens/s"}

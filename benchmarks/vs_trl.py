@@ -75,19 +75,19 @@ def completions_at_full_length(enabled: bool):
     if not enabled:
         yield
         return
-    from grpo_flyte import rollout
+    from grpo_flyte import engines
 
-    original = rollout.sampling_request
+    original = engines.sampling_request
 
     def full_length(*args, **kwargs):
         request = original(*args, **kwargs)
         return request.model_copy(update={"min_new_tokens": request.max_new_tokens})
 
-    rollout.sampling_request = full_length
+    engines.sampling_request = full_length
     try:
         yield
     finally:
-        rollout.sampling_request = original
+        engines.sampling_request = original
 
 
 def trl_reward(prompts, completions, answer, **kwargs) -> list[float]:
@@ -139,24 +139,24 @@ def build_trl(config: RunConfig, model_dir: Path, work: Path, settings: dict[str
         seed=config.seed,
         per_device_train_batch_size=config.rollouts_per_iter,
         gradient_accumulation_steps=1,
-        num_generations=config.group_size,
-        max_completion_length=config.max_new_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
+        num_generations=config.sampling.group_size,
+        max_completion_length=config.sampling.max_new_tokens,
+        temperature=config.sampling.temperature,
+        top_p=config.sampling.top_p,
         top_k=0,
         beta=0.0,
         num_iterations=1,
-        learning_rate=config.learning_rate,
+        learning_rate=config.train.learning_rate,
         max_steps=1,
-        generation_kwargs={"min_new_tokens": config.max_new_tokens} if fixed_length else None,
+        generation_kwargs={"min_new_tokens": config.sampling.max_new_tokens} if fixed_length else None,
         model_init_kwargs={"dtype": getattr(torch, dtype)} if dtype else None,
         **settings,
     )
     lora = LoraConfig(
-        r=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=list(config.lora_target_modules),
+        r=config.lora.lora_rank,
+        lora_alpha=config.lora.lora_alpha,
+        lora_dropout=config.lora.lora_dropout,
+        target_modules=list(config.lora.lora_target_modules),
         task_type="CAUSAL_LM",
     )
     timer = StepTimer()
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-vs-trl-"))
     counter = iter(range(10_000))
     print(
-        f"workload: {config.prompts_per_iter} prompts x {config.group_size} completions, {config.max_new_tokens} new tokens "
-        f"({'exactly, EOS suppressed' if fixed else 'at most'}), LoRA r{config.lora_rank} on {','.join(config.lora_target_modules)}, "
+        f"workload: {config.prompts_per_iter} prompts x {config.sampling.group_size} completions, {config.sampling.max_new_tokens} new tokens "
+        f"({'exactly, EOS suppressed' if fixed else 'at most'}), LoRA r{config.lora.lora_rank} on {','.join(config.lora.lora_target_modules)}, "
         f"beta 0, one optimizer step; TRL {trl.__version__}"
     )
     try:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import re
 
 # "12 + 30 = 42", "7*6=42", "100 - 58 = 42": two numbers, an operator, a result.
-_STEP = re.compile(r"(-?\d+(?:\.\d+)?)\s*([-+*/x×])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)")
+_STEP = re.compile(r"(-?\d+(?:\.\d+)?)\s*([-+*/x×])\s*(-?\d+(?:\.\d+)?)\s*=\s*(-?\d+(?:\.\d+)?)")  # noqa: RUF001 -- models write the multiplication sign
 _OPS = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
     "*": lambda a, b: a * b,
     "x": lambda a, b: a * b,
-    "×": lambda a, b: a * b,
+    "×": lambda a, b: a * b,  # noqa: RUF001
     "/": lambda a, b: a / b if b else float("nan"),
 }
 

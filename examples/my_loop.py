@@ -18,11 +18,11 @@ import flyte
 from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example
 from grpo_flyte.envs import reward_env, rollout_env, train_env
 from grpo_flyte.reward import score_group
-from grpo_flyte.rollout import AdapterRef, generate
+from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
+from grpo_flyte.types import AdapterRef, Example
 
 env = flyte.TaskEnvironment(name="my-team-curriculum", depends_on=[rollout_env, reward_env, train_env])
 
@@ -37,14 +37,16 @@ STAGES = [
 async def curriculum(base_model: Dir, config: RunConfig | None = None) -> AdapterRef:
     """One GRPO step per stage, each on that stage's prompts; returns the final adapter."""
     config = config or RunConfig(prompts_per_iter=4, group_size=4)
-    adapter = await init_adapter(config, base_model)
+    # Each task takes the parts of the config it uses.
+    adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
+    sampling = (config.base, config.engine, config.prompt, config.sampling)
     for stage, prompts in enumerate(STAGES):
         with flyte.group(f"stage-{stage + 1}"):
             groups = await asyncio.gather(
-                *(generate(config, base_model, adapter, ex, i, seed=1000 * stage + i) for i, ex in enumerate(prompts))
+                *(generate(*sampling, base_model, adapter, ex, i, seed=1000 * stage + i) for i, ex in enumerate(prompts))
             )
-            scored = await asyncio.gather(*(score_group(config, g) for g in groups))
-            result = await train_step(config, base_model, adapter, list(scored))
+            scored = await asyncio.gather(*(score_group(config.scoring, config.sampling, g) for g in groups))
+            result = await train_step(config.base, config.lora, config.train, config.sampling, base_model, adapter, list(scored))
             accuracy = sum(p.correct for sg in scored for p in sg.rewards) / sum(len(sg.rewards) for sg in scored)
             print(f"stage {stage + 1}: accuracy {accuracy:.0%}, loss {result.stats.loss:+.4f} -> adapter v{result.adapter.version}")
             adapter = result.adapter

@@ -1,7 +1,8 @@
 """Use grpo_flyte's tasks inside your own Flyte workflow.
 
 Your environment declares `depends_on=[driver_env]` so the GRPO environments (and their images) are
-deployed with it; your task then awaits `train_rl` like any other task and gets the adapter back.
+deployed with it; your task then awaits `train_rl` like any other task and gets a `RunResult` back:
+the final adapter, the metrics history, the report and (with `export_merged`) the merged model.
 
     flyte run examples/my_workflow.py finetune_and_report       # on your cluster
     python examples/my_workflow.py                             # in local mode, on this machine
@@ -13,7 +14,7 @@ from flyte.io import Dir
 from grpo_flyte.config import RunConfig
 from grpo_flyte.driver import train_rl
 from grpo_flyte.envs import driver_env
-from grpo_flyte.rollout import AdapterRef
+from grpo_flyte.types import AdapterRef
 
 env = flyte.TaskEnvironment(name="my-team-finetune", depends_on=[driver_env])
 
@@ -21,9 +22,10 @@ env = flyte.TaskEnvironment(name="my-team-finetune", depends_on=[driver_env])
 @env.task
 async def finetune_and_report(base_model: Dir, num_iterations: int = 2) -> AdapterRef:
     config = RunConfig(num_iterations=num_iterations, prompts_per_iter=2, group_size=4, max_new_tokens=64)
-    adapter = await train_rl(config=config, base_model=base_model)
-    print(f"trained adapter v{adapter.version} at {adapter.dir.path}")
-    return adapter
+    result = await train_rl(config=config, base_model=base_model)
+    last = result.history[-1].flat()
+    print(f"trained adapter v{result.adapter.version} at {result.adapter.dir.path}; held-out accuracy {last['eval_accuracy']:.1%}")
+    return result.adapter
 
 
 if __name__ == "__main__":

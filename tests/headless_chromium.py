@@ -74,7 +74,7 @@ class Chromium:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=place_pipes,  # noqa: PLW1509 (the test process starts no threads)
+            preexec_fn=place_pipes,
             pass_fds=(3, 4),
         )
         os.close(browser_reads)

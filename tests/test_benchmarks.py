@@ -27,9 +27,9 @@ def test_bare_iteration_matches_the_local_flyte_run(tmp_path, tiny_model_dir, mo
     seen = []
     original_score = reward.score
 
-    def recording_score(config, group):
+    def recording_score(scoring, sampling, group):
         seen.append((group.index, group.prompt_ids, [r.completion_ids for r in group.rollouts]))
-        return original_score(config, group)
+        return original_score(scoring, sampling, group)
 
     monkeypatch.setattr(reward, "score", recording_score)  # the score_group task's body
     config = RunConfig(

@@ -10,10 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from grpo_flyte.config import (
-    leaf_fields,
     ConfigError,
     RunConfig,
     flag,
+    leaf_fields,
     load_config_file,
     make_config,
 )

@@ -56,7 +56,7 @@ def test_eval_due(eval_every, eval_size, due):
 def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list[int]) -> ScoredGroup:
     rollouts = [
         Rollout(completion_ids=list(range(n)), sampling_logprobs=[-1.0] * n, finish_reason=f, text="t")
-        for n, f in zip(lengths, finishes)
+        for n, f in zip(lengths, finishes, strict=False)
     ]
     group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
                          prompt_ids=[1], rollouts=rollouts, generate_s=1.0)

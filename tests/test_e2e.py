@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,10 +17,8 @@ from flyte.io import Dir
 
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
-from grpo_flyte.data import Example
-from grpo_flyte.reward import RewardParts, ScoredGroup
-from grpo_flyte.rollout import AdapterRef, Rollout, RolloutGroup
-from grpo_flyte.trainer import TrainStepResult, init_adapter, peft_model, train_step
+from grpo_flyte.trainer import init_adapter, peft_model, train_step
+from grpo_flyte.types import AdapterRef, Example, RewardParts, Rollout, RolloutGroup, ScoredGroup, TrainStepResult
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 
@@ -40,7 +39,7 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
     assert cli_main([*args, *TINY, "--run-dir", str(run_dir)]) == 0
 
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["num_iterations"] == 2 and config["group_size"] == 3
+    assert config["num_iterations"] == 2 and config["sampling"]["group_size"] == 3  # saved in parts
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the held-out evaluation before training
     assert [r["adapter_version"] for r in rows] == [0, 1, 2]
@@ -83,10 +82,10 @@ _snapshot: dict = {}
 @test_env.task
 async def init_then_step(config: RunConfig, base: Dir, scored: list[ScoredGroup]) -> tuple[AdapterRef, TrainStepResult]:
     """init_adapter, a snapshot of the base weights, then one train_step."""
-    v0 = await init_adapter(config, base)
-    model = peft_model(config, base.path)
+    v0 = await init_adapter(config.base, config.lora, config.seed, base)
+    model = peft_model(config.base, config.lora, base.path)
     _snapshot.update({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n})
-    return v0, await train_step(config, base, v0, scored)
+    return v0, await train_step(config.base, config.lora, config.train, config.sampling, base, v0, scored)
 
 
 def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
@@ -124,7 +123,7 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
     assert any(not torch.equal(before[k], after[k]) for k in before if "lora_B" in k)
     assert all(torch.equal(before[k], torch.zeros_like(before[k])) for k in before if "lora_B" in k)
     assert (Path(result.adapter.dir.path) / "optimizer.pt").is_file()
-    model = peft_model(config, str(tiny_model_dir))
+    model = peft_model(config.base, config.lora, str(tiny_model_dir))
     base_params = {n: p for n, p in model.named_parameters() if "lora_" not in n}
     assert snapshot and base_params.keys() == snapshot.keys()
     assert all(not p.requires_grad for p in base_params.values())
@@ -286,9 +285,9 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_flyte import engines
     from grpo_flyte.data import render_prompt
     from grpo_flyte.grpo import pad_batch
-    from grpo_flyte.rollout import generate_group
     from grpo_flyte.trainer import build_sequences
 
     get_peft_model(
@@ -298,7 +297,15 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
     config = RunConfig(model=str(tiny_model_dir), group_size=3, max_new_tokens=6, prompt_format=prompt_format,
                        dtype="float32", truncated="keep")  # 6 tokens: most completions are cut off
     example = Example(question="What is 12 + 30?", answer="42")
-    prompt_ids, rollouts = generate_group(config, str(tiny_model_dir), example, str(tmp_path / "adapter"), seed=5)
+    key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
+
+    async def generate_one():
+        [prompt_ids] = await engines.tokenize(key, [example], config.prompt)
+        request = engines.sampling_request(config.sampling, prompt_ids, seed=5)
+        [rollouts] = await engines.generate_groups(key, str(tmp_path / "adapter"), [request])
+        return prompt_ids, rollouts
+
+    prompt_ids, rollouts = asyncio.run(generate_one())
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     text = render_prompt(example.question, prompt_format, tokenizer)
@@ -308,10 +315,10 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
 
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=rollouts, generate_s=0.0)
     parts = [RewardParts(reward=r, correct=False, format=False) for r in (0.0, 1.0, 3.0)]  # no reward at the mean
-    sequences, total = build_sequences([ScoredGroup(group=group, rewards=parts)], config)
+    sequences, total = build_sequences([ScoredGroup(group=group, rewards=parts)], config.train)
     assert total == 3 and len(sequences) == sum(1 for r in rollouts if r.completion_ids)
     batch = pad_batch(sequences, pad_id=0)
-    for row, (seq, rollout) in enumerate(zip(sequences, [r for r in rollouts if r.completion_ids])):
+    for row, (seq, rollout) in enumerate(zip(sequences, [r for r in rollouts if r.completion_ids], strict=True)):
         assert seq.prompt_ids == prompt_ids and seq.completion_ids == rollout.completion_ids
         assert seq.sampling_logprobs == rollout.sampling_logprobs
         n = len(prompt_ids) + len(rollout.completion_ids)
@@ -493,28 +500,50 @@ def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model
 # --------------------------------------------------------------------------- failure drills (issue 5)
 
 
+def _fail_first_calls(monkeypatch, owner, name: str, failures: int, *, after: bool = False, when=None) -> list[int]:
+    """Wrap `owner.name` so that its first `failures` calls (those for which `when(*args)` holds, if
+    given) raise a transient RuntimeError (with after=True, once the original has run: a failure
+    with its output already written). Returns the list each failed call's number is appended to."""
+    original = getattr(owner, name)
+    failed: list[int] = []
+
+    def wrapper(*args, **kwargs):
+        result = None
+        if after:
+            result = original(*args, **kwargs)
+        if len(failed) < failures and (when is None or when(*args)):
+            failed.append(len(failed) + 1)
+            raise RuntimeError(f"injected transient failure {len(failed)} of {failures} in {name}")
+        return result if after else original(*args, **kwargs)
+
+    async def async_wrapper(*args, **kwargs):
+        if len(failed) < failures:
+            failed.append(len(failed) + 1)
+            raise RuntimeError(f"injected transient failure {len(failed)} of {failures} in {name}")
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, async_wrapper if asyncio.iscoroutinefunction(original) else wrapper)
+    return failed
+
+
 def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tiny_model_dir, monkeypatch):
-    faults = tmp_path / "faults"
-    monkeypatch.setenv("GRPO_FLYTE_FAULTS", "generate=2,train_step=1")
-    monkeypatch.setenv("GRPO_FLYTE_FAULTS_DIR", str(faults))
+    """Two generate calls and one train_step fail; Flyte's task retries (retries=2) finish the run.
+    The failing train_step had already written its new adapter: nothing of it is left."""
+    from grpo_flyte import engines, trainer
+
+    generate_failures = _fail_first_calls(monkeypatch, engines, "generate_groups", 2)
+    # save_adapter(model, optimizer, version, out): version 0 is init_adapter's, not a train step's
+    train_failures = _fail_first_calls(monkeypatch, trainer, "save_adapter", 1, after=True, when=lambda *a: a[2] > 0)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "2",
             "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
-    assert sorted(p.name for p in faults.iterdir()) == ["generate-1", "generate-2", "train_step-1"]  # each fired
+    assert (generate_failures, train_failures) == ([1, 2], [1])  # each fired
     rows = read_metrics(run_dir)
     assert [(r["iteration"], r["adapter_version"], r["num_rollouts"]) for r in rows] == [(1, 1, 6), (2, 2, 6)]
-    # the failed train_step attempt had written its adapter into a temporary folder: nothing of it is left
+    # the failed train_step attempt had written its adapter into a staging folder: nothing of it is left
     adapters = run_dir / "flyte" / "adapters"
     assert sorted(p.name for p in adapters.iterdir()) == ["v0000", "v0001", "v0002"]
-
-
-def test_fault_spec_errors_are_clear(monkeypatch):
-    from grpo_flyte.faults import inject
-
-    monkeypatch.setenv("GRPO_FLYTE_FAULTS", "generate=once")
-    with pytest.raises(ValueError, match=r"GRPO_FLYTE_FAULTS='generate=once': expected name=count pairs"):
-        inject("generate")
 
 
 @pytest.mark.parametrize("damaged", ["adapter_model.safetensors", "optimizer.pt"])

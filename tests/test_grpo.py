@@ -407,7 +407,7 @@ def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
 
     # and the full loss equals the formula written out per sequence
     per_sequence = []
-    for s, lg, old in zip(seqs, logits_by_seq, old_by_seq):
+    for s, lg, old in zip(seqs, logits_by_seq, old_by_seq, strict=False):
         p = len(s.prompt_ids)
         lp = torch.log_softmax(lg / 0.7, dim=-1)
         terms = []

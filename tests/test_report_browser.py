@@ -178,7 +178,7 @@ def _pixels_of(colours: dict[tuple[int, ...], int], target: tuple[int, int, int]
     return sum(
         count
         for rgb, count in colours.items()
-        if all(abs(a - b) <= COLOUR_TOLERANCE for a, b in zip(rgb, target))
+        if all(abs(a - b) <= COLOUR_TOLERANCE for a, b in zip(rgb, target, strict=False))
     )
 
 

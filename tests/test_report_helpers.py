@@ -70,7 +70,7 @@ def _svgs(document: str) -> dict[str, str]:
     found = re.findall(r'<svg role="img" aria-label="([^"]*)".*?</svg>', document, flags=re.DOTALL)
     blocks = re.findall(r"<svg .*?</svg>", document, flags=re.DOTALL)
     assert len(found) == len(blocks)
-    return {label.split(":")[0]: block for label, block in zip(found, blocks)}
+    return {label.split(":")[0]: block for label, block in zip(found, blocks, strict=False)}
 
 
 def _section(document: str, start: str, end: str) -> str:

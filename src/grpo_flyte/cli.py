@@ -10,6 +10,7 @@ here, from what the driver task reports (`driver.observe`) and returns (`RunResu
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +208,20 @@ class LocalRunFiles:
         return target
 
 
+@contextlib.contextmanager
+def _wandb_dir(run_dir: Path) -> Iterator[None]:
+    """W&B (--wandb-project) keeps its local files, e.g. an offline run, in the run folder, unless
+    the user chose WANDB_DIR; the variable is restored afterwards (several runs in one process)."""
+    if "WANDB_DIR" in os.environ:
+        yield
+        return
+    os.environ["WANDB_DIR"] = str(run_dir)
+    try:
+        yield
+    finally:
+        os.environ.pop("WANDB_DIR", None)
+
+
 def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
     import flyte
     from flyte.io import Dir
@@ -219,8 +235,6 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     run_dir = run_dir.resolve()
     write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    # W&B (--wandb-project) keeps its local files, e.g. an offline run, in the run folder.
-    os.environ.setdefault("WANDB_DIR", str(run_dir))
     logger.info(
         "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
         run_dir, config.num_iterations, config.prompts_per_iter, config.sampling.group_size, model_dir,
@@ -232,7 +246,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     )
     files = LocalRunFiles(run_dir, config.adapters_to_keep)
     try:
-        with observe(files):
+        with observe(files), _wandb_dir(run_dir):
             run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from)
         result = run.outputs()[0]
     except KeyboardInterrupt:
