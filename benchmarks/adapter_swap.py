@@ -9,7 +9,7 @@ init_adapter writes them), and measures:
 - load only: attaching the new adapter to the warm engine (PEFT load_adapter + set_adapter +
   eviction), the first thing a generate call does with a new adapter;
 - first token (task path): the `generate` task's body, as a warm replica runs it (the adapter
-  dir resolved, the 50 ms coalescing window, load, a 1-token group of 2), called in-process;
+  dir resolved, the 50 ms batching window, load, a 1-token group of 2), called in-process;
 - first completion: load + a 16-token completion of one prompt, through the engine;
 and the same with an adapter already loaded (cache hit), so the load's share shows.
 
