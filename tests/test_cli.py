@@ -272,10 +272,10 @@ def _make_bad_yaml(d: Path) -> None:
 # (id, argv, setup, words the one-line message must contain); run as `python -m grpo_flyte.driver`
 BAD_INPUT = [
     ("group-size-1", ["--local", "--group-size", "1", "--run-dir", "D"], None, ["--group-size", "1"]),
-    ("missing-dataset", ["--local", "--dataset", "missing.jsonl", "--run-dir", "D"], None, ["missing.jsonl"]),
-    ("bad-jsonl", ["--local", "--dataset", "bad.jsonl"], _make_bad_jsonl, ["bad.jsonl", "line 2"]),
+    ("missing-dataset", ["--local", "--dataset", "missing.jsonl", "--run-dir", "D"], None, ["--dataset 'missing.jsonl'", "no such file"]),
+    ("bad-jsonl", ["--local", "--dataset", "bad.jsonl"], _make_bad_jsonl, ["--dataset 'bad.jsonl' line 2"]),
     ("bogus-flag", ["--local", "--bogus-flag"], None, ["--bogus-flag"]),
-    ("no-model-dir", ["--local", "--model", "/no/such/dir", "--run-dir", "D"], None, ["/no/such/dir"]),
+    ("no-model-dir", ["--local", "--model", "/no/such/dir", "--run-dir", "D"], None, ["--model '/no/such/dir'"]),
     ("resume-no-run-dir", ["--local", "--resume"], None, ["--resume", "--run-dir"]),
     ("resume-no-config", ["--local", "--resume", "--run-dir", "D"], _make_empty_dir, ["config.json"]),
 ]
@@ -286,22 +286,22 @@ BAD_INPUT_IN_PROCESS = [
     ("run-dir-is-file", ["--local", "--run-dir", "D"], _make_file_run_dir, ["--run-dir", "file"]),
     ("run-dir-without-local", ["--run-dir", "D"], None, ["--local"]),
     ("resume-changed-config", ["--local", "--resume", "--run-dir", "D", "--seed", "99"], _make_existing_run, ["--seed"]),
-    ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["x.csv"]),
+    ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["--dataset 'x.csv'"]),
     ("eval-size-above-held-out", ["--local", "--eval-size", "501", "--run-dir", "D"], None, ["--eval-size 501", "500"]),
     ("eval-size-vs-small-file", ["--local", "--dataset", "small.jsonl", "--eval-size", "3", "--run-dir", "D"],
      _make_small_jsonl, ["--eval-size 3", "small.jsonl", "3 examples"]),
     ("loss-type", ["--local", "--loss-type", "ppo", "--run-dir", "D"], None, ["--loss-type", "ppo"]),
     ("epsilon-zero", ["--local", "--epsilon", "0", "--run-dir", "D"], None, ["--epsilon=0.0"]),
     ("gsm8k-row-without-answer", ["--local", "--dataset", "gsm.jsonl", "--eval-size", "0", "--run-dir", "D"],
-     _make_bad_gsm8k, ["gsm.jsonl", "line 3", "no usable answer in 'answer'"]),
+     _make_bad_gsm8k, ["--dataset 'gsm.jsonl' line 3", "no usable answer in 'answer'"]),
     ("csv-missing-column", ["--local", "--dataset", "cols.csv", "--run-dir", "D"], _make_csvs,
-     ["cols.csv", "no column 'question' (columns: q, a)", "question_column"]),
+     ["--dataset 'cols.csv'", "no column 'question' (columns: q, a)", "question_column"]),
     ("csv-row-without-answer", ["--local", "--dataset", "rows.csv", "--run-dir", "D"], _make_csvs,
-     ["rows.csv", "row 2", "no usable answer"]),
+     ["--dataset 'rows.csv' row 2", "no usable answer"]),
     ("reward-unknown-name", ["--local", "--rewards", "corect=1", "--run-dir", "D"], None,
-     ["unknown reward 'corect'", "module:function"]),
+     ["--rewards", "unknown reward 'corect'", "module:function"]),
     ("reward-module-missing", ["--local", "--rewards", "correct=1,no_such_mod:judge=0.5", "--run-dir", "D"], None,
-     ["'no_such_mod:judge'", "cannot import module 'no_such_mod'"]),
+     ["--rewards 'no_such_mod:judge'", "cannot import module 'no_such_mod'"]),
     ("reward-weight-not-a-number", ["--local", "--rewards", "correct=high", "--run-dir", "D"], None,
      ["--rewards", "high"]),
 ]
@@ -402,3 +402,27 @@ def test_resume_with_invalid_saved_config_is_a_user_error(tmp_path, monkeypatch,
     argv = ["--local", "--resume", "--run-dir", "D"]
     result = _main_in(tmp_path, monkeypatch, capsys, argv, _make_stale_run)
     _check_bad_input(result, ["config.json"])
+
+
+def test_library_error_names_the_field_and_the_cli_names_the_flag(tmp_path, monkeypatch, capsys):
+    # The library speaks in config fields (a Python API user sets `dataset`), the CLI in flags.
+    from grpo_flyte.cli import user_message
+    from grpo_flyte.data import load_file
+    from grpo_flyte.errors import DatasetError, GrpoFlyteError
+
+    with pytest.raises(DatasetError) as info:
+        load_file(tmp_path / "missing.jsonl")
+    exc = info.value
+    assert isinstance(exc, GrpoFlyteError)
+    assert exc.field == "dataset"
+    assert str(exc).startswith("dataset '"), str(exc)
+    assert str(exc) == f"dataset {exc.detail}"
+    assert "missing.jsonl" in str(exc) and "no such file" in str(exc)
+    assert user_message(exc) == f"--dataset {exc.detail}"
+
+    argv = ["--local", "--dataset", "missing.jsonl", "--run-dir", "D"]
+    rc, _out, err, cwd, before = _main_in(tmp_path, monkeypatch, capsys, argv, None)
+    assert rc == 2
+    assert err.startswith("error: --dataset 'missing.jsonl': no such file"), err
+    assert "error: dataset" not in err
+    assert _snapshot(cwd) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Literal
@@ -13,6 +14,7 @@ from grpo_flyte.config import (
     ConfigError,
     RunConfig,
     flag,
+    flatten,
     leaf_fields,
     load_config_file,
     make_config,
@@ -245,3 +247,143 @@ def test_every_field_rejects_its_invalid_values_naming_flag_and_value(name):
         message = str(info.value)
         assert flag(name) in message, (name, value, message)
         assert "\n" not in message
+
+
+# --------------------------------------------------------------------------- parts: flat and nested
+
+
+def test_flat_and_nested_construction_give_equal_configs():
+    flat = RunConfig(group_size=4, lora_rank=8, learning_rate=0.01, dataset="d.jsonl", seed=3)
+    nested = RunConfig(
+        sampling={"group_size": 4}, lora={"lora_rank": 8}, train={"learning_rate": 0.01}, data={"dataset": "d.jsonl"}, seed=3
+    )
+    assert flat == nested
+    assert hash(flat) == hash(nested)
+    assert (flat.sampling.group_size, flat.lora.lora_rank, flat.train.learning_rate) == (4, 8, 0.01)
+    assert flat.data.dataset == "d.jsonl"
+    # the fields not given keep their defaults in both forms
+    assert flat.sampling.temperature == RunConfig().sampling.temperature
+    assert flat.flat() == {**RunConfig().flat(), "group_size": 4, "lora_rank": 8, "learning_rate": 0.01, "dataset": "d.jsonl", "seed": 3}
+    assert make_config(group_size=4, lora_rank=8) == make_config(sampling={"group_size": 4}, lora={"lora_rank": 8})
+    # the nested dump (a run's config.json) loads back, from JSON and through flatten()
+    assert RunConfig.model_validate_json(flat.model_dump_json()) == flat
+    assert make_config(**flatten(flat.model_dump())) == flat
+
+
+def test_flat_yaml_nested_yaml_and_flags_set_the_same_nested_field(tmp_path):
+    from grpo_flyte.cli import parse_args
+
+    flat_file = tmp_path / "flat.yaml"
+    flat_file.write_text("group_size: 4\nlearning_rate: 0.01\n")
+    nested_file = tmp_path / "nested.yaml"
+    nested_file.write_text("sampling:\n  group_size: 4\ntrain:\n  learning_rate: 0.01\n")
+    nested_json = tmp_path / "nested.json"
+    nested_json.write_text('{"sampling": {"group_size": 4}, "train": {"learning_rate": 0.01}}')
+    assert load_config_file(flat_file) == load_config_file(nested_file) == {"group_size": 4, "learning_rate": 0.01}
+
+    configs = [
+        parse_args(["--config", str(flat_file)])[1],
+        parse_args(["--config", str(nested_file)])[1],
+        parse_args(["--config", str(nested_json)])[1],
+        parse_args(["--group-size", "4", "--learning-rate", "0.01"])[1],
+    ]
+    for config in configs:
+        assert config.sampling.group_size == 4
+        assert config.train.learning_rate == 0.01
+        assert config == configs[0]
+    assert configs[0] != RunConfig()
+    # a flag overrides the nested file's value of the same field
+    _, config, explicit = parse_args(["--config", str(nested_file), "--group-size", "6"])
+    assert (config.sampling.group_size, config.train.learning_rate, explicit) == (6, 0.01, {"group_size"})
+
+
+def test_validation_error_inside_a_part_names_the_flag():
+    for values in ({"group_size": 1}, {"sampling": {"group_size": 1}}):
+        with pytest.raises(ConfigError) as info:
+            make_config(**values)
+        message = str(info.value)
+        assert message.startswith("--group-size=1"), message
+        assert "sampling" not in message  # the part is how the config is stored, not what the user typed
+        assert "\n" not in message
+    with pytest.raises(ConfigError) as info:
+        make_config(train={"learning_rate": 0.0}, evaluation={"eval_size": -1})
+    assert "--learning-rate=0.0" in str(info.value) and "--eval-size=-1" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        make_config(sampling={"bogus_option": 1})
+    assert str(info.value).startswith("--bogus-option") and "unknown" in str(info.value)
+
+
+def test_validation_error_in_a_nested_config_file_names_the_flag(tmp_path):
+    from grpo_flyte.cli import parse_args
+
+    p = tmp_path / "nested.yaml"
+    p.write_text("sampling:\n  group_size: 1\n")
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(p)])
+    assert str(info.value).startswith("--group-size=1"), str(info.value)
+
+
+# --------------------------------------------------------------------------- scale_rewards vs loss_type
+
+
+def _scored_group(rewards: list[float]):
+    from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
+
+    rollouts = [
+        Rollout(completion_ids=[10 + i, 20 + i], sampling_logprobs=[-0.5, -0.25], finish_reason="stop", text=f"c{i}")
+        for i in range(len(rewards))
+    ]
+    group = RolloutGroup(
+        index=0,
+        example=Example(question="What is 1 + 2?", answer="3"),
+        adapter_version=0,
+        prompt_ids=[1, 2, 3],
+        rollouts=rollouts,
+        generate_s=0.0,
+    )
+    parts = [RewardParts(reward=r, correct=r >= 1, format=True) for r in rewards]
+    return ScoredGroup(group=group, rewards=parts)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_scale_rewards_is_independent_of_loss_type(loss_type):
+    from grpo_flyte.trainer import build_sequences
+
+    scored = [_scored_group([0.0, 1.0, 1.0, 3.0])]
+    # by hand: mean = 5/4 = 1.25; centred = -1.25, -0.25, -0.25, 1.75;
+    # population variance = (1.5625 + 0.0625 + 0.0625 + 3.0625) / 4 = 1.1875
+    centred = [-1.25, -0.25, -0.25, 1.75]
+    eps = 1e-3
+    std = math.sqrt(1.1875)
+    expected = {"group": [c / (std + eps) for c in centred], "none": centred}
+    # the default does not depend on the loss either: dr_grpo no longer implies 'none'
+    assert make_config(loss_type=loss_type).train.scale_rewards == "group"
+    for scale_rewards, want in expected.items():
+        config = make_config(loss_type=loss_type, scale_rewards=scale_rewards, truncated="keep", advantage_eps=eps)
+        sequences, total = build_sequences(scored, config.train)
+        assert total == 4
+        assert [s.advantage for s in sequences] == pytest.approx(want, rel=1e-12, abs=1e-12)
+        assert [s.completion_ids for s in sequences] == [r.completion_ids for r in scored[0].group.rollouts]
+        assert all(s.prompt_ids == [1, 2, 3] for s in sequences)
+
+
+def test_scale_rewards_rejects_other_values():
+    with pytest.raises(ConfigError) as info:
+        make_config(scale_rewards="batch")
+    assert str(info.value).startswith("--scale-rewards='batch'"), str(info.value)
+
+
+# --------------------------------------------------------------------------- parts as task inputs
+
+
+def test_an_unrelated_field_leaves_the_other_parts_unchanged():
+    before = make_config()
+    after = make_config(learning_rate=before.train.learning_rate / 2)
+    assert after != before
+    assert after.train != before.train and hash(after.train) != hash(before.train)
+    assert after.train.learning_rate == before.train.learning_rate / 2
+    for part in ("sampling", "prompt", "scoring", "base", "engine", "data", "lora", "evaluation"):
+        old, new = getattr(before, part), getattr(after, part)
+        assert new == old, part
+        assert hash(new) == hash(old), part
+        assert new.model_dump_json() == old.model_dump_json(), part  # what a task's cache key is built from

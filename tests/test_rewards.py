@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from grpo_flyte import rewards
+from grpo_flyte import config, rewards
 from grpo_flyte.config import DEFAULT_REWARDS, ConfigError, make_config
 from grpo_flyte.rewards import (
     RewardError,
@@ -215,6 +215,16 @@ def test_resolve_reward_errors(custom_module):
     with pytest.raises(RewardSpecError, match=r"cannot import module 'no_such_module_here' \(ModuleNotFoundError"):
         resolve_reward("no_such_module_here:fn")
     assert resolve_reward("tags") is tags_reward
+
+
+def test_config_names_exactly_the_builtin_reward_functions():
+    # config (which cannot import rewards) validates names against BUILTIN_REWARDS; rewards implements them
+    assert tuple(rewards.REWARD_FUNCTIONS) == config.BUILTIN_REWARDS
+    for name, fn in rewards.REWARD_FUNCTIONS.items():
+        assert resolve_reward(name) is fn
+        config.check_reward_name(name)  # accepted without raising
+    every = dict.fromkeys(config.BUILTIN_REWARDS, 1.0)
+    assert make_config(rewards=every).scoring.rewards == every
 
 
 @pytest.mark.parametrize(
