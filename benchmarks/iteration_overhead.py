@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-overhead-"))
     counter = iter(range(10_000))
-    result = {"benchmark": "iteration_overhead", "machine": _common.machine(), "config": config.model_dump(mode="json")}
+    result = {"benchmark": "iteration_overhead", "machine": _common.machine(), "config": config.flat()}
     adapters: dict[str, list[str]] = {"flyte": [], "bare": []}
     steps = record_grpo_steps()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from grpo_flyte.cli import EVAL_DIR, METRICS_FILE
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config import EvalConfig, flatten
 from grpo_flyte.driver import mean_ci95
 
 # The budget the README reports: 20 iterations and 5 evaluations took 25 minutes on a 2-core CPU.
@@ -62,7 +62,7 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
         "train_s_mean": statistics.fmean(r["train_s"] for r in trained),
         "eval_s_mean": statistics.fmean(r["eval_s"] for r in evals),
         "wall_s": wall_s,
-        "config": json.loads((run_dir / "config.json").read_text()),
+        "config": flatten(json.loads((run_dir / "config.json").read_text())),  # saved in parts; flat here
     }
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
-    parser.add_argument("--eval-size", type=int, default=RunConfig.model_fields["eval_size"].default)
+    parser.add_argument("--eval-size", type=int, default=EvalConfig.model_fields["eval_size"].default)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
     args, driver_flags = parser.parse_known_args(argv)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "benchmark": "train_step",
             "machine": _common.machine(),
-            "config": config.model_dump(mode="json"),
+            "config": config.flat(),
             "num_sequences": len(sequences),
             "tokens": tokens,
             "completion_tokens": completion_tokens,

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": _common.machine(),
             "trl": trl.__version__,
             "lengths": args.lengths,
-            "config": config.model_dump(mode="json"),
+            "config": config.flat(),
             "trl_fast_settings": TRL_FAST,
             "runs": runs,
             "ratios_vs_fast": vs_fast,

@@ -500,45 +500,40 @@ def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model
 # --------------------------------------------------------------------------- failure drills (issue 5)
 
 
-def _fail_first_calls(monkeypatch, owner, name: str, failures: int, *, after: bool = False, when=None) -> list[int]:
-    """Wrap `owner.name` so that its first `failures` calls (those for which `when(*args)` holds, if
-    given) raise a transient RuntimeError (with after=True, once the original has run: a failure
-    with its output already written). Returns the list each failed call's number is appended to."""
-    original = getattr(owner, name)
-    failed: list[int] = []
-
-    def wrapper(*args, **kwargs):
-        result = None
-        if after:
-            result = original(*args, **kwargs)
-        if len(failed) < failures and (when is None or when(*args)):
-            failed.append(len(failed) + 1)
-            raise RuntimeError(f"injected transient failure {len(failed)} of {failures} in {name}")
-        return result if after else original(*args, **kwargs)
-
-    async def async_wrapper(*args, **kwargs):
-        if len(failed) < failures:
-            failed.append(len(failed) + 1)
-            raise RuntimeError(f"injected transient failure {len(failed)} of {failures} in {name}")
-        return await original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, async_wrapper if asyncio.iscoroutinefunction(original) else wrapper)
-    return failed
-
-
 def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tiny_model_dir, monkeypatch):
-    """Two generate calls and one train_step fail; Flyte's task retries (retries=2) finish the run.
-    The failing train_step had already written its new adapter: nothing of it is left."""
+    """The test injects one transient failure into generate and one into train_step; Flyte's task
+    retries (retries=2) finish the run. The failing train_step had already written its new adapter
+    (half-published): nothing of it is left."""
     from grpo_flyte import engines, trainer
 
-    generate_failures = _fail_first_calls(monkeypatch, engines, "generate_groups", 2)
-    # save_adapter(model, optimizer, version, out): version 0 is init_adapter's, not a train step's
-    train_failures = _fail_first_calls(monkeypatch, trainer, "save_adapter", 1, after=True, when=lambda *a: a[2] > 0)
+    generate_failures: list[str] = []
+    original_generate_groups = engines.generate_groups
+
+    async def flaky_generate_groups(*args, **kwargs):
+        # the generate task's engine call: the first one fails before it generates anything
+        if not generate_failures:
+            generate_failures.append("generate_groups")
+            raise RuntimeError("injected transient failure in generate_groups")
+        return await original_generate_groups(*args, **kwargs)
+
+    train_failures: list[int] = []
+    original_save_adapter = trainer.save_adapter
+
+    def flaky_save_adapter(model, optimizer, version, out):
+        # the new adapter is written, then the task fails: a failure with the adapter half-published.
+        # Version 0 is init_adapter's; the drill is about train_step, so its first save fails.
+        original_save_adapter(model, optimizer, version, out)
+        if version > 0 and not train_failures:
+            train_failures.append(version)
+            raise RuntimeError(f"injected transient failure after save_adapter of v{version}")
+
+    monkeypatch.setattr(engines, "generate_groups", flaky_generate_groups)
+    monkeypatch.setattr(trainer, "save_adapter", flaky_save_adapter)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "2",
             "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
-    assert (generate_failures, train_failures) == ([1, 2], [1])  # each fired
+    assert (generate_failures, train_failures) == (["generate_groups"], [1])  # each fired, once
     rows = read_metrics(run_dir)
     assert [(r["iteration"], r["adapter_version"], r["num_rollouts"]) for r in rows] == [(1, 1, 6), (2, 2, 6)]
     # the failed train_step attempt had written its adapter into a staging folder: nothing of it is left
@@ -565,3 +560,18 @@ def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_pa
     assert f"adapter {str(latest)!r}" in failure and "cannot be loaded" in failure
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
     assert sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir()) == ["v0000", "v0001"]
+
+
+def test_train_rl_outputs_outlive_the_task_in_local_mode(tmp_path, tiny_model_dir):
+    """Used from Python (no CLI), the returned report and adapter folders exist after the run."""
+    from grpo_flyte.driver import train_rl
+
+    config = RunConfig(num_iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0)
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        train_rl, config=config, base_model=Dir(path=str(tiny_model_dir))
+    )
+    result = run.outputs()[0]
+    report = Path(result.report.path) / "report.html"
+    assert report.is_file() and "complete" in report.read_text()
+    assert (Path(result.adapter.dir.path) / "adapter_model.safetensors").is_file()
+    assert [row.iteration for row in result.history] == [1]

@@ -22,7 +22,6 @@ import hashlib
 import logging
 import math
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -39,6 +38,7 @@ from grpo_flyte.envs import driver_env
 from grpo_flyte.report_helpers import render_report
 from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
+from grpo_flyte.storage import publish_dir
 from grpo_flyte.tracking import Tracker, new_run_id
 from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
@@ -344,15 +344,14 @@ async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | Non
     return checkpoint, state
 
 
-async def _report_dir(html: str) -> Dir:
-    """The final report as a task output: a folder holding `report.html`.
+async def _report_dir(html: str, version: int) -> Dir:
+    """The final report as a task output: a folder holding `report.html`, published like an adapter
+    (locally it stays under the run's raw data; a temp folder would be gone once this returns).
 
     A Dir rather than a File: `File.from_local` requires `flyte.init()`, which a local run started
     with `flyte.with_runcontext(mode="local")` need not have called.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / REPORT_FILE).write_text(html, encoding="utf-8")
-        return await Dir.from_local(tmp)
+    return await publish_dir(lambda out: (out / REPORT_FILE).write_text(html, encoding="utf-8"), f"v{version:04d}", folder="reports")
 
 
 @driver_env.task(report=True)
@@ -425,7 +424,7 @@ async def train_rl(
         raise
     html = await publish_report(config, state, "complete")
     tracker.finish()
-    return RunResult(adapter=state.adapter, history=state.history, report=await _report_dir(html), merged=merged)
+    return RunResult(adapter=state.adapter, history=state.history, report=await _report_dir(html, state.adapter.version), merged=merged)
 
 
 if __name__ == "__main__":

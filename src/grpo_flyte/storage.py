@@ -62,19 +62,19 @@ def replica_cache(name: str, capacity: int) -> LocalDirCache:
     return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
 
 
-async def publish_dir(build: Callable[[Path], object], name: str) -> Dir:
+async def publish_dir(build: Callable[[Path], object], name: str, folder: str = "adapters") -> Dir:
     """Write a directory with `build(path)` and return it as a Dir, never half-written.
 
     `build` runs on the process's torch thread, which also serializes the steps that share a
     replica's models (locally every task shares one process). With local raw data (local mode) the
-    folder is built in a staging folder beside `<raw data>/adapters/<name>` and renamed; on a
-    cluster it is built in a temp folder and uploaded.
+    folder is built in a staging folder beside `<raw data>/<folder>/<name>` and renamed, and stays
+    there; on a cluster it is built in a temp folder and uploaded before the folder is removed.
     """
     ctx = flyte.ctx()
     raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
     if raw and not is_remote(raw):
         # Replaces a folder left by an attempt that died before the checkpoint.
-        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / "adapters" / name, build)
+        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / folder / name, build)
         return await Dir.from_local(str(final))
     with tempfile.TemporaryDirectory() as tmp:
         await run_on_torch_thread(build, Path(tmp))
