@@ -52,8 +52,9 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def __hash__(self) -> int:
-        # Frozen, so hashable; some fields are dicts, so hash the canonical JSON form.
-        return hash(self.model_dump_json())
+        # Frozen, so hashable; some fields are dicts, compared regardless of order, so hash the
+        # canonical JSON form with sorted keys (equal configs hash equally).
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
 
 
 class ModelConfig(_Part):
