@@ -18,7 +18,8 @@ from typing import Any
 from grpo_flyte import engines, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
-from grpo_flyte.driver import rollout_seed
+from grpo_flyte.driver import informative_group, rollout_seed
+from grpo_flyte.models import resolve_dtype
 from grpo_flyte.reward import score
 from grpo_flyte.types import RolloutGroup, ScoredGroup, StepStats
 
@@ -50,7 +51,7 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
     v0 = out_dir / "v0000"
     trainer.save_adapter(model, None, 0, v0)
 
-    key = engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0)
+    key = engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
     engine = engines.get_engine(key)
     scored: list[ScoredGroup] = []
     prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
@@ -70,7 +71,7 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
                 index=first + i, example=ex, adapter_version=0, prompt_ids=requests[i].prompt_ids, rollouts=results[i], generate_s=0.0
             )
             scored.append(score(config.scoring, config.sampling, group))
-        missing = config.min_informative_groups - sum(sg.informative(config.train.truncated) for sg in scored)
+        missing = config.min_informative_groups - sum(informative_group(sg, config.train.truncated) for sg in scored)
         if missing <= 0 or round_ == config.max_topup_rounds:
             break
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)

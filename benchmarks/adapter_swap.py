@@ -35,7 +35,7 @@ from flyte.io import Dir
 from grpo_flyte import engines, rollout, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import arithmetic_split
-from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.models import embedded_model_dir, resolve_dtype
 from grpo_flyte.torch_thread import on_torch_thread
 from grpo_flyte.types import AdapterRef
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [on_torch_thread(make_adapter, k) for k in range(config.engine.adapter_cache_size + 3 * trials + 1)]
         adapter_bytes = sum(f.stat().st_size for f in Path(dirs[0]).iterdir())
 
-        engine = on_torch_thread(engines.get_engine, engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0))
+        engine = on_torch_thread(engines.get_engine, engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
         prompt_ids = engines.tokenize_prompt(engine.tokenizer, example, config.prompt)
         short = engines.SamplingRequest(
             prompt_ids=prompt_ids, group_size=1, temperature=config.sampling.temperature, top_p=config.sampling.top_p,

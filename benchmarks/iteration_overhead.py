@@ -32,7 +32,7 @@ from _loops import bare_iteration, flyte_iteration, same_adapter
 
 from grpo_flyte import trainer
 from grpo_flyte.config import RunConfig
-from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.models import embedded_model_dir, resolve_dtype
 from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 1.05
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     try:
-        print(f"warm-up (model loading, excluded): {model_dir.name}, {config.base.torch_dtype_name}")
+        print(f"warm-up (model loading, excluded): {model_dir.name}, {resolve_dtype(config.base.dtype)}")
         with _common.Stopwatch() as w:
             flyte_side(warm)
             bare_side(warm)

@@ -35,14 +35,14 @@ from grpo_flyte import engines, grpo, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.driver import rollout_seed
-from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.models import embedded_model_dir, resolve_dtype
 
 TARGET = 0.9
 
 
 def realistic_sequences(config: RunConfig, model_path: str, adapter_dir: Path) -> list[grpo.TrainSequence]:
     """Iteration 0's rollouts of a default run, all of them, as training sequences."""
-    engine = engines.get_engine(engines.EngineKey("hf", model_path, config.base.torch_dtype_name, config.engine.adapter_cache_size, 0, 0))
+    engine = engines.get_engine(engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
     dataset, _ = train_eval_split(config)
     prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
     requests = [
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         completion_tokens = sum(len(s.completion_ids) for s in sequences)
         width = max(s.length for s in sequences)
         print(
-            f"batch: {len(sequences)} rollouts of {model_path.rsplit('/', 1)[-1]} ({config.base.torch_dtype_name}), "
+            f"batch: {len(sequences)} rollouts of {model_path.rsplit('/', 1)[-1]} ({resolve_dtype(config.base.dtype)}), "
             f"{tokens} tokens ({completion_tokens} completion), {len(sequences) * width} when padded to one batch; "
             f"generated in {gen.s:.1f} s"
         )

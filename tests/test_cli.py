@@ -426,3 +426,27 @@ def test_library_error_names_the_field_and_the_cli_names_the_flag(tmp_path, monk
     assert err.startswith("error: --dataset 'missing.jsonl': no such file"), err
     assert "error: dataset" not in err
     assert _snapshot(cwd) == before
+
+
+def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_training_here(tmp_path, monkeypatch, capsys):
+    import flyte
+
+    from grpo_flyte import cli
+
+    for var in ("FLYTECTL_CONFIG", "UCTL_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.flyte or ~/.union config
+    monkeypatch.chdir(tmp_path)  # no ./.flyte/config.yaml (and no git root holding one)
+    submitted = []
+    monkeypatch.setattr(flyte, "run", lambda *a, **k: submitted.append(a))
+    assert cli.main(["--num-iterations", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no Flyte cluster is configured" in err and "--local" in err and "flyte create config" in err
+    assert submitted == []
+
+    # with a config naming an endpoint, the check passes (a fresh interpreter: flyte caches the config it read)
+    (tmp_path / ".flyte").mkdir()
+    (tmp_path / ".flyte" / "config.yaml").write_text("admin:\n  endpoint: dns:///example.union.ai\n")
+    check = subprocess.run([sys.executable, "-c", "from grpo_flyte.cli import require_cluster; require_cluster()"],
+                           cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, text=True, check=False)
+    assert check.returncode == 0, check.stderr

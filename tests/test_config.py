@@ -27,10 +27,26 @@ def test_defaults_are_valid():
     assert config.flat()["model"] == "embedded"
     assert config.flat()["dataset"] == "arithmetic"
     assert config.flat()["group_size"] >= 2
-    # derived values: prompts_per_iter * group_size, and 'auto' dtype means bfloat16
+    # derived values: prompts_per_iter * group_size
     assert config.rollouts_per_iter == config.prompts_per_iter * config.flat()["group_size"]
-    assert config.base.torch_dtype_name == "bfloat16"
-    assert make_config(dtype="float32").base.torch_dtype_name == "float32"
+    assert config.base.dtype == "auto"  # resolved where the task runs: models.resolve_dtype
+
+
+def test_auto_dtype_is_bfloat16_only_where_bfloat16_matmuls_are_fast(monkeypatch):
+    import torch
+
+    from grpo_flyte import models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # e.g. an AVX2-only CPU
+    assert models.resolve_dtype("auto") == "float32"
+    assert models.torch_dtype("auto") is torch.float32
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # AVX-512 / AMX
+    assert models.resolve_dtype("auto") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)  # e.g. a T4
+    assert models.resolve_dtype("auto") == "float32"
+    assert (models.resolve_dtype("float32"), models.resolve_dtype("bfloat16")) == ("float32", "bfloat16")
 
 
 def test_make_config_sets_fields():
@@ -351,10 +367,10 @@ def test_scale_rewards_is_independent_of_loss_type(loss_type):
 
     scored = [_scored_group([0.0, 1.0, 1.0, 3.0])]
     # by hand: mean = 5/4 = 1.25; centred = -1.25, -0.25, -0.25, 1.75;
-    # population variance = (1.5625 + 0.0625 + 0.0625 + 3.0625) / 4 = 1.1875
+    # sample variance (the default) = (1.5625 + 0.0625 + 0.0625 + 3.0625) / 3 = 1.58333
     centred = [-1.25, -0.25, -0.25, 1.75]
     eps = 1e-3
-    std = math.sqrt(1.1875)
+    std = math.sqrt(4.75 / 3)
     expected = {"group": [c / (std + eps) for c in centred], "none": centred}
     # the default does not depend on the loss either: dr_grpo no longer implies 'none'
     assert make_config(loss_type=loss_type).train.scale_rewards == "group"

@@ -31,13 +31,16 @@ def test_temperature_sharpens_the_draw_and_the_logprob():
     assert logprobs == pytest.approx([math.log(0.01 / 0.54), math.log(0.04 / 0.54), math.log(0.49 / 0.54)], abs=1e-5)
 
 
-def test_top_p_keeps_the_nucleus_and_leaves_the_logprob_alone():
+def test_top_p_keeps_the_nucleus_and_reports_the_nucleus_logprob():
     # top_p 0.65: the mass before token 1 (in descending order) is already 0.7, so only token 2 stays.
-    assert pick(P, [0.0, 0.5, 0.99], top_p=0.65)[0] == [2, 2, 2]
-    # top_p 0.8: tokens 2 and 1 stay, renormalized to 0.7/0.9 and 0.2/0.9.
+    tokens, logprobs = pick(P, [0.0, 0.5, 0.99], top_p=0.65)
+    assert tokens == [2, 2, 2]
+    assert logprobs == pytest.approx([0.0] * 3, abs=1e-6)  # probability 1 in a nucleus of one
+    # top_p 0.8: tokens 2 and 1 stay (kept mass 0.9), renormalized to 0.7/0.9 and 0.2/0.9: the
+    # distribution the token was drawn from, as vLLM's processed log-probs.
     tokens, logprobs = pick(P, [0.5, 0.77, 0.79, 0.99], top_p=0.8)
     assert tokens == [2, 2, 1, 1]
-    assert logprobs == pytest.approx([math.log(0.7), math.log(0.7), math.log(0.2), math.log(0.2)], abs=1e-6)
+    assert logprobs == pytest.approx([math.log(0.7 / 0.9)] * 2 + [math.log(0.2 / 0.9)] * 2, abs=1e-6)
 
 
 def test_zero_probability_tokens_are_never_drawn():

@@ -108,12 +108,12 @@ def test_reward_means_per_named_reward_and_failures():
 
 
 def test_iteration_metrics_count_zero_std_after_truncation_policy():
-    # the only nonzero reward is a truncated completion's: with zero_reward the group is uninformative
+    # the only nonzero reward is a truncated completion's: floored to 0 the group is uninformative
     scored = [_scored(0, [0.2, 0.0], ["length", "stop"], [8, 2])]
     result = TrainStepResult(adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2,
                              num_contributing=0, stats=StepStats(), train_s=0.0)
     timings = {"generate_s": 1.0, "score_s": 0.0, "train_s": 0.0, "iteration_s": 1.0}
-    assert iteration_metrics(RunConfig(truncated="zero_reward", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 1.0
+    assert iteration_metrics(RunConfig(truncated="min_reward", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 1.0
     assert iteration_metrics(RunConfig(truncated="keep", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 0.0
 
 

@@ -205,3 +205,61 @@ print("FILES", sorted(Path(f).name for f in run.code_bundle.files))
     assert "MOD grpo_flyte.driver train_rl" in out.stdout
     for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py", "engines.py", "types.py"):
         assert name in out.stdout
+
+
+# --------------------------------------------------------------------------- the driver pod's view
+
+_SPECS_PROBE = textwrap.dedent(
+    """
+    import json
+    from pathlib import Path
+    import flyte.extras
+    from flyte.models import SerializationContext
+    from google.protobuf.json_format import MessageToDict
+    import grpo_flyte, grpo_flyte.driver  # the driver imports every task module
+    from grpo_flyte import envs
+    ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
+    out = {}
+    for env in (envs.rollout_env, envs.reward_env, envs.train_env, envs.driver_env):
+        for spec in flyte.extras.serialize_env(env, ctx):
+            tt = spec.task_template
+            out[tt.id.name] = {
+                "resources": MessageToDict(tt.container.resources),
+                "gpu": tt.extended_resources.gpu_accelerator.device,
+                "secrets": [[s.key, s.env_var] for s in tt.security_context.secrets],
+                "env": {kv.key: kv.value for kv in tt.container.env},
+                "custom": MessageToDict(tt.custom),
+                "image": tt.container.image,
+            }
+    print(json.dumps(out))
+    """
+)
+
+
+def _serialize_in(env: dict[str, str]) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPECS_PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    specs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(specs) == 8, sorted(specs)
+    return specs
+
+
+def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
+    """The driver's pod imports envs.py again to submit generate, score_group and train_step. Its
+    environment holds only what the image and the driver task's env_vars give it, so the user's
+    GRPO_FLYTE_* settings must travel in those, or the pod's child specs fall back to defaults."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
+    user = {
+        "GRPO_FLYTE_ROLLOUT_GPU": "A100:1", "GRPO_FLYTE_TRAIN_GPU": "H100:1", "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
+        "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8", "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2", "GRPO_FLYTE_WANDB_SECRET": "wandb-key",
+        "GRPO_FLYTE_TRAIN_MEMORY": "40Gi",
+    }
+    submitted = _serialize_in({**clean, **user})
+    assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
+    assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
+    pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
+    assert {k: pod_env[k] for k in user} == user
+    seen_by_the_pod = _serialize_in({**clean, **pod_env})
+    assert seen_by_the_pod == submitted

@@ -31,25 +31,32 @@ EPS = 1e-4
 
 
 def test_group_advantages_two_right_two_wrong():
-    # rewards [1, 0, 0, 1]: mean = 2/4 = 0.5; deviations +-0.5; population variance
-    # = (4 * 0.25) / 4 = 0.25 -> std = 0.5; A = +-0.5 / (0.5 + eps)
+    # rewards [1, 0, 0, 1]: mean = 2/4 = 0.5; deviations +-0.5; sample variance
+    # = (4 * 0.25) / (4 - 1) = 1/3 -> std = 0.57735; A = +-0.5 / (std + eps)
     adv = group_advantages([1.0, 0.0, 0.0, 1.0], EPS)
-    a = 0.5 / (0.5 + EPS)
+    a = 0.5 / (math.sqrt(1 / 3) + EPS)
     assert adv == pytest.approx([a, -a, -a, a], rel=1e-12)
 
 
-def test_group_advantages_uses_population_std_not_sample_std():
-    # rewards [2, 0, 1]: mean 1; deviations [1, -1, 0]; population variance (1 + 1 + 0) / 3 = 2/3
-    # (the sample variance would be 2/2 = 1, giving 1 / (1 + eps) instead)
+def test_group_advantages_sample_std_by_default_population_on_request():
+    # rewards [2, 0, 1]: mean 1; deviations [1, -1, 0]; sample variance (1 + 1 + 0) / 2 = 1 (TRL,
+    # verl: torch.std's default); population variance (1 + 1 + 0) / 3 = 2/3
+    assert group_advantages([2.0, 0.0, 1.0], EPS) == pytest.approx([1 / (1 + EPS), -1 / (1 + EPS), 0.0], rel=1e-12)
     std = math.sqrt(2.0 / 3.0)
-    adv = group_advantages([2.0, 0.0, 1.0], EPS)
-    assert adv == pytest.approx([1.0 / (std + EPS), -1.0 / (std + EPS), 0.0], rel=1e-12)
-    assert adv[0] != pytest.approx(1.0 / (1.0 + EPS), rel=1e-6)
+    population = group_advantages([2.0, 0.0, 1.0], EPS, std="population")
+    assert population == pytest.approx([1.0 / (std + EPS), -1.0 / (std + EPS), 0.0], rel=1e-12)
+    # and the same as torch's unbiased std, which TRL calls
+    r = torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64)
+    assert group_advantages(r.tolist(), EPS) == pytest.approx(((r - r.mean()) / (r.std() + EPS)).tolist(), rel=1e-12)
+    with pytest.raises(ValueError, match="'sample' or 'population'"):
+        group_advantages([1.0, 0.0], EPS, std="biased")
 
 
 def test_group_advantages_eps_is_added_to_std():
-    # rewards [1, 0]: mean 0.5, std 0.5; with eps = 0.5 the advantages are +-0.5 / 1.0
-    assert group_advantages([1.0, 0.0], 0.5) == pytest.approx([0.5, -0.5], rel=1e-12)
+    # rewards [1, 0]: mean 0.5, population std 0.5; with eps = 0.5 the advantages are +-0.5 / 1.0
+    assert group_advantages([1.0, 0.0], 0.5, std="population") == pytest.approx([0.5, -0.5], rel=1e-12)
+    # sample std sqrt(0.5) = 0.7071
+    assert group_advantages([1.0, 0.0], 0.5) == pytest.approx([0.5 / (math.sqrt(0.5) + 0.5), -0.5 / (math.sqrt(0.5) + 0.5)], rel=1e-12)
 
 
 @pytest.mark.parametrize("rewards", [[0.0, 0.0, 0.0], [1.2, 1.2], [0.1, 0.1, 0.1], [7.0]])
@@ -422,3 +429,51 @@ def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
     else:
         expected = sum(sum(t) for t in per_sequence) / norm.num_tokens
     assert full.item() == pytest.approx(expected, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- top-p, clamps, truncation
+
+
+def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept_mass():
+    from grpo_flyte.decoding import Sampling, choose_tokens
+    from grpo_flyte.grpo import nucleus_log_mass
+
+    # p = 0.1, 0.2, 0.7 and top_p 0.8: the nucleus is {2, 1}, kept mass 0.9
+    logits = torch.tensor([[0.1, 0.2, 0.7]] * 4).log()
+    tokens, sampled = choose_tokens(logits, Sampling(1.0, 0.8, 1), torch.tensor([0.5, 0.77, 0.79, 0.99], dtype=torch.float64))
+    assert tokens.tolist() == [2, 2, 1, 1]
+    logits.requires_grad_(True)
+    trained, _ = token_logprobs_and_entropy(logits, tokens, temperature=1.0, top_p=0.8)
+    assert trained.tolist() == pytest.approx([math.log(0.7 / 0.9)] * 2 + [math.log(0.2 / 0.9)] * 2, abs=1e-6)
+    _, rho = truncated_is_weights(trained, sampled, cap=2.0)
+    assert rho.tolist() == pytest.approx([1.0] * 4, abs=1e-6)
+    # the full-distribution log-prob the trainer used before: every weight off by the kept mass
+    full = token_logprobs(logits, tokens, 1.0)
+    assert truncated_is_weights(full, sampled, cap=2.0)[1].tolist() == pytest.approx([0.9] * 4, abs=1e-6)
+    # differentiable through the kept mass; a token outside the nucleus is counted in, never -inf
+    trained.sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    outside = nucleus_log_mass(torch.log_softmax(logits.detach(), -1), torch.tensor([0, 0, 0, 0]), 0.8)
+    assert outside.tolist() == pytest.approx([0.0] * 4, abs=1e-6)  # {2, 1} plus the target 0: all the mass
+    assert nucleus_log_mass(torch.log_softmax(logits.detach(), -1), tokens, 1.0).tolist() == [0.0] * 4
+
+
+def test_log_ratios_are_clamped_so_nothing_overflows():
+    logprobs = torch.tensor([-0.1, -200.0], requires_grad=True)
+    far = torch.tensor([-150.0, -0.1])  # log-ratios of +149.9 and -199.9
+    loss, _ = grpo_token_loss(logprobs, far, torch.tensor([1.0, -1.0]), 0.2, 0.2)
+    assert torch.isfinite(loss).all()
+    _, rho = truncated_is_weights(far, torch.tensor([-1000.0, 0.0]), cap=2.0)
+    assert rho.tolist() == pytest.approx([math.exp(20.0), math.exp(-0.1)], rel=1e-5)  # exp(850) clamped to exp(20)
+    kl = kl_k3(logprobs.detach(), torch.tensor([-900.0, -0.1]))
+    assert torch.isfinite(kl).all() and kl[1].item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-5)
+
+
+def test_training_rewards_reject_a_bad_policy_and_mismatched_lengths():
+    from grpo_flyte.grpo import training_rewards
+
+    with pytest.raises(ValueError, match="'min_reward', 'mask' or 'keep'"):
+        training_rewards([1.0], [True], "zero")
+    with pytest.raises(ValueError, match="2 rewards for 1"):
+        training_rewards([1.0, 0.0], [True], "keep")
+    assert training_rewards([-1.0, -2.0, 3.0], [False, False, True], "min_reward") == [-1.0, -2.0, -2.0]

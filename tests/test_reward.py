@@ -8,6 +8,7 @@ import pytest
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.errors import RewardError
+from grpo_flyte.grpo import group_advantages, informative, training_rewards
 from grpo_flyte.reward import score_group
 from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
@@ -88,15 +89,36 @@ def _group(finishes: list[str], rewards: list[float]) -> ScoredGroup:
     return ScoredGroup(group=group, rewards=parts)
 
 
-def test_training_rewards_zero_truncated_completions():
+def _training(sg: ScoredGroup, policy: str) -> list[float]:
+    return training_rewards(sg.reward_values, sg.truncated, policy)
+
+
+def test_training_rewards_floor_truncated_completions():
     sg = _group(["stop", "length", "length"], [1.2, 0.2, 0.0])
-    assert sg.training_rewards("zero_reward") == [1.2, 0.0, 0.0]
-    assert sg.training_rewards("keep") == [1.2, 0.2, 0.0]
-    assert sg.training_rewards("mask") == [1.2, 0.2, 0.0]  # masking happens in the trainer
+    assert sg.truncated == [False, True, True]
+    assert _training(sg, "min_reward") == [1.2, 0.0, 0.0]  # non-negative rewards: the floor is 0
+    assert _training(sg, "keep") == [1.2, 0.2, 0.0]
+    assert _training(sg, "mask") == [1.2, 0.2, 0.0]  # masking happens in the trainer
+
+
+def test_a_truncated_completion_never_beats_a_finished_one_with_negative_rewards():
+    # correct=1 plus length=0.1: rambling to the limit scores 0 + 0.1 * -1 = -0.1, stopping late
+    # and wrong 0 + 0.1 * -0.6 = -0.06, right 1.0. Reward 0 for the rambler (the old 'zero_reward')
+    # would put it above the late wrong answer; the floor is the group's lowest, -0.1.
+    sg = _group(["stop", "stop", "length"], [1.0, -0.06, -0.1])
+    assert _training(sg, "min_reward") == [1.0, -0.06, -0.1]
+    sg = _group(["stop", "stop", "length"], [1.0, -0.5, 0.3])  # a truncated one that scored well
+    assert _training(sg, "min_reward") == [1.0, -0.5, -0.5]
+    advantages = group_advantages(_training(sg, "min_reward"), 1e-4)
+    assert advantages[2] == min(advantages) and advantages[2] < 0
+
+
+def test_the_old_truncation_name_means_the_floor():
+    assert RunConfig(truncated="zero_reward").train.truncated == "min_reward"
 
 
 def test_informative_depends_on_the_truncation_policy():
-    # the only reward comes from a truncated completion: with zero_reward every member scores 0
+    # the only reward comes from a truncated completion: floored, every member scores 0
     sg = _group(["length", "stop"], [0.2, 0.0])
-    assert sg.informative("keep")
-    assert not sg.informative("zero_reward")
+    assert informative(_training(sg, "keep"))
+    assert not informative(_training(sg, "min_reward"))

@@ -14,6 +14,7 @@ from grpo_flyte.rewards import (
     answer_span,
     extract_answer,
     format_reward,
+    gold_is_usable,
     is_correct,
     length_reward,
     resolve_reward,
@@ -76,13 +77,31 @@ def test_answer_span(text, expected):
         ("#### 13", "12", False),
         ("#### -5", "5", False),  # the sign matters
         ("#### 12 and then 99 more words", "12", True),
-        ("it is 42.", "42", True),  # no stated answer: the whole completion
+        ("it is 42.", "42", True),  # no marked answer: the last number
         ("The answer is 42 ####", "42", True),
         ("no idea", "42", False),
+        # restating the question is not answering it: the last number is 14, not 13 + 14
+        ("13 + 14 =", "27", False),
+        ("What is 13 + 14?", "27", False),
+        ("13 + 14 = 27", "27", True),
+        # scientific notation, as gold or as the stated answer (math-verify alone reads 1e3 as 1)
+        ("#### 1000", "1e3", True),
+        ("#### 1e3", "1000", True),
+        ("#### 1", "1e3", False),
+        ("the answer is 2.5e-1", "0.25", True),
+        # digits of other scripts compare as numbers (Arabic-Indic 27)
+        ("#### \u0662\u0667", "27", True),
+        ("#### 27", "\u0662\u0667", True),
+        ("#### \u0662\u0668", "27", False),
     ],
 )
 def test_is_correct(completion, answer, expected):
     assert is_correct(completion, answer) is expected
+
+
+@pytest.mark.parametrize(("gold", "usable"), [("1e3", True), ("\u0662\u0667", True), ("27", True), ("", False), ("  ", False)])
+def test_gold_answers_in_scientific_notation_or_other_scripts_are_usable(gold, usable):
+    assert gold_is_usable(gold) is usable
 
 
 def test_is_correct_falls_back_to_the_integer_match_when_math_verify_finds_nothing(monkeypatch):

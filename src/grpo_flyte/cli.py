@@ -283,11 +283,25 @@ def resolve_remote_model(model: str):
     return prefetch.outputs()[0]
 
 
+def require_cluster() -> None:
+    """Stop unless a Flyte cluster is configured: without an endpoint, flyte.run would quietly run
+    the whole loop on this machine instead of submitting it."""
+    import flyte.config
+
+    if not flyte.config.auto().platform.endpoint:
+        raise UserError(
+            "no Flyte cluster is configured (no admin endpoint in ./.flyte/config.yaml, ~/.flyte/config.yaml, "
+            "~/.union/config.yaml, $FLYTECTL_CONFIG or $UCTL_CONFIG); create one with "
+            "'flyte create config --endpoint <your-cluster> --project <p> --domain <d>', or add --local to run on this machine"
+        )
+
+
 def run_remote(config: RunConfig) -> int:
     import flyte
 
     from grpo_flyte.driver import train_rl
 
+    require_cluster()
     examples = check_inputs(config, local=False)
     # root_dir = src/, so a checkout's modules resolve as grpo_flyte.* on the cluster.
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])

@@ -68,12 +68,12 @@ class ModelConfig(_Part):
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
-        "auto", description="Base weight dtype; 'auto' is bfloat16 (about 2x faster than float32 on CPU and GPU)."
+        "auto",
+        description=(
+            "Base weight dtype; 'auto' is bfloat16 where the task runs on a GPU or a CPU with fast "
+            "bfloat16 matmuls (AVX-512/AMX), else float32 (bfloat16 is 30-50x slower without them)."
+        ),
     )
-
-    @property
-    def torch_dtype_name(self) -> str:
-        return "bfloat16" if self.dtype == "auto" else self.dtype
 
 
 class EngineConfig(_Part):
@@ -232,12 +232,18 @@ class TrainConfig(_Part):
         description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",
     )
     is_cap: float = Field(2.0, ge=1.0, le=1000.0, description="Upper bound of the importance weight.")
-    truncated: Literal["zero_reward", "mask", "keep"] = Field(
-        "zero_reward",
+    truncated: Literal["min_reward", "mask", "keep"] = Field(
+        "min_reward",
         description=(
-            "Completions cut off at max_new_tokens: 'zero_reward' trains on them as reward 0, 'mask' "
-            "leaves them out of the loss (DAPO's overlong filtering), 'keep' uses their reward."
+            "Completions cut off at max_new_tokens: 'min_reward' trains on them with the reward "
+            "min(0, lowest in their group), never above a finished completion ('zero_reward', its "
+            "old name, is accepted); 'mask' leaves them out of the loss (DAPO's overlong filtering; "
+            "TRL mask_truncated_completions); 'keep' uses their reward."
         ),
+    )
+    advantage_std: Literal["sample", "population"] = Field(
+        "sample",
+        description="The group std advantages are divided by: 'sample' (n - 1, as TRL and verl) or 'population' (n).",
     )
     advantage_eps: float = Field(
         1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
@@ -248,6 +254,13 @@ class TrainConfig(_Part):
         le=1_048_576,
         description="Padded tokens per forward/backward micro-batch; sequences are grouped by length.",
     )
+
+    @field_validator("truncated", mode="before")
+    @classmethod
+    def _old_truncated_name(cls, value: Any) -> Any:
+        # 'zero_reward' gave truncated completions reward 0, which is not the worst reward once
+        # rewards can be negative; 'min_reward' is the same for non-negative rewards.
+        return "min_reward" if value == "zero_reward" else value
 
 
 class EvalConfig(_Part):

@@ -42,11 +42,13 @@ def choose_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (token ids, their log-probs), both of shape (rows,).
 
-    The log-prob is log softmax(logits / temperature) at the chosen token: the distribution the
-    trainer recomputes (top-p and `banned` shape the draw, not the log-prob). Greedy takes the
-    argmax (and reports its log-prob the same way). Sampling keeps the top-p nucleus (the most likely tokens until their mass reaches
-    `top_p`; the first token always stays), renormalizes, and returns the first token whose
-    cumulative probability exceeds u * total, for u in [0, 1) from `uniforms` (rows,).
+    Sampling keeps the top-p nucleus (the most likely tokens until their mass reaches `top_p`;
+    the first token always stays), renormalizes, and returns the first token whose cumulative
+    probability exceeds u * total, for u in [0, 1) from `uniforms` (rows,). The log-prob is that
+    of the distribution the token was drawn from, the one the trainer recomputes
+    (`grpo.token_logprobs_and_entropy`): log softmax(logits / temperature) at the token, minus the
+    log of the nucleus' mass when top_p < 1 (as vLLM's processed log-probs). `banned` shapes the
+    draw only. Greedy takes the argmax and reports its full-distribution log-prob.
     """
     import torch
 
@@ -72,6 +74,8 @@ def choose_tokens(
         tokens = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
         if order is not None:
             tokens = order.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            return tokens, chosen - cdf[:, -1].log().to(chosen.dtype)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

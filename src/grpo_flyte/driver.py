@@ -32,6 +32,7 @@ import flyte.report
 from flyte.io import Dir
 from pydantic import BaseModel
 
+from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
@@ -141,7 +142,7 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         num_groups=len(scored),
         topup_groups=len(scored) - config.prompts_per_iter,
         num_contributing=result.num_contributing,
-        frac_zero_std_groups=sum(not sg.informative(config.train.truncated) for sg in scored) / len(scored),
+        frac_zero_std_groups=sum(not informative_group(sg, config.train.truncated) for sg in scored) / len(scored),
         num_updates=stats.num_updates,
         num_tokens=stats.num_tokens,
         kl=stats.kl,
@@ -197,6 +198,11 @@ def _generate_parts(config: RunConfig) -> dict[str, Any]:
     return {"model": config.base, "engine": config.engine, "prompt": config.prompt, "sampling": config.sampling}
 
 
+def informative_group(sg: ScoredGroup, truncated: str) -> bool:
+    """Whether the group's training rewards (after the truncation policy) differ."""
+    return grpo.informative(grpo.training_rewards(sg.reward_values, sg.truncated, truncated))
+
+
 async def run_iteration(
     config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int
 ) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float]]:
@@ -224,7 +230,7 @@ async def run_iteration(
         scored.extend(landed)
         timings["generate_s"] += gen_s
         timings["score_s"] += tail_s
-        missing = config.min_informative_groups - sum(sg.informative(truncated) for sg in scored)
+        missing = config.min_informative_groups - sum(informative_group(sg, truncated) for sg in scored)
         if missing <= 0 or round_ == config.max_topup_rounds:
             break
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)

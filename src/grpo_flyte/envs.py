@@ -47,6 +47,16 @@ class DeploySettings(BaseSettings):
     )
     registry: str | None = Field(None, description="Container registry the image is pushed to.")
 
+    def as_env_vars(self) -> dict[str, str]:
+        """These settings as the GRPO_FLYTE_* variables that reproduce them.
+
+        Every task environment carries them: a pod imports this module again, and the driver's pod
+        builds the child tasks' specs from what it reads there, so without them a user's
+        GRPO_FLYTE_ROLLOUT_GPU=A100:1 would become the default L4 in the tasks the driver submits.
+        """
+        prefix = self.model_config["env_prefix"]
+        return {f"{prefix}{name.upper()}": str(value) for name, value in self.model_dump().items() if value is not None}
+
 
 def _package_requirement() -> str | None:
     """How the image gets this package: from PyPI when installed from a wheel; a source checkout
@@ -88,6 +98,7 @@ def build_image(settings: DeploySettings) -> flyte.Image:
 settings = DeploySettings()
 image = build_image(settings)
 _hf_token = flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")
+_settings_env = settings.as_env_vars()
 
 rollout_env = flyte.TaskEnvironment(
     name="grpo_flyte-rollout",
@@ -97,7 +108,7 @@ rollout_env = flyte.TaskEnvironment(
         cpu=settings.rollout_cpu, memory=settings.rollout_memory, gpu=settings.rollout_gpu, shm="auto"
     ),
     secrets=[_hf_token],
-    env_vars={"VLLM_USE_V1": "1"},
+    env_vars={**_settings_env, "VLLM_USE_V1": "1"},
     # concurrency > 1: several generate calls run on one replica at once; the replica's batcher
     # (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's
     # consumer ever drives the engine.
@@ -114,6 +125,7 @@ reward_env = flyte.TaskEnvironment(
     description="Scores one group of completions on CPU.",
     image=image,
     resources=flyte.Resources(cpu=1, memory="2Gi"),
+    env_vars=_settings_env,
 )
 
 train_env = flyte.TaskEnvironment(
@@ -122,6 +134,7 @@ train_env = flyte.TaskEnvironment(
     image=image,
     resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=settings.train_gpu, shm="auto"),
     secrets=[_hf_token],
+    env_vars=_settings_env,
 )
 
 driver_env = flyte.TaskEnvironment(
@@ -130,6 +143,7 @@ driver_env = flyte.TaskEnvironment(
     image=image,
     resources=flyte.Resources(cpu=1, memory="2Gi"),
     secrets=[flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else [],
+    env_vars=_settings_env,
     # The driver submits tasks of the other three environments; depends_on puts their images in
     # the run's image cache.
     depends_on=[rollout_env, reward_env, train_env],

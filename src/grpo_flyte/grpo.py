@@ -10,13 +10,16 @@ Notation, per completion token t of rollout i (all log-probs at the sampling tem
     ref      the reference policy: the same base model with the LoRA adapter disabled
     A_i      the rollout's advantage (`group_advantages`)
 
+With top_p < 1 every log-prob above is that of the nucleus-renormalized distribution the tokens
+were drawn from (`nucleus_log_mass`), on both sides: the generators report it and the trainer
+computes it, so the importance ratio compares one distribution with itself.
+
 The per-token loss is `grpo_token_loss`, the aggregation over tokens and rollouts is
 `aggregate_loss` (one formula per `loss_type`); each formula is written once, in the docstring of
-the function that computes it.
-
-Rollouts with zero advantage (e.g. every member of their group scored alike) are dropped before
-the forward pass: their surrogate gradient is zero, and with beta > 0 they would only pull towards
-the reference.
+the function that computes it. The normalizer counts every rollout of the batch, as TRL does
+(`LossNormalizer`); a rollout that cannot change the loss (zero advantage and beta = 0, or masked
+by the truncation policy) is then left out of the forward pass (`in_loss`), which changes nothing
+but the time taken.
 """
 
 from __future__ import annotations
@@ -29,14 +32,44 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp (as verl does), so that a stray token
+# whose log-probs disagree by hundreds cannot overflow the ratio to inf.
+LOG_RATIO_CLAMP = 20.0
 
-def group_advantages(rewards: Sequence[float], eps: float, scale_by_std: bool = True) -> list[float]:
-    """A_i = (r_i - mean(r)) / (std(r) + eps), with the population std over one group.
 
-    With `scale_by_std=False` (Dr. GRPO) A_i = r_i - mean(r): no division by the std, which
-    would up-weight groups that are nearly all right or all wrong.
+def training_rewards(rewards: Sequence[float], truncated: Sequence[bool], policy: str) -> list[float]:
+    """The rewards advantages are computed from, given which completions hit the length limit.
+
+    policy 'min_reward': a truncated completion gets the floor min(0, min(r)) over its group, so
+    it is never better than any finished completion, even when rewards can be negative (stopping
+    late and wrong must beat rambling to the limit). 'keep' and 'mask' leave the rewards as they
+    are ('mask' takes the completions out of the loss in the trainer instead).
+    """
+    if len(rewards) != len(truncated):
+        raise ValueError(f"{len(rewards)} rewards for {len(truncated)} truncation flags")
+    if policy not in ("min_reward", "keep", "mask"):
+        raise ValueError(f"truncated={policy!r}: expected 'min_reward', 'mask' or 'keep'")
+    if policy != "min_reward" or not any(truncated):
+        return list(rewards)
+    floor = min(0.0, *rewards)
+    return [floor if cut else r for r, cut in zip(rewards, truncated, strict=True)]
+
+
+def informative(rewards: Sequence[float]) -> bool:
+    """Whether a group's training rewards differ: a group scored all alike has zero advantages."""
+    return len(rewards) > 0 and max(rewards) != min(rewards)
+
+
+def group_advantages(rewards: Sequence[float], eps: float, scale_by_std: bool = True, std: str = "sample") -> list[float]:
+    """A_i = (r_i - mean(r)) / (std(r) + eps) over one group.
+
+    std 'sample' divides the squared deviations by n - 1 (TRL's and verl's choice), 'population'
+    by n. With `scale_by_std=False` (Dr. GRPO) A_i = r_i - mean(r): no division by the std,
+    which would up-weight groups that are nearly all right or all wrong.
     A group whose rewards are all equal carries no signal: every advantage is exactly 0.
     """
+    if std not in ("sample", "population"):
+        raise ValueError(f"std={std!r}: expected 'sample' or 'population'")
     if len(rewards) == 0:
         return []
     if any(not math.isfinite(r) for r in rewards):
@@ -46,23 +79,35 @@ def group_advantages(rewards: Sequence[float], eps: float, scale_by_std: bool = 
     mean = sum(rewards) / len(rewards)
     if not scale_by_std:
         return [r - mean for r in rewards]
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-    return [(r - mean) / (std + eps) for r in rewards]
+    dof = len(rewards) - 1 if std == "sample" else len(rewards)
+    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / dof)
+    return [(r - mean) / (sd + eps) for r in rewards]
 
 
 @dataclass(frozen=True)
 class TrainSequence:
     """One training sequence: prompt and completion token ids, its advantage, and the generator's
-    sampling log-prob of each completion token (None when unknown: no IS correction then)."""
+    sampling log-prob of each completion token (None when unknown: no IS correction then).
+
+    `masked`: out of the loss (the 'mask' truncation policy); it still counts in the normalizer's
+    number of sequences, not in its number of tokens.
+    """
 
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float
     sampling_logprobs: list[float] | None = None
+    masked: bool = False
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def in_loss(sequence: TrainSequence, beta: float) -> bool:
+    """Whether the sequence can change the loss: not masked, and a nonzero advantage or, with
+    beta > 0, a KL term (a zero-advantage rollout still pulls towards the reference)."""
+    return not sequence.masked and (sequence.advantage != 0.0 or beta > 0.0)
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -133,15 +178,46 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def nucleus_log_mass(logp: torch.Tensor, targets: torch.Tensor, top_p: float, chunk: int = 256) -> torch.Tensor:
+    """log of the probability mass the top-p nucleus keeps, per position: (N, V), (N,) -> (N,).
+
+    `logp` is log softmax(logits / T). The nucleus is the rule the HF decoder samples with: the
+    most likely tokens until their mass reaches `top_p` (the first always stays). The target is
+    always counted in it, so its nucleus log-prob `logp[target] - nucleus_log_mass` is finite.
+    The kept set is chosen without gradients; the mass is differentiable. 0 when top_p >= 1.
+    """
+    import torch
+
+    if top_p >= 1.0:
+        return torch.zeros(targets.shape, dtype=logp.dtype, device=logp.device)
+    keep = torch.empty(logp.shape, dtype=torch.bool, device=logp.device)
+    with torch.no_grad():
+        for start in range(0, logp.shape[0], chunk):  # sorting all of (N, V) at once doubles peak memory
+            probs, order = logp[start : start + chunk].exp().sort(dim=-1, descending=True)
+            kept_sorted = (probs.cumsum(dim=-1) - probs) < top_p
+            keep[start : start + chunk] = torch.zeros_like(kept_sorted).scatter_(-1, order, kept_sorted)
+        keep[torch.arange(len(targets), device=keep.device), targets] = True
+    return torch.logsumexp(logp.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` and the entropy H_t = -sum_v p_v log p_v of softmax(logits / T) per
-    position, from one log-softmax: (N, V), (N,) -> (N,), (N,). The entropy is detached."""
+    position, from one log-softmax: (N, V), (N,) -> (N,), (N,). The entropy is detached.
+
+    With top_p < 1 the log-probs are those of the nucleus-renormalized distribution the token was
+    sampled from: logp[target] - nucleus_log_mass (the entropy stays the full distribution's).
+    """
     import torch
 
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if top_p < 1.0:
+        chosen = chosen - nucleus_log_mass(logp, targets, top_p)
+    return chosen, entropy
 
 
 def split_minibatches(num_sequences: int, num_minibatches: int) -> list[list[int]]:
@@ -169,7 +245,8 @@ def truncated_is_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Te
 
     if cap < 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
-    rho = torch.exp(old_logprobs.detach().float() - sampling_logprobs.float())
+    log_rho = (old_logprobs.detach().float() - sampling_logprobs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rho = torch.exp(log_rho)
     return torch.clamp(rho, max=cap), rho
 
 
@@ -179,8 +256,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
         kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
 
     Unbiased for KL(pi || pi_ref) when the tokens are sampled from pi, and 0 where they agree.
+    The log-ratio is clamped to +-LOG_RATIO_CLAMP.
     """
-    delta = ref_logprobs - logprobs
+    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return delta.exp() - delta - 1.0
 
 
@@ -196,7 +274,7 @@ def grpo_token_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The clipped per-token loss and which tokens were clipped: (loss (N,), clipped (N,) bool).
 
-        r_t    = exp(logp_t - old_t)
+        r_t    = exp(clamp(logp_t - old_t, -20, 20))
         loss_t = -w_t * min(r_t * A, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl_t
 
     `advantages` holds each token's rollout advantage A; w_t are the importance weights (1 when
@@ -206,7 +284,7 @@ def grpo_token_loss(
     """
     import torch
 
-    ratio = torch.exp(logprobs - old_logprobs.detach())
+    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
     surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
     loss = -surrogate if is_weights is None else -is_weights * surrogate
@@ -221,10 +299,15 @@ def grpo_token_loss(
 
 @dataclass(frozen=True)
 class LossNormalizer:
-    """The sizes of one optimizer step's minibatch that `aggregate_loss` divides by."""
+    """The sizes of one optimizer step's minibatch that `aggregate_loss` divides by.
 
-    num_sequences: int  # S: rollouts in the minibatch
-    num_tokens: int  # T: completion tokens in the minibatch
+    They count every rollout of the minibatch, those left out of the forward pass included (TRL
+    normalizes over the whole batch): a step's size does not depend on how many rollouts had a
+    nonzero advantage, and dr_grpo's normalizer stays the constant S x L it is meant to be.
+    """
+
+    num_sequences: int  # S: rollouts in the minibatch, masked ones included
+    num_tokens: int  # T: completion tokens of the minibatch's unmasked rollouts
     max_completion_tokens: int  # L: the completion length limit (max_new_tokens)
 
 

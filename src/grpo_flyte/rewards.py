@@ -21,7 +21,9 @@ import importlib
 import logging
 import math
 import re
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any
 
 from grpo_flyte.config import BUILTIN_REWARDS, check_reward_name
@@ -33,6 +35,11 @@ MARKER = "####"
 SHOWN_CHARS = 120
 
 _INTEGER = re.compile(r"-?\d[\d,]*")
+# A number as a model states one: 27, -3, 1,000, 2.5, 1e3 (the last number of a completion that
+# marks no answer is its answer).
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+_SCIENTIFIC = re.compile(r"[-+]?\d+(?:\.\d+)?[eE][-+]?\d+")
+_ANY_DIGIT = re.compile(r"\d")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAGGED = re.compile(r"\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*", re.DOTALL)
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
@@ -61,6 +68,23 @@ def normalize_integer(number: str) -> str:
     return "0" if digits == "0" else sign + digits
 
 
+def ascii_digits(text: str) -> str:
+    """Decimal digits of every script as ASCII: '٢٧' (Arabic-Indic) -> '27', so they compare as numbers."""
+    return _ANY_DIGIT.sub(lambda m: str(unicodedata.decimal(m.group(0))), text) if not text.isascii() else text
+
+
+def plain_number(text: str) -> str:
+    """Scientific notation written out ('1e3' -> '1000', '2.5e-1' -> '0.25'); anything else as is.
+
+    math-verify reads '1e3' as 1 (and '$1e3$' as 1*e*3), so such a gold answer or stated answer
+    is turned into a plain decimal first."""
+    text = text.strip()
+    if _SCIENTIFIC.fullmatch(text):
+        value = Decimal(text)
+        return format(value.to_integral_value() if value == value.to_integral_value() else value.normalize(), "f")
+    return text
+
+
 def answer_span(completion: str) -> str | None:
     """Where a completion states its answer: the last <answer>...</answer>, else the first token
     after the last '####' (trailing punctuation dropped); None when it states none."""
@@ -74,6 +98,18 @@ def answer_span(completion: str) -> str | None:
     return None
 
 
+def final_answer(completion: str) -> str | None:
+    """The answer a completion states: its `answer_span`, else its last number; None if neither.
+
+    Never the whole text: a completion that only restates the question ('13 + 14 =') states no
+    result, and its last number (14) is what it is judged on."""
+    span = answer_span(completion)
+    if span is not None:
+        return span
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1].rstrip(",") if numbers else None
+
+
 def _parse_math(text: str) -> list:
     from math_verify import parse
 
@@ -84,7 +120,7 @@ def _parse_math(text: str) -> list:
 
 def gold_is_usable(answer: str) -> bool:
     """Whether a gold answer can be compared: math-verify parses it, or it is an integer."""
-    answer = answer.strip()
+    answer = plain_number(ascii_digits(answer))
     if not answer:
         return False
     if _INTEGER.fullmatch(answer):
@@ -94,23 +130,25 @@ def gold_is_usable(answer: str) -> bool:
 
 @functools.lru_cache(maxsize=16_384)
 def is_correct(completion: str, answer: str) -> bool:
-    """Whether the completion's answer equals the gold answer.
+    """Whether the answer the completion states equals the gold answer.
 
-    math-verify compares the stated answer (see `answer_span`; the whole completion when it states
-    none) numerically and symbolically: 72 = 72.0, 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000. When
-    math-verify finds no expression on either side, the plain integer match decides.
+    The stated answer is `final_answer`'s: the <answer> tag, else what follows the last '####',
+    else the last number; a completion that states none is wrong. math-verify compares it
+    numerically and symbolically: 72 = 72.0, 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000, 1e3 = 1000;
+    digits of other scripts count as digits. When math-verify finds no expression on either side,
+    the plain integer match decides.
     """
     from math_verify import verify
 
-    span = answer_span(completion)
-    gold = _parse_math(answer)
-    predicted = _parse_math(span) if span is not None else []
-    if not predicted:
-        predicted = _parse_math(completion)
+    span = final_answer(ascii_digits(completion))
+    if span is None:
+        return False
+    span, gold_text = plain_number(span), plain_number(ascii_digits(answer))
+    gold, predicted = _parse_math(gold_text), _parse_math(span)
     if gold and predicted:
         return bool(verify(gold, predicted, timeout_seconds=None))
-    found = extract_answer(completion)
-    return found is not None and _INTEGER.fullmatch(answer.strip()) is not None and found == normalize_integer(answer.strip())
+    found = extract_answer(span)
+    return found is not None and _INTEGER.fullmatch(gold_text) is not None and found == normalize_integer(gold_text)
 
 
 # --------------------------------------------------------------------------- built-in rewards

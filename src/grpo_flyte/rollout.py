@@ -16,6 +16,7 @@ from flyte.io import Dir
 from grpo_flyte import engines
 from grpo_flyte.config import EngineConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.envs import rollout_env
+from grpo_flyte.models import resolve_dtype
 from grpo_flyte.storage import replica_cache
 from grpo_flyte.types import AdapterRef, Example, RolloutGroup
 
@@ -30,7 +31,7 @@ async def _engine_inputs(
     adapter_path = await _adapter_dirs.get(adapter.dir)
     key = engines.engine_key(
         model_path,
-        model.torch_dtype_name,
+        resolve_dtype(model.dtype),
         engine.backend,
         engine.adapter_cache_size,
         adapter_path,

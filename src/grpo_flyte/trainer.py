@@ -7,6 +7,7 @@ new adapter directory. Token ids come from `generate`; nothing is re-tokenized.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -19,7 +20,7 @@ from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
 from grpo_flyte.storage import publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -45,7 +46,7 @@ def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: f
 
 def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
     return _peft_model(
-        model_path, model.torch_dtype_name, lora.lora_rank, lora.lora_alpha, lora.lora_dropout, tuple(lora.lora_target_modules)
+        model_path, resolve_dtype(model.dtype), lora.lora_rank, lora.lora_alpha, lora.lora_dropout, tuple(lora.lora_target_modules)
     )
 
 
@@ -126,38 +127,85 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
 
 
 def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list[grpo.TrainSequence], int]:
-    """Training sequences with nonzero advantage, in a deterministic order, and the rollout count."""
+    """Every rollout as a training sequence, in a deterministic order, and the rollout count.
+
+    Zero-advantage and masked rollouts are kept: they count in the loss normalizer
+    (`grpo.LossNormalizer`); `grpo.in_loss` decides which go through the forward pass. Only an
+    empty completion (nothing to train on) is left out here.
+    """
     sequences = []
     total = 0
     scale_by_std = train.scale_rewards == "group"
     for sg in sorted(scored, key=lambda s: s.group.index):
-        rewards = sg.training_rewards(train.truncated)
-        advantages = grpo.group_advantages(rewards, train.advantage_eps, scale_by_std)
-        for rollout, adv in zip(sg.group.rollouts, advantages, strict=True):
+        rewards = grpo.training_rewards(sg.reward_values, sg.truncated, train.truncated)
+        advantages = grpo.group_advantages(rewards, train.advantage_eps, scale_by_std, train.advantage_std)
+        for rollout, adv, cut in zip(sg.group.rollouts, advantages, sg.truncated, strict=True):
             total += 1
-            masked = train.truncated == "mask" and rollout.finish_reason == "length"
-            if adv != 0.0 and rollout.completion_ids and not masked:
+            if rollout.completion_ids:
+                masked = train.truncated == "mask" and cut
                 sequences.append(
-                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, rollout.sampling_logprobs)
+                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, rollout.sampling_logprobs, masked)
                 )
     return sequences, total
 
 
-def _completion_logprobs(model, sequences: list[grpo.TrainSequence], temperature: float):
-    """Forward one micro-batch: (log-probs, entropies) of its completion tokens, row after row.
+def num_contributing(sequences: list[grpo.TrainSequence]) -> int:
+    """Rollouts whose surrogate has a gradient: unmasked, with a nonzero advantage."""
+    return sum(1 for s in sequences if not s.masked and s.advantage != 0.0)
 
-    Only the positions that predict completion tokens go through the vocabulary projection:
-    prompt and padding positions would be most of the work and none of the loss.
+
+def head_is_the_forward(model) -> bool:
+    """Whether the output layer applied to the decoder's hidden states gives the model's logits.
+
+    Some architectures change the logits after the output layer (Gemma 2/3 soft-capping,
+    Granite's logits scaling, Cohere's logit scale). The trainer then has to use the model's own
+    forward to differentiate the distribution the generator sampled from. Checked once per model
+    on a few tokens, in eval mode and without gradients; the answer is kept on the model.
     """
+    import torch
+
+    known = getattr(model, "_grpo_flyte_head_is_forward", None)
+    if known is not None:
+        return known
+    inner = model.get_base_model()
+    device = next(model.parameters()).device
+    ids = torch.arange(1, 6, device=device).unsqueeze(0) % inner.config.vocab_size
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        direct = inner.get_output_embeddings()(inner.get_decoder()(input_ids=ids).last_hidden_state).float()
+        full = inner(input_ids=ids).logits.float()
+    model.train(was_training)
+    same = bool(torch.allclose(direct, full, rtol=1e-3, atol=1e-3 * float(full.abs().max().clamp(min=1.0))))
+    model._grpo_flyte_head_is_forward = same
+    return same
+
+
+def _completion_logits(model, batch: grpo.PaddedBatch):
+    """(N, V) logits at the positions that predict completion tokens, in `predict_mask` order."""
     device = next(model.parameters()).device
     inner = model.get_base_model()
-    batch = grpo.pad_batch(sequences, pad_id=0)
-    hidden = inner.get_decoder()(
-        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)
-    ).last_hidden_state  # (B, T, H)
+    input_ids, attention_mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     mask = batch.predict_mask.to(device)
-    logits = inner.get_output_embeddings()(hidden[mask])  # (N, V)
-    logprobs, entropy = grpo.token_logprobs_and_entropy(logits, batch.targets.to(device)[mask], temperature)
+    if head_is_the_forward(model):
+        # Only the positions that predict completion tokens go through the vocabulary projection:
+        # prompt and padding positions would be most of the work and none of the loss.
+        hidden = inner.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return inner.get_output_embeddings()(hidden[mask])
+    # The model's own forward (its logit post-processing included), on the columns any row needs.
+    columns = mask.any(dim=0).nonzero().squeeze(-1)
+    logits = inner(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=columns).logits
+    return logits[mask[:, columns]]
+
+
+def _completion_logprobs(model, sequences: list[grpo.TrainSequence], sampling: SamplingConfig):
+    """Forward one micro-batch: (log-probs, entropies) of its completion tokens, row after row,
+    under the sampling distribution (temperature, and the top-p nucleus when top_p < 1)."""
+    device = next(model.parameters()).device
+    batch = grpo.pad_batch(sequences, pad_id=0)
+    logits = _completion_logits(model, batch)  # (N, V)
+    targets = batch.targets.to(device)[batch.predict_mask.to(device)]
+    logprobs, entropy = grpo.token_logprobs_and_entropy(logits, targets, sampling.temperature, sampling.top_p)
     return logprobs, entropy, batch.row_of_token.to(device)
 
 
@@ -165,38 +213,34 @@ def _completion_logprobs(model, sequences: list[grpo.TrainSequence], temperature
 KL_MONITOR_SEQUENCES = 8
 
 
-def _reference_pass(model, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig):
+def _reference_pass(model, sequences: list[grpo.TrainSequence], trained: list[int], need_old: set[int], train: TrainConfig, sampling: SamplingConfig):
     """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
-    disabled: no second copy of the model) and, when several updates reuse the batch, the old ones.
+    disabled: no second copy of the model) and, for the sequences in `need_old`, the old ones.
 
-    Reference log-probs are computed for every sequence when beta > 0 and for an evenly spread
-    sample of KL_MONITOR_SEQUENCES otherwise (None for the rest).
+    Reference log-probs are computed for every trained sequence when beta > 0 and for an evenly
+    spread sample of KL_MONITOR_SEQUENCES of them otherwise (None for the rest).
     """
     import torch
 
-    n = len(sequences)
-    need_old = train.updates_per_iter > 1
+    n = len(trained)
     if train.beta > 0 or n <= KL_MONITOR_SEQUENCES:
-        with_ref = set(range(n))
+        with_ref = set(trained)
     else:
-        with_ref = {i * n // KL_MONITOR_SEQUENCES for i in range(KL_MONITOR_SEQUENCES)}
-    ref: list = [None] * n
-    old: list = [None] * n
-    todo = [i for i in range(n) if need_old or i in with_ref]
+        with_ref = {trained[i * n // KL_MONITOR_SEQUENCES] for i in range(KL_MONITOR_SEQUENCES)}
+    ref: list = [None] * len(sequences)
+    old: list = [None] * len(sequences)
+    todo = sorted(with_ref | need_old)
     with torch.no_grad():
         for local in grpo.plan_micro_batches([sequences[i].length for i in todo], train.micro_batch_tokens):
             ids = [todo[k] for k in local]
-            splits = [len(sequences[i].completion_ids) for i in ids]
-            ref_ids = [i for i in ids if i in with_ref]
-            if ref_ids:
-                with model.disable_adapter():
-                    lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ref_ids], sampling.temperature)
-                for i, x in zip(ref_ids, lp.split([len(sequences[i].completion_ids) for i in ref_ids]), strict=True):
-                    ref[i] = x
-            if need_old:
-                lp, _, _ = _completion_logprobs(model, [sequences[i] for i in ids], sampling.temperature)
-                for i, x in zip(ids, lp.split(splits), strict=True):
-                    old[i] = x
+            for wanted, out, adapter_off in ((with_ref, ref, True), (need_old, old, False)):
+                chosen = [i for i in ids if i in wanted]
+                if not chosen:
+                    continue
+                with model.disable_adapter() if adapter_off else contextlib.nullcontext():
+                    lp, _, _ = _completion_logprobs(model, [sequences[i] for i in chosen], sampling)
+                for i, x in zip(chosen, lp.split([len(sequences[i].completion_ids) for i in chosen]), strict=True):
+                    out[i] = x
     return ref, old
 
 
@@ -226,12 +270,12 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     """The loss of one micro-batch (its share of the minibatch loss); adds its metrics to `totals`.
 
     ref/old: per sequence of `seqs`, the reference and old log-probs (ref None where not computed;
-    old None: a single update, so the old policy is the current one, detached).
+    old None: the old policy is the current one, detached, as in the first minibatch).
     """
     import torch
 
     device = next(model.parameters()).device
-    logprobs, entropy, rows = _completion_logprobs(model, seqs, sampling.temperature)
+    logprobs, entropy, rows = _completion_logprobs(model, seqs, sampling)
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
     kl = None
     if any(r is not None for r in ref):
@@ -263,30 +307,37 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
 def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig) -> StepStats:
     """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
 
-    The reference and (with several updates) old log-probs are computed once, before the first
-    step. Each minibatch is forwarded in length-grouped micro-batches whose losses sum to the
-    minibatch loss (`grpo.aggregate_loss`).
+    Every sequence is dealt into a minibatch and counts in its normalizer; only those
+    `grpo.in_loss` keeps are forwarded, in length-grouped micro-batches whose losses sum to the
+    minibatch loss (`grpo.aggregate_loss`). A minibatch with none is no optimizer step. The
+    reference log-probs, and the old ones of the minibatches after the first, are computed once
+    before the first step; the first minibatch's old policy is the current one, detached.
     """
     import torch
 
-    ref, old = _reference_pass(model, sequences, train, sampling)
-    reuse_old = train.updates_per_iter > 1
+    minibatches = grpo.split_minibatches(len(sequences), train.updates_per_iter) if sequences else []
+    trained = [[i for i in mb if grpo.in_loss(sequences[i], train.beta)] for mb in minibatches]
+    ref, old = _reference_pass(
+        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling
+    )
     model.train()
     totals = _Totals()
-    for minibatch in grpo.split_minibatches(len(sequences), train.updates_per_iter):
+    for k, (minibatch, forward) in enumerate(zip(minibatches, trained, strict=True)):
+        if not forward:
+            continue
         optimizer.zero_grad(set_to_none=True)
         norm = grpo.LossNormalizer(
             num_sequences=len(minibatch),
-            num_tokens=sum(len(sequences[i].completion_ids) for i in minibatch),
+            num_tokens=sum(len(sequences[i].completion_ids) for i in minibatch if not sequences[i].masked),
             max_completion_tokens=sampling.max_new_tokens,
         )
-        for local in grpo.plan_micro_batches([sequences[i].length for i in minibatch], train.micro_batch_tokens):
-            ids = [minibatch[k] for k in local]
+        for local in grpo.plan_micro_batches([sequences[i].length for i in forward], train.micro_batch_tokens):
+            ids = [forward[j] for j in local]
             loss = _micro_batch_loss(
                 model,
                 [sequences[i] for i in ids],
                 [ref[i] for i in ids],
-                [old[i] for i in ids] if reuse_old else None,
+                [old[i] for i in ids] if k > 0 else None,
                 norm,
                 train,
                 sampling,
@@ -299,7 +350,7 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: Trai
         totals.updates += 1
     optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return totals.stats()
+    return totals.stats() if totals.updates else StepStats()
 
 
 @train_env.task(retries=2)
@@ -323,16 +374,15 @@ async def train_step(
     def build(out: Path) -> None:
         peft = peft_model(model, lora, model_path)
         optimizer = load_adapter_state(peft, adapter_path, train)
-        if sequences:
-            measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
+        measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
         save_adapter(peft, optimizer, version, out)
 
     new_dir = await publish_dir(build, f"v{version:04d}")
     return TrainStepResult(
         adapter=AdapterRef(version=version, dir=new_dir),
         num_rollouts=num_rollouts,
-        num_contributing=len(sequences),
-        stats=measured[0] if measured else StepStats(),
+        num_contributing=num_contributing(sequences),
+        stats=measured[0],
         train_s=time.perf_counter() - started,
     )
 

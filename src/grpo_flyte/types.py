@@ -70,17 +70,14 @@ class ScoredGroup(BaseModel):
     rewards: list[RewardParts]
     score_s: float = 0.0
 
-    def training_rewards(self, truncated: str) -> list[float]:
-        """The rewards advantages are computed from: with truncated='zero_reward' a completion cut
-        off at the length limit counts as 0 (it never reached its answer)."""
-        if truncated == "zero_reward":
-            return [0.0 if r.finish_reason == "length" else p.reward for r, p in zip(self.group.rollouts, self.rewards, strict=True)]
+    @property
+    def reward_values(self) -> list[float]:
         return [p.reward for p in self.rewards]
 
-    def informative(self, truncated: str) -> bool:
-        """Whether the training rewards differ: a group scored all alike has zero advantages."""
-        values = self.training_rewards(truncated)
-        return max(values) != min(values)
+    @property
+    def truncated(self) -> list[bool]:
+        """Which completions were cut off at the length limit."""
+        return [r.finish_reason == "length" for r in self.group.rollouts]
 
 
 class StepStats(BaseModel):

@@ -1,0 +1,136 @@
+"""The trainer's GRPO step on real (tiny) models: what is forwarded, what the loss divides by,
+which old policy the first update uses, and logits equal to the model's own forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_flyte import grpo, trainer
+from grpo_flyte.config import RunConfig
+from grpo_flyte.grpo import TrainSequence
+
+A = TrainSequence(prompt_ids=[1, 5, 6], completion_ids=[11, 12, 2], advantage=1.0)
+B = TrainSequence(prompt_ids=[1, 5, 6], completion_ids=[13, 2], advantage=-1.0)
+C = TrainSequence(prompt_ids=[1, 7], completion_ids=[14, 15, 16, 2], advantage=0.0)
+D = TrainSequence(prompt_ids=[1, 7], completion_ids=[17, 2], advantage=0.0)
+
+
+@pytest.fixture
+def fresh(tiny_model_dir):
+    """The tiny Llama with a fresh seeded LoRA adapter (B = 0) and a fresh optimizer, per call."""
+
+    def make(**settings):
+        config = RunConfig(model=str(tiny_model_dir), dtype="float32", max_new_tokens=8, **settings)
+        model = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+        trainer.reset_lora(model, seed=0)
+        return model, trainer._optimizer(model, config.train), config
+
+    return make
+
+
+def _step(fresh, sequences, **settings):
+    model, optimizer, config = fresh(**settings)
+    return trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_the_normalizer_counts_rollouts_left_out_of_the_forward_pass(fresh, loss_type):
+    # Two zero-advantage rollouts (C, D) are not forwarded, but they are half of the batch: as in
+    # TRL, the loss over A and B is divided by all four rollouts (grpo, dr_grpo) or by all their
+    # tokens (dapo), so its gradient is the two-rollout one times 2/4 or times 5/11. (The loss
+    # itself is 0 at ratio 1 when a group's advantages sum to 0; the gradient is not.)
+    alone = _step(fresh, [A, B], loss_type=loss_type)
+    with_zeros = _step(fresh, [A, B, C, D], loss_type=loss_type)
+    assert alone.num_tokens == with_zeros.num_tokens == 5  # C and D never went through the model
+    scale = 5 / 11 if loss_type == "dapo" else 2 / 4
+    assert alone.grad_norm > 0
+    assert with_zeros.grad_norm == pytest.approx(alone.grad_norm * scale, rel=1e-4)
+
+
+def test_masked_rollouts_count_as_rollouts_not_as_tokens(fresh):
+    masked = TrainSequence(C.prompt_ids, C.completion_ids, advantage=2.0, masked=True)
+    alone = _step(fresh, [A, B], loss_type="dapo")
+    with_masked = _step(fresh, [A, B, masked], loss_type="dapo")
+    assert with_masked.grad_norm == pytest.approx(alone.grad_norm, rel=1e-4)  # T = 5 tokens both times
+    assert with_masked.num_tokens == 5
+    grpo_alone = _step(fresh, [A, B], loss_type="grpo")
+    assert _step(fresh, [A, B, masked], loss_type="grpo").grad_norm == pytest.approx(grpo_alone.grad_norm * 2 / 3, rel=1e-4)
+
+
+def test_with_beta_the_zero_advantage_rollouts_keep_their_kl_term(fresh):
+    # beta > 0: C and D have no surrogate gradient but a KL pull towards the reference
+    assert _step(fresh, [A, B, C, D], beta=0.1).num_tokens == 3 + 2 + 4 + 2
+    assert _step(fresh, [A, B, C, D], beta=0.0).num_tokens == 3 + 2
+    assert [grpo.in_loss(s, 0.1) for s in (A, C)] == [True, True]
+    assert [grpo.in_loss(s, 0.0) for s in (A, C)] == [True, False]
+
+
+def test_a_batch_with_no_signal_takes_no_optimizer_step(fresh):
+    model, optimizer, config = fresh()
+    before = [p.detach().clone() for p in trainer._trainable(model)]
+    stats = trainer.grpo_step(model, optimizer, [C, D], config.train, config.sampling)
+    assert stats.num_updates == 0 and stats.num_tokens == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer._trainable(model), strict=True))
+
+
+def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
+    # With several updates, only the later minibatches need log-probs from before the first step;
+    # the first one's ratio is exactly 1, not noise from a separately batched pass.
+    needed, log_ratios = [], []
+    reference_pass, token_loss = trainer._reference_pass, grpo.grpo_token_loss
+
+    def spy_reference(model, sequences, trained, need_old, *rest):
+        needed.append(set(need_old))
+        return reference_pass(model, sequences, trained, need_old, *rest)
+
+    def spy_loss(logprobs, old, *rest, **kw):
+        log_ratios.append((logprobs - old).detach())
+        return token_loss(logprobs, old, *rest, **kw)
+
+    monkeypatch.setattr(trainer, "_reference_pass", spy_reference)
+    monkeypatch.setattr(grpo, "grpo_token_loss", spy_loss)
+    sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
+    stats = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
+    assert stats.num_updates == 2
+    assert needed == [set(grpo.split_minibatches(4, 2)[1])]  # minibatch 0 = [0, 2], 1 = [1, 3]
+    assert len(log_ratios) == 2  # one micro-batch per minibatch
+    assert torch.equal(log_ratios[0], torch.zeros_like(log_ratios[0]))
+    assert log_ratios[1].abs().max() > 0  # after a step the policy moved from the old one
+
+
+def _tiny(kind: str):
+    """A one-layer model of an architecture that post-processes its logits, with a LoRA adapter."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    if kind == "gemma2":  # final logit soft-capping: cap * tanh(logits / cap)
+        config, cls = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5), transformers.Gemma2ForCausalLM
+    elif kind == "granite":  # logits / logits_scaling
+        config, cls = transformers.GraniteConfig(**common, logits_scaling=8.0), transformers.GraniteForCausalLM
+    elif kind == "cohere":  # logits * logit_scale
+        config, cls = transformers.CohereConfig(**common, logit_scale=4.0), transformers.CohereForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    base = cls(config).eval()
+    return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere", "llama"])
+def test_the_trainer_differentiates_the_models_own_logits(kind):
+    model = _tiny(kind)
+    assert trainer.head_is_the_forward(model) == (kind == "llama")
+    sequences = [TrainSequence([1, 2, 3], [4, 5], 1.0), TrainSequence([6], [7, 8, 9], -1.0)]
+    sampling = RunConfig(temperature=0.7).sampling
+    with torch.no_grad():
+        logprobs, _, _ = trainer._completion_logprobs(model, sequences, sampling)
+        expected = []
+        for s in sequences:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / 0.7, dim=-1)
+            p = len(s.prompt_ids)
+            expected += [logp[p - 1 + t, tok] for t, tok in enumerate(s.completion_ids)]
+    assert logprobs.tolist() == pytest.approx(torch.stack(expected).tolist(), abs=1e-5)
