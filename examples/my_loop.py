@@ -4,7 +4,8 @@
 fans out `generate` (one task per prompt), scores each group with `score_group` and takes the
 GRPO step with `train_step`, exactly the tasks `train_rl` uses, with its own choice of prompts.
 Every call is an ordinary Flyte task call, so on a cluster the generate calls spread over the warm
-pool and each step shows in the UI.
+pool and each step shows in the UI. The workflow runs in grpo_flyte's image with its GRPO_FLYTE_*
+settings, like grpo_flyte's own environments (see examples/my_workflow.py).
 
     flyte run examples/my_loop.py curriculum --base_model <dir>    # on your cluster
     python examples/my_loop.py                                     # in local mode, on this machine
@@ -18,13 +19,15 @@ import flyte
 from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
-from grpo_flyte.envs import reward_env, rollout_env, train_env
+from grpo_flyte.envs import image, reward_env, rollout_env, settings, train_env
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
 from grpo_flyte.types import AdapterRef, Example
 
-env = flyte.TaskEnvironment(name="my-team-curriculum", depends_on=[rollout_env, reward_env, train_env])
+env = flyte.TaskEnvironment(
+    name="my-team-curriculum", image=image, env_vars=settings.as_env_vars(), depends_on=[rollout_env, reward_env, train_env]
+)
 
 # Stage 1: one-digit sums; stage 2: two-digit sums.
 STAGES = [

@@ -3,6 +3,9 @@
 Your environment declares `depends_on=[driver_env]` so the GRPO environments (and their images) are
 deployed with it; your task then awaits `train_rl` like any other task and gets a `RunResult` back:
 the final adapter, the metrics history, the report and (with `export_merged`) the merged model.
+Your task runs in grpo_flyte's image (`envs.image`: the default image lacks the package's
+dependencies) and carries the GRPO_FLYTE_* settings (`envs.settings.as_env_vars()`), because its
+pod imports grpo_flyte again to submit `train_rl` and must see the hardware you configured.
 
     flyte run examples/my_workflow.py finetune_and_report       # on your cluster
     python examples/my_workflow.py                             # in local mode, on this machine
@@ -13,10 +16,10 @@ from flyte.io import Dir
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.driver import train_rl
-from grpo_flyte.envs import driver_env
+from grpo_flyte.envs import driver_env, image, settings
 from grpo_flyte.types import AdapterRef
 
-env = flyte.TaskEnvironment(name="my-team-finetune", depends_on=[driver_env])
+env = flyte.TaskEnvironment(name="my-team-finetune", image=image, env_vars=settings.as_env_vars(), depends_on=[driver_env])
 
 
 @env.task

@@ -105,7 +105,8 @@ def test_config_file_values_overridden_by_flags(tmp_path):
     assert config.seed == default_seed  # a flag equal to the default still beats the file
     assert config.flat()["learning_rate"] == 0.01  # file beats the default
     assert config.flat()["prompt_format"] == "plain"
-    assert explicit == {"group_size", "seed"}  # file values are not "given on the command line"
+    # given: by a flag or in the file (a --resume compares each with the saved config, never ignores one)
+    assert explicit == {"group_size", "seed", "learning_rate", "prompt_format"}
 
 
 def test_json_config_file(tmp_path):
@@ -114,7 +115,7 @@ def test_json_config_file(tmp_path):
     _, config, explicit = parse_args(["--config", str(cfg)])
     assert config.num_iterations == 2
     assert config.flat()["lora_target_modules"] == ("q_proj",)
-    assert explicit == set()
+    assert explicit == {"num_iterations", "lora_target_modules"}  # given in the file
 
 
 def test_bad_value_in_config_file_is_a_config_error(tmp_path):
@@ -450,3 +451,31 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
     check = subprocess.run([sys.executable, "-c", "from grpo_flyte.cli import require_cluster; require_cluster()"],
                            cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("case", ["run_dir_under_a_file", "read_only_run_dir", "cache_is_a_file"])
+def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, case):
+    from grpo_flyte import cli, models
+
+    monkeypatch.setattr(models, "resolve_local_model", lambda model: pytest.fail("no work may start"))
+    args = ["--local", "--num-iterations", "1", "--eval-size", "2"]
+    if case == "run_dir_under_a_file":
+        (tmp_path / "file").write_text("x")
+        args += ["--run-dir", str(tmp_path / "file" / "run")]
+        expected = "is a file; expected a folder"
+    elif case == "read_only_run_dir":
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        if os.geteuid() == 0:  # root may write anywhere: say the folder is read-only for this user
+            monkeypatch.setattr(cli, "_writable", lambda folder: folder != ro)
+        args += ["--run-dir", str(ro / "run")]
+        expected = "is read-only for this user"
+    else:
+        (tmp_path / "cache").write_text("not a folder")
+        monkeypatch.setenv("GRPO_FLYTE_CACHE", str(tmp_path / "cache"))
+        args += ["--run-dir", str(tmp_path / "run")]
+        expected = "GRPO_FLYTE_CACHE"
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

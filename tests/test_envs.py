@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -263,3 +264,61 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     assert {k: pod_env[k] for k in user} == user
     seen_by_the_pod = _serialize_in({**clean, **pod_env})
     assert seen_by_the_pod == submitted
+
+
+@pytest.mark.parametrize(("example", "env_name"), [("my_workflow", "my-team-finetune"), ("my_loop", "my-team-curriculum")])
+def test_the_example_workflows_run_in_the_package_image_with_the_settings(example, env_name):
+    """A pod of the user's own environment imports grpo_flyte (and pydantic-settings, datasets, ...):
+    the default image has none of them. It must use grpo_flyte's image and carry the settings."""
+    probe = textwrap.dedent(
+        f"""
+        import json, runpy, sys
+        from pathlib import Path
+        import flyte.extras
+        from flyte.models import SerializationContext
+        sys.path.insert(0, "examples")
+        module = __import__({example!r})
+        from grpo_flyte import envs
+        ctx = SerializationContext(version="t", root_dir=Path.cwd())
+        out = {{}}
+        for spec in flyte.extras.serialize_env(module.env, ctx):
+            tt = spec.task_template
+            out[tt.id.name] = {{"image": tt.container.image, "env": {{kv.key: kv.value for kv in tt.container.env}}}}
+        driver = next(iter(flyte.extras.serialize_env(envs.rollout_env, ctx))).task_template.container.image
+        print(json.dumps({{"tasks": out, "package_image": driver}}))
+        """
+    )
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}, "GRPO_FLYTE_TRAIN_GPU": "A100:1"}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["tasks"], "the example declares no task"
+    for name, task in found["tasks"].items():
+        assert name.startswith(env_name)
+        assert task["image"] == found["package_image"]
+        assert task["env"]["GRPO_FLYTE_TRAIN_GPU"] == "A100:1"
+
+
+def test_a_wheel_install_ships_the_installed_package_in_the_image(tmp_path):
+    """Installed from a wheel (no checkout around it), the image must not pip-install
+    grpo-flyte==<version>, which no package index serves: the package folder is copied in."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(grpo_flyte.__file__).resolve().parent, site / "grpo_flyte", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = textwrap.dedent(
+        """
+        import json
+        from grpo_flyte import envs
+        layers = [type(layer).__name__ + ":" + repr(layer) for layer in envs.image._layers]
+        print(json.dumps({"file": envs.__file__, "checkout": envs.from_source_checkout(), "layers": layers}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["file"].startswith(str(site)) and found["checkout"] is False
+    assert not any("grpo-flyte" in layer for layer in found["layers"])
+    copies = [layer for layer in found["layers"] if layer.startswith("CopyConfig")]
+    assert len(copies) == 1 and str(site / "grpo_flyte") in copies[0] and "/root/grpo_flyte" in copies[0]
+    # and from this checkout, the code bundle ships the package: no copy in the image
+    assert envs.from_source_checkout() and not any(type(layer).__name__ == "CopyConfig" for layer in envs.image._layers)

@@ -313,3 +313,32 @@ def test_each_named_reward_has_its_own_chart_with_held_out_on_the_same_axes():
     assert "Reward errors (scored 0)" not in svgs  # no failures, no chart
     history[2]["reward_errors"] = 3
     assert _svgs(_render(history))["Reward errors (scored 0)"].count("<circle") == 2
+
+
+def test_the_report_tab_gets_a_fragment_and_the_run_folder_a_document(tmp_path, tiny_model_dir, monkeypatch):
+    """flyte.report.replace puts its content inside the tab's own page: a whole document there
+    would nest <html> in <html>. The local report.html is the whole document around the same body."""
+    from types import SimpleNamespace
+
+    import flyte.report
+
+    from grpo_flyte.cli import main as cli_main
+
+    sent: list[str] = []
+
+    async def replace(html: str, do_flush: bool = False) -> None:
+        sent.append(html)
+
+    monkeypatch.setattr(flyte.report, "replace", SimpleNamespace(aio=replace))
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--prompts-per-iter", "2", "--group-size", "2",
+            "--eval-size", "2", "--min-informative-groups", "0", "--num-iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
+    assert cli_main(args) == 0
+    assert sent, "the driver published no report"
+    for fragment in sent:
+        assert fragment.startswith("<style>") and fragment.endswith("</main>")
+        assert not re.search(r"<(!doctype|html|head|body)[\s>]", fragment, re.IGNORECASE)
+    document = (run_dir / "report.html").read_text()
+    assert document.startswith("<!DOCTYPE html>") and document.rstrip().endswith("</body></html>")
+    # the same style and content: the tab's last fragment opens as the file's body does
+    assert sent[-1][:2000] in document

@@ -193,12 +193,18 @@ def test_weighted_mix_with_a_custom_reward_keeps_each_score(custom_module):
         ("_oops() if any('bad' in c for c in completions) else [1.0] * len(completions)",
          r"raised KeyError: 'oops' on completion 2 of 3, which starts 'bad answer #### 12"),
         ("[float('nan') if 'bad' in c else 1.0 for c in completions]", r"returned nan; expected a finite number on completion 2 of 3"),
-        ("['high' if 'bad' in c else 1.0 for c in completions]", r"returned 'high'; expected a number on completion 2"),
+        ("['high' if 'bad' in c else 1.0 for c in completions]", r"returned 'high'; expected a number"),
+        # what user code may raise that is not an Exception, and an int too large for a float
+        ("_interrupt() if any('bad' in c for c in completions) else [1.0] * len(completions)",
+         r"raised KeyboardInterrupt: .* on completion 2 of 3"),
+        ("_exit() if any('bad' in c for c in completions) else [1.0] * len(completions)", r"raised SystemExit: 3 on completion 2 of 3"),
+        ("[10 ** 400 if 'bad' in c else 1 for c in completions]", r"returned 1000000.*\.\.\.; expected a number that fits a float on completion 2"),
     ],
 )
 def test_a_failing_reward_names_itself_and_the_completion(custom_module, body, message):
     module = custom_module(
-        f"def _oops():\n    raise KeyError('oops')\n\ndef judge(completions, **kwargs):\n    return {body}\n"
+        "import sys\n\ndef _oops():\n    raise KeyError('oops')\n\ndef _interrupt():\n    raise KeyboardInterrupt('stop')\n\n"
+        f"def _exit():\n    sys.exit(3)\n\ndef judge(completions, **kwargs):\n    return {body}\n"
     )
     texts = ["#### 12", "bad answer #### 12 " + "x" * 300, "#### 11"]
     with pytest.raises(RewardError, match=f"reward '{module}:judge' {message}") as info:
@@ -263,3 +269,40 @@ def test_config_rejects_bad_rewards(rewards, message):
 def test_config_rejects_an_unknown_error_policy():
     with pytest.raises(ConfigError, match=r"--on-reward-error='skip'"):
         make_config(on_reward_error="skip")
+
+
+# --------------------------------------------------------------------------- the time limit
+
+
+def test_a_reward_that_never_returns_is_stopped_at_its_time_limit(custom_module):
+    module = custom_module("def stuck(completions, **kwargs):\n    while True:\n        pass\n")
+    texts = ["#### 12", "#### 11"]
+    with pytest.raises(RewardError, match=rf"reward '{module}:stuck' took longer than 0.5 s \(reward_timeout_s\) and was stopped"):
+        score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
+                          weights={f"{module}:stuck": 1.0}, timeout_s=0.5)  # fmt: skip
+    parts = score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
+                              weights={"correct": 1.0, f"{module}:stuck": 1.0}, on_error="zero", timeout_s=0.5)  # fmt: skip
+    assert [p.reward for p in parts] == [1.0, 0.0]  # correct scores; the stuck reward counts 0 and an error
+    assert [p.errors for p in parts] == [[f"{module}:stuck"]] * 2
+    # and the worker is back for the next call
+    assert [p.reward for p in score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
+                                                weights={"correct": 1.0}, timeout_s=5)] == [1.0, 0.0]  # fmt: skip
+
+
+def test_math_verify_on_an_exponent_tower_is_a_reward_error_not_a_hang():
+    texts = ["#### 12", "#### 9^9^9^9"]
+    parts = score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
+                              weights={"correct": 1.0, "format": 0.2}, on_error="zero", timeout_s=1)  # fmt: skip
+    assert [p.reward for p in parts] == [1.2, 0.2]
+    assert [p.errors for p in parts] == [[], ["correct"]]
+    assert [p.correct for p in parts] == [True, False]  # the accuracy check has the same limit
+
+
+def test_a_gold_answer_that_cannot_be_read_in_time_is_refused_naming_its_line(tmp_path):
+    from grpo_flyte.data import load_jsonl
+    from grpo_flyte.errors import DatasetError
+
+    path = tmp_path / "towers.jsonl"
+    path.write_text('{"question": "q1", "answer": "7"}\n{"question": "q2", "answer": "10**10**10**10"}\n')
+    with pytest.raises(DatasetError, match=r"line 2: no usable answer in 'answer' \(got '10\*\*10\*\*10\*\*10'\)"):
+        load_jsonl(path, timeout_s=1)

@@ -16,13 +16,22 @@ C = TrainSequence(prompt_ids=[1, 7], completion_ids=[14, 15, 16, 2], advantage=0
 D = TrainSequence(prompt_ids=[1, 7], completion_ids=[17, 2], advantage=0.0)
 
 
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A one-layer random Llama (64-token vocabulary, no tokenizer: the trainer needs none)."""
+    path = tmp_path_factory.mktemp("llama")
+    _base("llama").save_pretrained(path)
+    return path
+
+
 @pytest.fixture
-def fresh(tiny_model_dir):
-    """The tiny Llama with a fresh seeded LoRA adapter (B = 0) and a fresh optimizer, per call."""
+def fresh(llama_dir):
+    """The tiny Llama with a fresh seeded LoRA adapter (B = 0) and a fresh optimizer, per call.
+    On a machine with a GPU the trainer puts it there (`models.best_device`)."""
 
     def make(**settings):
-        config = RunConfig(model=str(tiny_model_dir), dtype="float32", max_new_tokens=8, **settings)
-        model = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+        config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8, **settings)
+        model = trainer.peft_model(config.base, config.lora, str(llama_dir))
         trainer.reset_lora(model, seed=0)
         return model, trainer._optimizer(model, config.train), config
 
@@ -99,10 +108,9 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
     assert log_ratios[1].abs().max() > 0  # after a step the policy moved from the old one
 
 
-def _tiny(kind: str):
-    """A one-layer model of an architecture that post-processes its logits, with a LoRA adapter."""
+def _base(kind: str):
+    """A one-layer random model of an architecture that post-processes its logits (or Llama)."""
     import transformers
-    from peft import LoraConfig, get_peft_model
 
     common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=64)
@@ -115,8 +123,14 @@ def _tiny(kind: str):
     else:
         config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    base = cls(config).eval()
-    return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    return cls(config).eval()
+
+
+def _tiny(kind: str):
+    """`_base(kind)` with a LoRA adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_base(kind), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere", "llama"])

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -56,6 +58,9 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 ADAPTER_DIR = "adapter"
 MERGED_DIR = "merged"
+DATA_FILE = "data.json"  # the data the run started with (a fingerprint), checked on --resume
+CHECKPOINT_FILE = "checkpoint"  # the driver's saved loop state, under FLYTE_DATA
+LOCK_FILE = ".lock"  # held by the run writing the folder; holds its process id
 RUN_OPTIONS = {
     "local": (bool, Field(False, description="Run in Flyte local mode on this machine instead of a cluster.")),
     "run_dir": (
@@ -101,7 +106,7 @@ def user_message(exc: GrpoFlyteError) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
-    """(run options, the run's config, the config fields given explicitly on the command line)."""
+    """(run options, the run's config, the config fields given: by a flag or in the --config file)."""
     try:
         parsed = CliApp.run(_cli_model(), cli_args=argv)
     except SettingsError as exc:
@@ -113,7 +118,7 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     explicit = {name for name in parsed.model_fields_set if name not in options_set}
     values = load_config_file(options["config"]) if options["config"] else {}
     values.update({name: getattr(parsed, name) for name in explicit})
-    return options, make_config(**values), explicit
+    return options, make_config(**values), explicit | set(values)
 
 
 def check_inputs(config: RunConfig, local: bool) -> list[Example] | None:
@@ -126,7 +131,7 @@ def check_inputs(config: RunConfig, local: bool) -> list[Example] | None:
     examples = None
     data = config.data
     if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET):
-        examples = load_file(data.dataset, data.question_column, data.answer_column)
+        examples = load_file(data.dataset, data.question_column, data.answer_column, config.scoring.reward_timeout_s)
     if examples is not None or local:
         train_eval_split(config, examples)
     for name in config.scoring.rewards:
@@ -143,6 +148,8 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
         if run_dir is None:
             raise UserError("--resume needs --run-dir DIR: the folder of the run to continue")
         saved_file = run_dir / CONFIG_FILE
+        if saved_file.is_file():
+            check_writable(run_dir)
         if not saved_file.is_file():
             raise UserError(f"--resume: {str(saved_file)!r} not found; expected the folder of an earlier local run")
         try:
@@ -151,14 +158,21 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
             detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise UserError(f"--resume: {str(saved_file)!r} is not a valid saved config: {detail}") from None
         given, kept = config.flat(), saved.flat()
-        changed = sorted(f for f in explicit if f != "num_iterations" and given[f] != kept[f])
+        # Flags and --config file values alike: each is applied (--num-iterations) or refused, never ignored.
+        changed = sorted(f for f in explicit if f != "num_iterations" and given.get(f) != kept.get(f))
         if changed:
             flags = ", ".join("--" + f.replace("_", "-") for f in changed)
             raise UserError(f"--resume continues the saved config; {flags} differ from {saved_file} (only --num-iterations may change)")
+        checkpoint, state = saved_state(run_dir)
         if "num_iterations" in explicit:
+            done = state.iterations_done if state else 0
+            if config.num_iterations < done:
+                raise UserError(
+                    f"--num-iterations {config.num_iterations} is below the {done} iterations this run finished; "
+                    f"expected at least {done} (a resume never drops finished iterations)"
+                )
             saved = saved.model_copy(update={"num_iterations": config.num_iterations})
-        checkpoint = run_dir / FLYTE_DATA / "checkpoint"
-        return run_dir, saved, str(checkpoint.resolve()) if checkpoint.is_file() else None
+        return run_dir, saved, checkpoint
     if run_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir = Path("runs") / f"{stamp}-{uuid.uuid4().hex[:6]}"
@@ -166,7 +180,150 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
         raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {str(run_dir)!r} is a file; expected a folder")
+    check_writable(run_dir)
     return run_dir, config, None
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def check_writable(run_dir: Path) -> None:
+    """That the run folder can be created (or written) here, without creating it yet."""
+    existing = run_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be created: {str(existing)!r} is a file; expected a folder")
+    if not _writable(existing):
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({str(existing)!r} is read-only for this user)")
+
+
+def finished_iterations(run_dir: Path) -> list[int]:
+    """The iterations metrics.jsonl records (0 is the evaluation before training)."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            found.append(int(json.loads(line)["iteration"]))
+    return found
+
+
+def _holdings(run_dir: Path) -> str:
+    """What a run folder still holds, for a message: 'metrics.jsonl (iterations 0-3), adapter/'."""
+    done = finished_iterations(run_dir)
+    parts = [f"{METRICS_FILE} (iterations {min(done)}-{max(done)})"] if done else []
+    parts += [name + "/" if (run_dir / name).is_dir() else name for name in (ADAPTER_DIR, REPORT_FILE, EVAL_DIR) if (run_dir / name).exists()]
+    return ", ".join(parts) or "nothing but its config"
+
+
+def saved_state(run_dir: Path) -> tuple[str | None, LoopState | None]:
+    """The checkpoint a `--resume` continues from, checked before anything is written.
+
+    (path, state); (None, None) when the run never finished an iteration (it starts over, losing nothing). A run that did
+    but whose loop state is missing or damaged cannot continue where it stopped: one line says what
+    is missing and what the folder still holds, and nothing is written (starting over would
+    rewrite metrics.jsonl from iteration 0).
+    """
+    from grpo_flyte.driver import LoopState
+
+    checkpoint = run_dir / FLYTE_DATA / CHECKPOINT_FILE
+    if not checkpoint.is_file():
+        if not finished_iterations(run_dir):
+            return None, None
+        raise UserError(
+            f"--resume: the saved loop state {str(checkpoint)!r} is missing, so the run cannot continue where it stopped; "
+            f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written: restore its {FLYTE_DATA}/ folder, "
+            "or start a new run in another --run-dir"
+        )
+    try:
+        state = LoopState.model_validate_json(checkpoint.read_bytes())
+    except ValidationError as exc:
+        raise UserError(
+            f"--resume: the saved loop state {str(checkpoint)!r} is damaged ({format_validation_error(exc)[:200]}); "
+            f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written"
+        ) from None
+    adapter = Path(state.adapter.dir.path)
+    if not is_remote(state.adapter.dir.path) and not (adapter if adapter.is_absolute() else run_dir / FLYTE_DATA / adapter).is_dir():
+        raise UserError(
+            f"--resume: adapter v{state.adapter.version} of the saved loop state is missing ({str(adapter)!r}); "
+            f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written"
+        )
+    return str(checkpoint.resolve()), state
+
+
+def data_fingerprint(config: RunConfig, examples: list[Example] | None) -> dict[str, Any]:
+    """What the run trains and evaluates on: the dataset, its split sizes and a hash of the rows."""
+    dataset, held_out = train_eval_split(config, examples)
+    digest = hashlib.sha256(json.dumps([[e.model_dump() for e in dataset], [e.model_dump() for e in held_out]]).encode())
+    return {"dataset": config.data.dataset, "train_rows": len(dataset), "held_out_rows": len(held_out), "sha256": digest.hexdigest()}
+
+
+def check_same_data(run_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """A resumed run must see the data it started with (else its held-out set changes mid-run)."""
+    path = run_dir / DATA_FILE
+    if not path.is_file():  # a run from before data fingerprints: nothing to compare with
+        return
+    with contextlib.suppress(ValueError, OSError):
+        started = json.loads(path.read_text())
+        if started.get("sha256") != fingerprint["sha256"]:
+            raise UserError(
+                f"--dataset {fingerprint['dataset']!r} changed since this run started ({fingerprint['train_rows']} + "
+                f"{fingerprint['held_out_rows']} rows hashing to {fingerprint['sha256'][:12]}, the run's "
+                f"{started.get('train_rows')} + {started.get('held_out_rows')} to {str(started.get('sha256'))[:12]}); "
+                "a resumed run trains and evaluates on the same data: restore it, or start a new run"
+            )
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """One writer per run folder: an exclusive lock on `<run dir>/.lock`, which holds the writer's
+    process id. The operating system drops the lock when the process ends, however it ends (a
+    SIGKILL too), so a dead run never blocks its resume. fcntl (the standard library) rather than
+    the filelock package: the message names the live run's process, read from the lock file."""
+    import fcntl
+
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({exc.strerror}); expected a folder this user can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise UserError(
+            f"--run-dir {str(run_dir)!r} is being written by a live run (process {holder}); a run folder takes one "
+            "writer at a time: wait for that run or stop it, then --resume"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, `kill`): stops the run as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def sigterm_stops_like_ctrl_c() -> Iterator[None]:
+    def stop(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LocalRunFiles:
@@ -223,17 +380,55 @@ def _wandb_dir(run_dir: Path) -> Iterator[None]:
 
 
 def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
+    from grpo_flyte.models import check_cache_writable, resolve_local_model
+
+    resuming = bool(options["resume"])
+    # Every check first (nothing is written until they pass), then the folder's lock, then writes.
+    run_dir, config, resume_from = prepare_local_run(options, config, explicit)
+    examples = check_inputs(config, local=True)
+    fingerprint = data_fingerprint(config, examples)
+    if resuming:
+        check_same_data(run_dir, fingerprint)
+    check_cache_writable()
+    model_dir = resolve_local_model(config.base.model)
+    if not resuming:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--run-dir {str(run_dir)!r} cannot be created ({exc.strerror}); expected a folder this user can write") from None
+    with run_dir_lock(run_dir):
+        if resuming:  # what the checks read may have changed while a live writer held the folder
+            run_dir, config, resume_from = prepare_local_run(options, config, explicit)
+        elif (run_dir / CONFIG_FILE).exists():  # another run started in this folder meanwhile
+            raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
+        write_text_atomic(run_dir / DATA_FILE, json.dumps(fingerprint, indent=2) + "\n")
+        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from)
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """Delete what a killed writer left half-done: temp files (`.name.*.tmp`) and staging folders
+    (`.name-*`) beside the run's files, adapters and reports. Only the lock holder calls this."""
+    removed = []
+    for parent in (run_dir, run_dir / EVAL_DIR, run_dir / FLYTE_DATA, run_dir / FLYTE_DATA / "adapters", run_dir / FLYTE_DATA / "reports"):
+        for path in parent.glob(".*") if parent.is_dir() else []:
+            if path.is_file() and path.name.endswith(".tmp"):
+                path.unlink()
+            elif path.is_dir() and "-" in path.name:
+                shutil.rmtree(path)
+            else:
+                continue
+            removed.append(path)
+    return removed
+
+
+def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: list[Example] | None, resume_from: str | None) -> int:
     import flyte
     from flyte.io import Dir
 
     from grpo_flyte.driver import observe, train_rl
-    from grpo_flyte.models import resolve_local_model
 
-    run_dir, config, resume_from = prepare_local_run(options, config, explicit)
-    examples = check_inputs(config, local=True)
-    model_dir = resolve_local_model(config.base.model)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = run_dir.resolve()
+    for path in remove_leftovers(run_dir):
+        logger.info("removed %s, left half-written by a run that was killed", path)
     write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     logger.info(
         "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
@@ -246,12 +441,15 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     )
     files = LocalRunFiles(run_dir, config.adapters_to_keep)
     try:
-        with observe(files), _wandb_dir(run_dir):
+        with observe(files), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c():
             run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from)
-        result = run.outputs()[0]
-    except KeyboardInterrupt:
-        logger.error("interrupted; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
-        return 130
+            result = run.outputs()[0]
+    except KeyboardInterrupt as exc:
+        done = [i for i in finished_iterations(run_dir) if i > 0]
+        where = f"iterations 1-{max(done)} of {config.num_iterations} are kept" if done else "no iteration had finished"
+        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        logger.error("%s: %s in %s; continue with: %s --local --resume --run-dir %s", how, where, run_dir, PROG, run_dir)
+        return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
         logger.error("run failed: %s", exc)
         logger.error("finished iterations are kept; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
@@ -300,13 +498,17 @@ def run_remote(config: RunConfig) -> int:
     import flyte
 
     from grpo_flyte.driver import train_rl
+    from grpo_flyte.envs import from_source_checkout
 
     require_cluster()
     examples = check_inputs(config, local=False)
-    # root_dir = src/, so a checkout's modules resolve as grpo_flyte.* on the cluster.
+    # root_dir = src/ (or site-packages), so the modules resolve as grpo_flyte.* on the cluster.
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
     base_model = resolve_remote_model(config.base.model)
-    run = flyte.run(train_rl, config=config, base_model=base_model, examples=examples)
+    # A checkout's code travels in the code bundle; an installed wheel is in the image already
+    # (envs._with_package), and bundling site-packages would ship every loaded library.
+    runner = flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none")
+    run = runner.run(train_rl, config=config, base_model=base_model, examples=examples)
     print(run.url)
     return 0
 

@@ -30,6 +30,7 @@ ARITHMETIC_DATASET = "arithmetic"
 GSM8K_DATASET = "gsm8k"
 DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
+REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # The built-in rewards (grpo_flyte.rewards implements them; a test keeps the two in step).
 BUILTIN_REWARDS = ("correct", "format", "tags", "length")
 _CUSTOM_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
@@ -168,6 +169,15 @@ class RewardConfig(_Part):
     on_reward_error: Literal["fail", "zero"] = Field(
         "fail",
         description="A reward that raises or returns a bad value: 'fail' the task, or score it 'zero' and count it (reward_errors).",
+    )
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "Seconds one reward call (a group's completions) may take, built-in or custom; past it the call is stopped "
+            "and counts as that reward's error (see on_reward_error). Gold answers are read within the same limit."
+        ),
     )
 
     @field_validator("rewards")
@@ -379,6 +389,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{str(p)!r}: no such file (expected a YAML or JSON file of config fields)", field="config")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{str(p)!r}: {p.stat().st_size} bytes; expected a config file under {MAX_CONFIG_BYTES} bytes", field="config")
     try:
         text = p.read_text(encoding="utf-8")
         if p.suffix.lower() == ".json":
@@ -386,7 +398,16 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         else:
             import yaml
 
+            # A few hundred bytes of nested aliases expand to gigabytes ("billion laughs"): count
+            # the values the document expands to on its node graph (shared, so cheap) first.
+            size = _expanded_size(yaml.compose(text, Loader=yaml.SafeLoader), {})
+            if size > MAX_CONFIG_VALUES:
+                raise ConfigError(
+                    f"{str(p)!r}: expands to {size} values (YAML aliases); expected at most {MAX_CONFIG_VALUES}", field="config"
+                )
             data = yaml.safe_load(text)
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 -- UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
         detail = " ".join(str(exc).split())  # parser messages span lines; ours is one
         raise ConfigError(f"{str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}", field="config") from None
@@ -395,6 +416,32 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
     return flatten(data)
+
+
+MAX_CONFIG_BYTES = 1_000_000
+MAX_CONFIG_VALUES = 100_000  # YAML scalars, lists and mappings once aliases are expanded
+
+
+def _expanded_size(node: Any, memo: dict[int, int]) -> int:
+    """How many values a composed YAML node stands for with every alias expanded (memoized on the
+    shared nodes, so linear in the file)."""
+    if node is None:
+        return 0
+    if id(node) not in memo:
+        memo[id(node)] = 1  # a cycle counts once
+        children = node.value if isinstance(node.value, list) else []
+        total = 1
+        for child in children:
+            total += sum(_expanded_size(n, memo) for n in child) if isinstance(child, tuple) else _expanded_size(child, memo)
+        memo[id(node)] = total
+    return memo[id(node)]
+SHOWN_VALUE_CHARS = 200  # a value echoed in an error message is cut to this many characters
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, cut to SHOWN_VALUE_CHARS."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS] + f"... ({len(text)} characters)"
 
 
 def flag(name: str) -> str:
@@ -418,7 +465,7 @@ def format_validation_error(exc: ValidationError) -> str:
             field = index[name][1] if name in index else None
             custom = err.get("type") == "value_error"  # our own validators already say what is expected
             hint = f" ({field.description.rstrip('.')})" if field and field.description and not custom else ""
-            lines.append(f"{where}={err['input']!r}: {msg}{hint}")
+            lines.append(f"{where}={shown(err['input'])}: {msg}{hint}")
         else:
             lines.append(f"{where}: {msg}" if name else msg)
     return "; ".join(lines)

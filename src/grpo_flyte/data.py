@@ -17,11 +17,12 @@ from grpo_flyte.config import (
     ARITHMETIC_DATASET,
     DATASET_FILE_TYPES,
     GSM8K_DATASET,
+    REWARD_TIMEOUT_S,
     SYSTEM_PROMPT,
     RunConfig,
 )
 from grpo_flyte.errors import DatasetError
-from grpo_flyte.rewards import MARKER, gold_is_usable
+from grpo_flyte.rewards import MARKER, usable_golds
 from grpo_flyte.types import Example
 
 # The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
@@ -79,15 +80,30 @@ def _example(question: object, answer: object, where: str, columns: tuple[str, s
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{where}: {question_column!r} must be a non-empty string, got {question!r}")
     missing = answer is None or isinstance(answer, bool) or (isinstance(answer, float) and not math.isfinite(answer))
-    if missing or not isinstance(answer, (str, int, float)) or not gold_is_usable(gold_answer(answer)):
-        raise DatasetError(
-            f"{where}: no usable answer in {answer_column!r} (got {answer!r}); expected a number or math "
-            f"expression, or text ending in '{MARKER} <answer>' as in GSM8K"
-        )
+    if missing or not isinstance(answer, (str, int, float)) or not gold_answer(answer):
+        raise _no_usable_answer(where, answer_column, answer)
     return Example(question=question, answer=gold_answer(answer))
 
 
-def load_jsonl(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
+def _no_usable_answer(where: str, answer_column: str, answer: object) -> DatasetError:
+    shown = repr(answer) if len(repr(answer)) <= 120 else repr(answer)[:120] + "..."
+    return DatasetError(
+        f"{where}: no usable answer in {answer_column!r} (got {shown}); expected a number or math "
+        f"expression, or text ending in '{MARKER} <answer>' as in GSM8K, that can be read within reward_timeout_s"
+    )
+
+
+def _check_answers(examples: list[Example], wheres: list[str], raw: list[object], answer_column: str, timeout_s: float) -> None:
+    """Every gold answer readable (math-verify, within the reward time limit), or the first that is
+    not named with its row."""
+    for ok, where, answer in zip(usable_golds([e.answer for e in examples], timeout_s), wheres, raw, strict=True):
+        if not ok:
+            raise _no_usable_answer(where, answer_column, answer)
+
+
+def load_jsonl(
+    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+) -> list[Example]:
     """Read a .jsonl file of objects with a question and an answer, validating every line.
 
     Read line by line (not through `datasets`) so that an error names the exact line, and so that
@@ -98,7 +114,7 @@ def load_jsonl(path: str | Path, question_column: str = "question", answer_colum
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{str(p)!r}: not UTF-8 text (byte {exc.start})") from None
-    examples = []
+    examples, wheres, raw = [], [], []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -110,8 +126,11 @@ def load_jsonl(path: str | Path, question_column: str = "question", answer_colum
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected a JSON object with {question_column!r} and {answer_column!r}")
         examples.append(_example(row.get(question_column), row.get(answer_column), where, (question_column, answer_column)))
+        wheres.append(where)
+        raw.append(row.get(answer_column))
     if not examples:
         raise DatasetError(f"{str(p)!r}: the file has no examples")
+    _check_answers(examples, wheres, raw, answer_column, timeout_s)
     return examples
 
 
@@ -125,7 +144,7 @@ def _existing(path: str | Path) -> Path:
     return p
 
 
-def _rows_to_examples(rows, source: str, question_column: str, answer_column: str) -> list[Example]:
+def _rows_to_examples(rows, source: str, question_column: str, answer_column: str, timeout_s: float = REWARD_TIMEOUT_S) -> list[Example]:
     """Examples from a `datasets.Dataset`, checking the columns and every row (numbered from 1)."""
     missing = [c for c in (question_column, answer_column) if c not in rows.column_names]
     if missing:
@@ -134,12 +153,12 @@ def _rows_to_examples(rows, source: str, question_column: str, answer_column: st
             "expected question_column and answer_column to name existing columns"
         )
     columns = (question_column, answer_column)
-    examples = [
-        _example(q, a, f"{source} row {i}", columns)
-        for i, (q, a) in enumerate(zip(rows[question_column], rows[answer_column], strict=True), start=1)
-    ]
+    answers = list(rows[answer_column])
+    wheres = [f"{source} row {i}" for i in range(1, len(answers) + 1)]
+    examples = [_example(q, a, where, columns) for q, a, where in zip(rows[question_column], answers, wheres, strict=True)]
     if not examples:
         raise DatasetError(f"{source}: no rows")
+    _check_answers(examples, wheres, answers, answer_column, timeout_s)
     return examples
 
 
@@ -155,31 +174,35 @@ def _load_with_datasets(source: str, *args, **kwargs):
         raise DatasetError(f"{source}: could not be read through the datasets library ({type(exc).__name__}: {detail})") from None
 
 
-def load_table(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
+def load_table(
+    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+) -> list[Example]:
     """Read a local .parquet or .csv file through the datasets library, validating every row."""
     p = _existing(path)
     kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
     source = f"{str(p)!r}"
     rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
-    return _rows_to_examples(rows, source, question_column, answer_column)
+    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s)
 
 
 # GSM8K on the Hugging Face Hub: "question", and "answer" = worked solution ending in "#### <n>".
 GSM8K_HUB = ("openai/gsm8k", "main")
 
 
-def load_gsm8k(split: str) -> list[Example]:
+def load_gsm8k(split: str, timeout_s: float = REWARD_TIMEOUT_S) -> list[Example]:
     """GSM8K's 'train' or 'test' split through the datasets library (downloaded once, then cached)."""
     source = f"gsm8k ({GSM8K_HUB[0]}, split {split!r})"
     rows = _load_with_datasets(source, *GSM8K_HUB, split=split)
-    return _rows_to_examples(rows, source, "question", "answer")
+    return _rows_to_examples(rows, source, "question", "answer", timeout_s)
 
 
-def load_file(path: str | Path, question_column: str = "question", answer_column: str = "answer") -> list[Example]:
-    """The examples of a local dataset file, by its suffix."""
+def load_file(
+    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+) -> list[Example]:
+    """The examples of a local dataset file, by its suffix; gold answers read within `timeout_s` each."""
     if str(path).lower().endswith(".jsonl"):
-        return load_jsonl(path, question_column, answer_column)
-    return load_table(path, question_column, answer_column)
+        return load_jsonl(path, question_column, answer_column, timeout_s)
+    return load_table(path, question_column, answer_column, timeout_s)
 
 
 def load_train_examples(dataset: str) -> list[Example]:
@@ -213,10 +236,11 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     dataset, eval_size = config.data.dataset, config.evaluation.eval_size
     if examples is None and dataset == ARITHMETIC_DATASET:
         return arithmetic_split("train"), _first(arithmetic_split("eval"), eval_size, "the arithmetic task")
+    timeout_s = config.scoring.reward_timeout_s
     if examples is None and dataset == GSM8K_DATASET:
-        held_out = _first(load_gsm8k("test"), eval_size, "GSM8K's test split") if eval_size else []
-        return load_gsm8k("train"), held_out
-    rows = examples if examples is not None else load_file(dataset, config.data.question_column, config.data.answer_column)
+        held_out = _first(load_gsm8k("test", timeout_s), eval_size, "GSM8K's test split") if eval_size else []
+        return load_gsm8k("train", timeout_s), held_out
+    rows = examples if examples is not None else load_file(dataset, config.data.question_column, config.data.answer_column, timeout_s)
     if eval_size == 0:
         return list(rows), []
     if eval_size >= len(rows):

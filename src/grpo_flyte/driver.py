@@ -36,10 +36,10 @@ from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
-from grpo_flyte.report_helpers import render_report
+from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
-from grpo_flyte.storage import publish_dir
+from grpo_flyte.storage import located_path, portable_path, publish_dir, save_checkpoint
 from grpo_flyte.tracking import Tracker, new_run_id
 from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
@@ -296,19 +296,21 @@ def eval_due(config: RunConfig, iterations_done: int) -> bool:
 
 
 async def publish_report(config: RunConfig, state: LoopState, status: str, message: str | None = None) -> str:
-    """Render the report, put it in the task's report tab, show it to observers; returns the HTML."""
-    html = render_report(
-        title=REPORT_TITLE,
-        status=status,
-        config=config.flat(),
-        history=[row.flat() for row in state.history],
-        best_completion=state.best_completion.model_dump() if state.best_completion else None,
-        message=message,
-    )
+    """Render the report, put it in the task's report tab (a fragment: the tab is a page of its
+    own), show the whole document to observers; returns the document."""
+    parts = {
+        "title": REPORT_TITLE,
+        "status": status,
+        "config": config.flat(),
+        "history": [row.flat() for row in state.history],
+        "best_completion": state.best_completion.model_dump() if state.best_completion else None,
+        "message": message,
+    }
+    html = render_report(**parts)
     for observer in _observers:
         observer.report(html)
     if flyte.ctx():
-        await flyte.report.replace.aio(html, do_flush=True)
+        await flyte.report.replace.aio(render_report_fragment(**parts), do_flush=True)
     return html
 
 
@@ -346,8 +348,19 @@ async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | Non
     state = LoopState.model_validate_json(payload)
     # Re-save at once so that every later attempt sees it, even if this one dies before its first
     # iteration (the previous-checkpoint path always points at attempt 1: flyteorg/flyte#2894).
-    await checkpoint.save(payload)
-    return checkpoint, state
+    await save_checkpoint(checkpoint, payload)
+    return checkpoint, _with_adapter_path(state, located_path(state.adapter.dir.path))
+
+
+def _with_adapter_path(state: LoopState, path: str) -> LoopState:
+    adapter = state.adapter.model_copy(update={"dir": state.adapter.dir.model_copy(update={"path": path})})
+    return state.model_copy(update={"adapter": adapter})
+
+
+def checkpoint_payload(state: LoopState) -> bytes:
+    """The state as saved: a local adapter path relative to the run's raw data folder, so that a
+    moved or copied run folder resumes (`restore_state` joins it to the new folder)."""
+    return _with_adapter_path(state, portable_path(state.adapter.dir.path)).model_dump_json().encode()
 
 
 async def _report_dir(html: str, version: int) -> Dir:
@@ -384,7 +397,7 @@ async def train_rl(
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
         if checkpoint is not None:
-            await checkpoint.save(new_state.model_dump_json().encode())
+            await save_checkpoint(checkpoint, checkpoint_payload(new_state))
         for observer in _observers:
             observer.recorded(new_state, row, answers)
         tracker.log(row.flat())

@@ -7,14 +7,13 @@ Importing this module is cheap: it imports flyte and pydantic only.
 
 from __future__ import annotations
 
-from importlib import metadata
 from pathlib import Path
 
 import flyte
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-PACKAGE = "grpo-flyte"
+PACKAGE_MODULE = "grpo_flyte"
 VLLM_VERSION = "0.11.0"
 TRANSFORMERS_VERSION = "4.57.6"
 FLASHINFER_CUDA_INDEX = "https://flashinfer.ai/whl/cu129"
@@ -58,16 +57,19 @@ class DeploySettings(BaseSettings):
         return {f"{prefix}{name.upper()}": str(value) for name, value in self.model_dump().items() if value is not None}
 
 
-def _package_requirement() -> str | None:
-    """How the image gets this package: from PyPI when installed from a wheel; a source checkout
-    (editable install or src/ on the path) is shipped by Flyte's code bundle instead."""
-    here = Path(__file__).resolve()
-    if (here.parent.parent.parent / "pyproject.toml").is_file():
-        return None
-    try:
-        return f"{PACKAGE}=={metadata.version(PACKAGE)}"
-    except metadata.PackageNotFoundError:
-        return None
+def from_source_checkout() -> bool:
+    """Whether this package runs from a source checkout (editable install or src/ on the path),
+    which Flyte's code bundle ships with each run, rather than from an installed wheel."""
+    return (Path(__file__).resolve().parent.parent.parent / "pyproject.toml").is_file()
+
+
+def _with_package(image: flyte.Image) -> flyte.Image:
+    """A wheel install puts the installed package itself into the image (/root is on the image's
+    PYTHONPATH): no package index serves grpo-flyte, so pinning `grpo-flyte==<version>` there would
+    fail the image build. A source checkout travels in the code bundle instead."""
+    if from_source_checkout():
+        return image
+    return image.with_source_folder(Path(__file__).resolve().parent, dst=f"/root/{PACKAGE_MODULE}")
 
 
 def build_image(settings: DeploySettings) -> flyte.Image:
@@ -87,11 +89,10 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "pyyaml>=6",
         "datasets>=3.0",
         "math-verify>=0.8",
+        "pebble>=5.0",
         "wandb>=0.19",
     )
-    requirement = _package_requirement()
-    if requirement:
-        image = image.with_pip_packages(requirement)
+    image = _with_package(image)
     return image.with_env_vars({"VLLM_USE_V1": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 

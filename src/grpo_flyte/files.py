@@ -34,10 +34,14 @@ def write_text_atomic(path: os.PathLike[str] | str, text: str) -> None:
     never sees a half-written file. Missing parent directories are created."""
     if not isinstance(text, str):
         raise TypeError(f"text must be str, not {type(text).__name__}")
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
+    """`write_text_atomic` for bytes."""
     target = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(target)
     os.makedirs(directory, exist_ok=True)
-    data = text.encode("utf-8")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:

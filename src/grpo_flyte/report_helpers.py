@@ -435,7 +435,26 @@ def render_report(
     best_completion: dict[str, object] | None = None,
     message: str | None = None,
 ) -> str:
-    """Render the whole run report as one self-contained HTML document."""
+    """Render the whole run report as one self-contained HTML document (the local report.html)."""
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>{_esc(title)}</title></head>"
+        f"<body>{render_report_fragment(title=title, status=status, config=config, history=history, best_completion=best_completion, message=message)}</body></html>\n"
+    )
+
+
+def render_report_fragment(
+    *,
+    title: str,
+    status: str,
+    config: dict[str, object],
+    history: list[dict[str, object]],
+    best_completion: dict[str, object] | None = None,
+    message: str | None = None,
+) -> str:
+    """The report as an HTML fragment (its style and its content, no document around them): what
+    `flyte.report.replace` puts inside the report tab's own page, and the body of `render_report`."""
     if status not in STATUSES:
         raise ValueError(f"unknown report status {status!r}; expected one of {', '.join(STATUSES)}")
     if history:
@@ -448,12 +467,7 @@ def render_report(
         + _best_completion(best_completion)
         + _config(config)
     )
-    return (
-        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width,initial-scale=1">'
-        f"<title>{_esc(title)}</title><style>{_CSS}</style></head>"
-        f"<body><main>{body}</main></body></html>\n"
-    )
+    return f"<style>{_CSS}</style><main>{body}</main>"
 
 
 # Kept under the report's own name; every text file of a run goes through files.write_text_atomic.

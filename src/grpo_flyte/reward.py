@@ -24,6 +24,7 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
         max_new_tokens=sampling.max_new_tokens,
         weights=scoring.rewards,
         on_error=scoring.on_reward_error,
+        timeout_s=scoring.reward_timeout_s,
     )
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 

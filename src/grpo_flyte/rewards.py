@@ -16,11 +16,18 @@ start of the completion that broke it; with `on_reward_error='zero'` it scores 0
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import logging
 import math
+import os
+import pickle
 import re
+import select
+import subprocess
+import sys
+import threading
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
@@ -211,6 +218,175 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
+# --------------------------------------------------------------------------- the time limit
+
+# Every reward call, built-in or custom, runs in a worker process with a time limit: a reward
+# that never returns (math-verify on `9^9^9^9`, a custom reward stuck in a loop) is killed with its
+# process, and the limit shows as that reward's error. One worker per process, started on first
+# use with `python -c` and replaced after a timeout. Hand-written rather than a pool library
+# (pebble, concurrent.futures): those start workers through multiprocessing, which forks a
+# threaded process (unsafe) or, with "spawn", runs the parent's __main__ script again in the
+# worker (an unguarded user script would start its training run there).
+
+
+WORKER_START_S = 120
+
+
+class RewardTimeout(RewardError):
+    """A reward call ran past its time limit."""
+
+
+class _WorkerRaised(Exception):
+    """What the function raised in the worker: its type's name and message."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _send(stream, message: Any) -> None:
+    data = pickle.dumps(message)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream) -> Any:
+    size = stream.read(8)
+    if len(size) < 8:
+        raise EOFError("the worker closed its output")
+    return pickle.loads(stream.read(int.from_bytes(size, "little")))
+
+
+class _Worker:
+    """A child Python that runs functions of this module on request, one at a time."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def _started(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", "from grpo_flyte.rewards import _serve; _serve()"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            )  # fmt: skip
+            # Start-up (Python, math-verify, sympy: a second or more) is not any reward's time.
+            ready, _, _ = select.select([self.proc.stdout], [], [], WORKER_START_S)
+            if not ready or _receive(self.proc.stdout) != ("ok", "ready"):
+                self.stop()
+                raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
+        return self.proc
+
+    def call(self, fn: str, args: tuple, timeout_s: float, what: str) -> Any:
+        with self.lock:
+            proc = self._started()
+            try:
+                _send(proc.stdin, (list(sys.path), fn, args))
+                ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+                if not ready:
+                    self.stop()
+                    raise RewardTimeout(f"{what} took longer than {timeout_s:g} s (reward_timeout_s) and was stopped")
+                status, value = _receive(proc.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                code = proc.poll()
+                self.stop()
+                raise RewardError(f"{what} ended its worker process (exit code {code})") from None
+        if status == "raised":
+            raise _WorkerRaised(*value)
+        return value
+
+
+def _serve() -> None:
+    """The worker's loop: (import path, function name, args) in; ("ok", value) or ("raised",
+    (type name, message)) out. Anything the function raises is its answer, BaseException too."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a print() in user code must not corrupt the replies
+    import math_verify  # noqa: F401 -- loaded before the first timed call
+
+    _send(stdout, ("ok", "ready"))
+    while True:
+        try:
+            path, fn, args = _receive(stdin)
+        except EOFError:
+            return
+        sys.path[:] = path + [p for p in sys.path if p not in path]
+        try:
+            reply = ("ok", globals()[fn](*args))
+        except BaseException as exc:  # noqa: BLE001 -- user code: sys.exit() and KeyboardInterrupt are its errors too
+            reply = ("raised", (type(exc).__name__, str(exc)))
+        try:
+            _send(stdout, reply)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            _send(stdout, ("raised", ("TypeError", f"returned a value that cannot be sent back ({exc})")))
+
+
+_worker = _Worker()
+
+
+def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
+    """`fn(*args)` (a function of this module, by name) in the worker, within `timeout_s` seconds."""
+    return _worker.call(fn, args, timeout_s, what)
+
+
+def _call_reward(name: str, completions: list[str], num_tokens: list[int], context: dict[str, Any]) -> Any:
+    values = resolve_reward(name)(completions, num_tokens=num_tokens, **context)
+    return list(values) if isinstance(values, (list, tuple)) else values
+
+
+def _correct_flags(completions: list[str], answer: str) -> list[bool]:
+    return [is_correct(c, answer) for c in completions]
+
+
+def correct_flags(completions: list[str], answer: str, timeout_s: float) -> list[bool]:
+    """Which completions state the gold answer (the accuracy metric), each within the time limit;
+    a completion whose check runs out of time is not counted correct."""
+    try:
+        return limited("_correct_flags", (completions, answer), timeout_s, "the accuracy check")
+    except RewardTimeout:
+        flags = []
+        for c in completions:
+            try:
+                flags.append(limited("_correct_flags", ([c], answer), timeout_s, "the accuracy check")[0])
+            except RewardTimeout:
+                flags.append(False)
+        return flags
+
+
+def _usable_many(answers: list[str]) -> list[bool]:
+    # Comparing a completion with the gold answer must finish too: math-verify reads `10**10**10`
+    # at once but never finishes comparing anything with it. The probe's outcome does not matter.
+    return [gold_is_usable(a) and (is_correct(f"{MARKER} 1", a) or True) for a in answers]
+
+
+def usable_golds(answers: list[str], timeout_s: float, chunk: int = 256) -> list[bool]:
+    """`gold_is_usable` for many gold answers, each read within the reward time limit: an answer
+    math-verify cannot read in time (`10**10**10`) is not usable. Integers need no worker."""
+    flags = [bool(_INTEGER.fullmatch(ascii_digits(a).strip())) for a in answers]
+    todo = [i for i, ok in enumerate(flags) if not ok]
+    for start in range(0, len(todo), chunk):
+        part = todo[start : start + chunk]
+        try:
+            found = limited("_usable_many", ([answers[i] for i in part],), timeout_s, "reading gold answers")
+        except RewardTimeout:  # one of them hangs: read them one by one
+            found = []
+            for i in part:
+                try:
+                    found.append(limited("_usable_many", ([answers[i]],), timeout_s, "reading a gold answer")[0])
+                except RewardTimeout:
+                    found.append(False)
+        for i, ok in zip(part, found, strict=True):
+            flags[i] = ok
+    return flags
+
+
 # --------------------------------------------------------------------------- composition
 
 
@@ -228,19 +404,22 @@ def _checked(name: str, values: Any, count: int) -> list[float]:
     for value in values:
         try:
             score = float(value)
-        except (TypeError, ValueError):
-            raise RewardError(f"reward {name!r} returned {value!r}; expected a number") from None
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
+            shown = repr(value) if len(repr(value)) <= SHOWN_CHARS else repr(value)[:SHOWN_CHARS] + "..."
+            raise RewardError(f"reward {name!r} returned {shown}; expected a number that fits a float") from None
         if not math.isfinite(score):
             raise RewardError(f"reward {name!r} returned {score}; expected a finite number")
         scores.append(score)
     return scores
 
 
-def _call(name: str, fn: RewardFn, completions: list[str], num_tokens: Sequence[int], context: Mapping[str, Any]) -> list[float]:
+def _call(name: str, completions: list[str], num_tokens: Sequence[int], context: Mapping[str, Any], timeout_s: float) -> list[float]:
+    """One reward call in the worker, within the time limit; its scores checked."""
     try:
-        values = fn(list(completions), num_tokens=list(num_tokens), **context)
-    except Exception as exc:
-        raise RewardError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+        values = limited("_call_reward", (name, list(completions), list(num_tokens), dict(context)), timeout_s, f"reward {name!r}")
+    except _WorkerRaised as exc:
+        detail = str(exc) if len(str(exc)) <= SHOWN_CHARS else str(exc)[:SHOWN_CHARS] + "..."
+        raise RewardError(f"reward {name!r} raised {exc.kind}: {detail}") from None
     return _checked(name, values, len(completions))
 
 
@@ -250,6 +429,7 @@ def run_reward(
     num_tokens: Sequence[int],
     context: Mapping[str, Any],
     on_error: str,
+    timeout_s: float = 10.0,
 ) -> tuple[list[float], list[bool]]:
     """One reward's scores for a group, and which completions it failed on.
 
@@ -257,14 +437,14 @@ def run_reward(
     ones that break it: with on_error='fail' the first is reported (the reward's name, the problem
     and the start of the completion); with 'zero' they score 0 and are flagged.
     """
-    fn = resolve_reward(name)
+    resolve_reward(name)  # a name that does not resolve is a spec error here, not a reward error
     try:
-        return _call(name, fn, completions, num_tokens, context), [False] * len(completions)
+        return _call(name, completions, num_tokens, context, timeout_s), [False] * len(completions)
     except RewardError as batch_error:
         scores, failed = [], []
         for i, (completion, n) in enumerate(zip(completions, num_tokens, strict=True)):
             try:
-                scores.append(_call(name, fn, [completion], [n], context)[0])
+                scores.append(_call(name, [completion], [n], context, timeout_s)[0])
                 failed.append(False)
             except RewardError as exc:
                 if on_error != "zero":
@@ -289,17 +469,20 @@ def score_completions(
     max_new_tokens: int,
     weights: Mapping[str, float],
     on_error: str = "fail",
+    timeout_s: float = 10.0,
 ) -> list[RewardParts]:
-    """Every completion's weighted reward, its per-reward scores, and its correct/format flags."""
+    """Every completion's weighted reward, its per-reward scores, and its correct/format flags;
+    each reward call and the accuracy check within `timeout_s` seconds."""
     context = {"question": question, "answer": answer, "max_new_tokens": max_new_tokens}
     scores: dict[str, list[float]] = {}
     failures: dict[str, list[bool]] = {}
     for name in weights:
-        scores[name], failures[name] = run_reward(name, completions, num_tokens, context, on_error)
+        scores[name], failures[name] = run_reward(name, completions, num_tokens, context, on_error, timeout_s)
+    correct = correct_flags(list(completions), answer, timeout_s)
     return [
         RewardParts(
             reward=sum(weight * scores[name][i] for name, weight in weights.items()),
-            correct=is_correct(c, answer),
+            correct=correct[i],
             format=MARKER in c,
             scores={name: scores[name][i] for name in weights},
             errors=[name for name in weights if failures[name][i]],

@@ -18,7 +18,7 @@ from pathlib import Path
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.files import build_dir_atomic
+from grpo_flyte.files import build_dir_atomic, write_bytes_atomic
 from grpo_flyte.models import cache_root
 from grpo_flyte.torch_thread import run_on_torch_thread
 
@@ -26,6 +26,44 @@ from grpo_flyte.torch_thread import run_on_torch_thread
 def is_remote(path: str) -> bool:
     """Whether `path` is an object-store URI (s3://, gs://, ...) rather than a local path."""
     return "://" in path
+
+
+def _local_raw_data() -> Path | None:
+    """The task's raw data folder when it is local (Flyte local mode), else None."""
+    ctx = flyte.ctx()
+    raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
+    return Path(raw).resolve() if raw and not is_remote(raw) else None
+
+
+def portable_path(path: str) -> str:
+    """A local path under the task's raw data folder, written relative to it (so a run folder can
+    be moved or copied and still resumed); any other path or URI as it is."""
+    raw = _local_raw_data()
+    if raw is None or is_remote(path) or not Path(path).is_absolute():
+        return path
+    try:
+        return Path(path).resolve().relative_to(raw).as_posix()
+    except ValueError:
+        return path
+
+
+def located_path(path: str) -> str:
+    """The inverse of `portable_path` in the task running now: a relative path joined to its raw
+    data folder."""
+    raw = _local_raw_data()
+    if raw is None or is_remote(path) or Path(path).is_absolute():
+        return path
+    return str(raw / path)
+
+
+async def save_checkpoint(checkpoint: flyte.Checkpoint, payload: bytes) -> None:
+    """flyte.Checkpoint.save, whole or not at all where the checkpoint is a local file: Flyte writes
+    a local checkpoint in place, so a kill in the middle would leave a truncated one to resume from."""
+    destination = checkpoint.remote_destination.removeprefix("file://")
+    if is_remote(destination):
+        await checkpoint.save(payload)
+    else:
+        await asyncio.to_thread(write_bytes_atomic, destination, payload)
 
 
 class LocalDirCache:

