@@ -13,6 +13,7 @@ import datetime as _dt
 import html
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from grpo_flyte.files import write_text_atomic
 
@@ -426,21 +427,13 @@ def _config(config: Mapping[str, object]) -> str:
 # --------------------------------------------------------------------------- public API
 
 
-def render_report(
-    *,
-    title: str,
-    status: str,
-    config: dict[str, object],
-    history: list[dict[str, object]],
-    best_completion: dict[str, object] | None = None,
-    message: str | None = None,
-) -> str:
-    """Render the whole run report as one self-contained HTML document (the local report.html)."""
+def render_report(**parts: Any) -> str:
+    """The whole run report as one self-contained HTML document (the local report.html): the
+    fragment `render_report_fragment(**parts)` as the body of a page titled `parts["title"]`."""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
-        f"<title>{_esc(title)}</title></head>"
-        f"<body>{render_report_fragment(title=title, status=status, config=config, history=history, best_completion=best_completion, message=message)}</body></html>\n"
+        f"<title>{_esc(parts['title'])}</title></head><body>{render_report_fragment(**parts)}</body></html>\n"
     )
 
 
