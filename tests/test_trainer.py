@@ -3,8 +3,12 @@ which old policy the first update uses, and logits equal to the model's own forw
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import flyte
 import pytest
 import torch
+from flyte.io import Dir
 
 from grpo_flyte import grpo, trainer
 from grpo_flyte.config import RunConfig
@@ -148,3 +152,57 @@ def test_the_trainer_differentiates_the_models_own_logits(kind):
             p = len(s.prompt_ids)
             expected += [logp[p - 1 + t, tok] for t, tok in enumerate(s.completion_ids)]
     assert logprobs.tolist() == pytest.approx(torch.stack(expected).tolist(), abs=1e-5)
+
+
+# --------------------------------------------------------------------------- the warm trainer
+
+warm_env = flyte.TaskEnvironment(name="grpo_flyte-test-warm")
+
+
+def _scored_groups() -> list:
+    from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
+
+    groups = []
+    for index in range(2):
+        rollouts = [
+            Rollout(completion_ids=[11 + index, 12, 2], sampling_logprobs=[-4.0] * 3, finish_reason="stop", text="a"),
+            Rollout(completion_ids=[13, 2], sampling_logprobs=[-4.0] * 2, finish_reason="stop", text="b"),
+        ]
+        group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
+                             prompt_ids=[1, 5, 6, 7], rollouts=rollouts, generate_s=0.0)  # fmt: skip
+        parts = [RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
+        groups.append(ScoredGroup(group=group, rewards=parts))
+    return groups
+
+
+@warm_env.task
+async def three_steps(config: RunConfig, base: Dir, cold: bool) -> list[str]:
+    """init_adapter, then three train_steps; `cold` forgets the replica's warm optimizer between them."""
+    adapter = await trainer.init_adapter(config.base, config.lora, config.seed, base)
+    for _ in range(3):
+        if cold:
+            trainer._warm.clear()
+        result = await trainer.train_step(config.base, config.lora, config.train, config.sampling, base, adapter, _scored_groups())
+        adapter = result.adapter
+    return [adapter.dir.path]
+
+
+def test_a_warm_trainer_goes_on_from_memory_with_the_result_of_a_cold_one(tmp_path, llama_dir, monkeypatch):
+    from safetensors.torch import load_file
+
+    loads = []
+    load = trainer.load_adapter_state
+    monkeypatch.setattr(trainer, "load_adapter_state", lambda *a, **k: loads.append(a[1]) or load(*a, **k))
+    config = RunConfig(model=str(llama_dir), dtype="float32", group_size=2, learning_rate=1e-2, max_new_tokens=8)
+    outputs = {}
+    for cold in (False, True):
+        run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / f"raw-{cold}")).run(
+            three_steps, config=config, base=Dir(path=str(llama_dir)), cold=cold
+        )
+        outputs[cold] = load_file(str(Path(run.outputs()[0][0]) / "adapter_model.safetensors"))
+        optimizer = torch.load(Path(run.outputs()[0][0]) / "optimizer.pt", weights_only=True)
+        outputs[cold]["step"] = torch.tensor([float(s["step"]) for s in optimizer["state"].values()])
+    warm_loads, cold_loads = loads[:1], loads[1:]
+    assert len(warm_loads) == 1 and len(cold_loads) == 3  # warm: only the first step reads its adapter back
+    assert outputs[False].keys() == outputs[True].keys()
+    assert all(torch.equal(outputs[False][k], outputs[True][k]) for k in outputs[False])  # bit-identical

