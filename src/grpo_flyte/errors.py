@@ -45,3 +45,23 @@ class RewardError(GrpoFlyteError, RuntimeError):
 
 class AdapterError(GrpoFlyteError, ValueError):
     """An adapter directory that cannot be used; the message names it."""
+
+
+NOT_RETRIED = "NonRecoverableError"  # the code Flyte gives a failure it must not retry
+
+
+def not_retried(exc: BaseException) -> Exception:
+    """`exc` as a failure Flyte does not retry (`flyte.errors.NonRecoverableError`), message kept.
+
+    Bad input fails the same way on every attempt: a task raises this for a GrpoFlyteError so
+    that its retries, and the driver's, are kept for what can pass the next time (a preempted
+    pod, a flaky read). A parent task sees the child's failure with `code == NOT_RETRIED`.
+    """
+    import flyte.errors
+
+    return flyte.errors.NonRecoverableError(str(exc))
+
+
+def is_not_retried(exc: BaseException) -> bool:
+    """Whether `exc` (as a parent task sees a child's failure) was marked `not_retried`."""
+    return isinstance(exc, GrpoFlyteError) or getattr(exc, "code", None) == NOT_RETRIED

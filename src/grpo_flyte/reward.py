@@ -10,6 +10,7 @@ import time
 
 from grpo_flyte.config import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
+from grpo_flyte.errors import GrpoFlyteError, not_retried
 from grpo_flyte.rewards import score_completions
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
@@ -31,11 +32,19 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
 
 @reward_env.task(retries=2)
 async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
-    """Score every completion of one prompt group with the configured weighted rewards."""
-    return score(scoring, sampling, group)
+    """Score every completion of one prompt group with the configured weighted rewards.
+
+    A reward that fails on these completions fails the same way again: not retried."""
+    try:
+        return score(scoring, sampling, group)
+    except GrpoFlyteError as exc:
+        raise not_retried(exc) from exc
 
 
 @reward_env.task(retries=2)
 async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
-    return [score(scoring, sampling, g) for g in groups]
+    try:
+        return [score(scoring, sampling, g) for g in groups]
+    except GrpoFlyteError as exc:
+        raise not_retried(exc) from exc

@@ -14,9 +14,11 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import flyte
 from flyte.io import Dir
+from pydantic import BaseModel
 
 from grpo_flyte.files import build_dir_atomic, write_bytes_atomic
 from grpo_flyte.models import cache_root
@@ -117,3 +119,30 @@ async def publish_dir(build: Callable[[Path], object], name: str, folder: str = 
     with tempfile.TemporaryDirectory() as tmp:
         await run_on_torch_thread(build, Path(tmp))
         return await Dir.from_local(tmp)
+
+
+# Flyte passes task inputs inline up to 10 MiB. A list that could outgrow that (the token ids and
+# log-probs of a large batch: 32 groups x 8 x 2048 tokens is about 13 MB) travels as a folder
+# holding one JSON line per item once its JSON passes this size.
+INLINE_LIMIT_BYTES = 4 * 2**20
+PAYLOAD_FILE = "items.jsonl"
+M = TypeVar("M", bound=BaseModel)
+
+
+async def as_payload(items: list[M], name: str) -> tuple[list[M], Dir | None]:
+    """(items, None) when they are small enough to pass inline, else ([], a published folder
+    holding them): pass both to the task, which reads them back with `from_payload`."""
+    lines = [item.model_dump_json() for item in items]
+    if sum(len(line) + 1 for line in lines) <= INLINE_LIMIT_BYTES:
+        return items, None
+    text = "".join(line + "\n" for line in lines)
+    return [], await publish_dir(lambda out: (out / PAYLOAD_FILE).write_text(text, encoding="utf-8"), name, folder="payloads")
+
+
+async def from_payload(items: list[M], payload: Dir | None, model: type[M], cache: LocalDirCache) -> list[M]:
+    """The items `as_payload` split: inline, or read back from the folder."""
+    if payload is None:
+        return items
+    folder = await cache.get(payload)
+    text = await asyncio.to_thread((Path(folder) / PAYLOAD_FILE).read_text, encoding="utf-8")
+    return [model.model_validate_json(line) for line in text.splitlines() if line]

@@ -19,9 +19,9 @@ from flyte.io import Dir
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
-from grpo_flyte.errors import AdapterError
+from grpo_flyte.errors import AdapterError, not_retried
 from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
-from grpo_flyte.storage import is_remote, publish_dir, replica_cache
+from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,7 @@ def _files_of(folder: str) -> tuple:
 
 _warm = WarmOptimizer()
 _model_dirs = replica_cache("train-models", capacity=1)
+_payload_dirs = replica_cache("train-payloads", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
 
 
@@ -399,11 +400,14 @@ async def train_step(
     base_model: Dir,
     adapter: AdapterRef,
     scored: list[ScoredGroup],
+    scored_payload: Dir | None = None,
 ) -> TrainStepResult:
-    """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the next adapter."""
+    """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the
+    next adapter. A batch too large to pass inline comes as `scored_payload` (`storage.as_payload`)."""
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
+    scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
     sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
     measured: list[StepStats] = []
@@ -418,7 +422,10 @@ async def train_step(
         trained.append((peft, optimizer, _files_of(str(out))))
 
     trained: list = []
-    new_dir = await publish_dir(build, f"v{version:04d}")
+    try:
+        new_dir = await publish_dir(build, f"v{version:04d}")
+    except AdapterError as exc:  # a damaged adapter stays damaged: not retried
+        raise not_retried(exc) from exc
     peft, optimizer, files = trained[0]
     _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
     return TrainStepResult(
