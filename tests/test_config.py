@@ -427,3 +427,24 @@ def test_a_huge_bad_value_is_cut_in_the_message():
         make_config(seed=["x" * 10] * 100_000)
     message = str(info.value)
     assert "--seed=['xxxxxxxxxx'" in message and "characters)" in message and len(message) < 600
+
+
+def test_a_field_under_the_wrong_part_names_its_part(tmp_path):
+    # in a file: 'sampling: {learning_rate: ...}' was lifted silently before
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("sampling:\n  group_size: 4\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"'sampling.learning_rate': learning_rate belongs to the 'train' part, not 'sampling'"):
+        load_config_file(wrong)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("train:\n  seed: 3\n")
+    with pytest.raises(ConfigError, match=r"seed belongs to the top level \(a loop field\), not 'train'"):
+        load_config_file(loop)
+    # from Python: was "unknown option", which is wrong for a field that exists
+    with pytest.raises(ConfigError, match=r"--learning-rate: 'sampling.learning_rate': learning_rate belongs to the 'train' part"):
+        make_config(sampling={"learning_rate": 0.1})
+    with pytest.raises(ConfigError, match=r"--bogus: unknown option"):
+        make_config(sampling={"bogus": 1})
+    # the right part, nested or flat, still works
+    right = tmp_path / "right.yaml"
+    right.write_text("sampling:\n  group_size: 4\ntrain:\n  learning_rate: 0.1\n")
+    assert make_config(**load_config_file(right)).train.learning_rate == 0.1

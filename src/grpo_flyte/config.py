@@ -383,12 +383,26 @@ def leaf_fields() -> Iterator[tuple[str, FieldInfo]]:
         yield name, field
 
 
+def _misplaced(part: str, name: str) -> str | None:
+    """Why `name` cannot be under `part`: it is a field of another part (or of the loop); else None."""
+    home = _leaf_index().get(name)
+    if home is None or home[0] == part:
+        return None
+    where = f"the {home[0]!r} part" if home[0] else "the top level (a loop field)"
+    return f"'{part}.{name}': {name} belongs to {where}, not {part!r}; expected it there, or flat"
+
+
 def flatten(values: dict[str, Any]) -> dict[str, Any]:
-    """A config mapping with its parts' fields pulled up to flat names (a nested config file)."""
+    """A config mapping with its parts' fields pulled up to flat names (a nested config file).
+
+    A field nested under a part it does not belong to is an error naming its part (lifting it
+    anyway would hide a mistaken layout); an unknown name is left to validation."""
     flat = {k: v for k, v in values.items() if k not in _PARTS or not isinstance(v, dict)}
     for part in _PARTS:
         if isinstance(values.get(part), dict):
             for name, value in values[part].items():
+                if (problem := _misplaced(part, str(name))) is not None:
+                    raise ConfigError(problem, field="config")
                 flat.setdefault(name, value)
     return flat
 
@@ -468,7 +482,9 @@ def format_validation_error(exc: ValidationError) -> str:
         where = flag(name) if name else "config"
         msg = err.get("msg", "invalid value").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
-            lines.append(f"{where}: unknown option (see --help for the list)")
+            loc = [str(part) for part in err.get("loc", ())]
+            problem = _misplaced(loc[-2], loc[-1]) if len(loc) >= 2 and loc[-2] in _PARTS else None
+            lines.append(f"{where}: {problem}" if problem else f"{where}: unknown option (see --help for the list)")
             continue
         if "input" in err and name:
             field = index[name][1] if name in index else None
