@@ -41,7 +41,7 @@ from grpo_flyte.config import (
 )
 from grpo_flyte.data import load_file, train_eval_split
 from grpo_flyte.errors import GrpoFlyteError, ModelError
-from grpo_flyte.files import build_dir_atomic, write_text_atomic
+from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote
 from grpo_flyte.types import REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
@@ -121,24 +121,25 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     return options, make_config(**values), explicit | set(values)
 
 
-def check_inputs(config: RunConfig, local: bool) -> list[Example] | None:
-    """Check the dataset and the rewards before any work starts; returns a file dataset's rows.
+def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, tuple[list[Example], list[Example]] | None]:
+    """Check the dataset and the rewards before any work starts; returns a file dataset's rows and
+    the (training, held-out) split when it was made here.
 
     Every row must have a usable answer and --eval-size must fit. A file's rows travel to the
     driver as an input; 'gsm8k' is loaded where the driver runs (here too, in a local run, to check
     it first). Custom rewards must import, and --wandb-project needs wandb.
     """
-    examples = None
+    examples = split = None
     data = config.data
     if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET):
         examples = load_file(data.dataset, data.question_column, data.answer_column, config.scoring.reward_timeout_s)
     if examples is not None or local:
-        train_eval_split(config, examples)
+        split = train_eval_split(config, examples)
     for name in config.scoring.rewards:
         resolve_reward(name)
     if config.wandb_project and importlib.util.find_spec("wandb") is None:
         raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
-    return examples
+    return examples, split
 
 
 def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> tuple[Path, RunConfig, str | None]:
@@ -190,13 +191,11 @@ def _writable(folder: Path) -> bool:
 
 def check_writable(run_dir: Path) -> None:
     """That the run folder can be created (or written) here, without creating it yet."""
-    existing = run_dir.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"--run-dir {str(run_dir)!r} cannot be created: {str(existing)!r} is a file; expected a folder")
-    if not _writable(existing):
-        raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({str(existing)!r} is read-only for this user)")
+    problem = unwritable(run_dir, _writable)
+    if problem and problem[1] == "is a file":
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be created: {str(problem[0])!r} is a file; expected a folder")
+    if problem:
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({str(problem[0])!r} {problem[1]})")
 
 
 def finished_iterations(run_dir: Path) -> list[int]:
@@ -254,9 +253,9 @@ def saved_state(run_dir: Path) -> tuple[str | None, LoopState | None]:
     return str(checkpoint.resolve()), state
 
 
-def data_fingerprint(config: RunConfig, examples: list[Example] | None) -> dict[str, Any]:
+def data_fingerprint(config: RunConfig, split: tuple[list[Example], list[Example]]) -> dict[str, Any]:
     """What the run trains and evaluates on: the dataset, its split sizes and a hash of the rows."""
-    dataset, held_out = train_eval_split(config, examples)
+    dataset, held_out = split
     digest = hashlib.sha256(json.dumps([[e.model_dump() for e in dataset], [e.model_dump() for e in held_out]]).encode())
     return {"dataset": config.data.dataset, "train_rows": len(dataset), "held_out_rows": len(held_out), "sha256": digest.hexdigest()}
 
@@ -388,8 +387,8 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     resuming = bool(options["resume"])
     # Every check first (nothing is written until they pass), then the folder's lock, then writes.
     run_dir, config, resume_from = prepare_local_run(options, config, explicit)
-    examples = check_inputs(config, local=True)
-    fingerprint = data_fingerprint(config, examples)
+    examples, split = check_inputs(config, local=True)
+    fingerprint = data_fingerprint(config, split)
     if resuming:
         check_same_data(run_dir, fingerprint)
     check_cache_writable()
@@ -409,17 +408,12 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
 
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
-    """Delete what a killed writer left half-done: temp files (`.name.*.tmp`) and staging folders
-    (`.name-*`) beside the run's files, adapters and reports. Only the lock holder calls this."""
+    """Delete what a killed writer left half-done (`files.leftovers`) beside the run's files,
+    adapters and reports. Only the lock holder calls this."""
     removed = []
     for parent in (run_dir, run_dir / EVAL_DIR, run_dir / FLYTE_DATA, run_dir / FLYTE_DATA / "adapters", run_dir / FLYTE_DATA / "reports"):
-        for path in parent.glob(".*") if parent.is_dir() else []:
-            if path.is_file() and path.name.endswith(".tmp"):
-                path.unlink()
-            elif path.is_dir() and "-" in path.name:
-                shutil.rmtree(path)
-            else:
-                continue
+        for path in leftovers(parent):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(path)
     return removed
 
@@ -504,7 +498,7 @@ def run_remote(config: RunConfig) -> int:
     from grpo_flyte.envs import from_source_checkout
 
     require_cluster()
-    examples = check_inputs(config, local=False)
+    examples, _ = check_inputs(config, local=False)
     # root_dir = src/ (or site-packages), so the modules resolve as grpo_flyte.* on the cluster.
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
     base_model = resolve_remote_model(config.base.model)

@@ -66,3 +66,28 @@ def _fsync_directory(directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def leftovers(directory: Path) -> list[Path]:
+    """What `write_bytes_atomic` and `build_dir_atomic` leave in `directory` when the process dies
+    mid-write: their `.name.*.tmp` temp files and `.name-*` staging folders."""
+    if not directory.is_dir():
+        return []
+    return [p for p in sorted(directory.glob(".*")) if (p.is_file() and p.name.endswith(".tmp")) or (p.is_dir() and "-" in p.name)]
+
+
+def unwritable(folder: Path, writable: Callable[[Path], bool] | None = None) -> tuple[Path, str] | None:
+    """Why `folder` could not be created or written, found without creating anything: (its nearest
+    existing ancestor, "is a file" or "is read-only for this user"); None when it can be."""
+    existing = folder.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return existing, "is a file"
+    if not (writable or _can_write)(existing):
+        return existing, "is read-only for this user"
+    return None
+
+
+def _can_write(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from grpo_flyte.config import EMBEDDED_MODEL
 from grpo_flyte.errors import ModelError
-from grpo_flyte.files import build_dir_atomic
+from grpo_flyte.files import build_dir_atomic, unwritable
 from grpo_flyte.torch_thread import on_torch_thread
 
 logger = logging.getLogger(__name__)
@@ -33,17 +33,12 @@ def check_cache_writable() -> Path:
     """The cache folder, checked writable (without creating it) before any slow work fills it: the
     embedded model's conversion takes ~25 s before its first write."""
     root = cache_root()
-    existing = root.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    problem = None
-    if not existing.is_dir():
-        problem = f"{str(existing)!r} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        problem = f"{str(existing)!r} is read-only for this user"
+    problem = unwritable(root)
     if problem:
         where = "GRPO_FLYTE_CACHE" if "GRPO_FLYTE_CACHE" in os.environ else "the cache folder"
-        raise ModelError(f"{where} {str(root)!r} cannot be written ({problem}); expected a writable folder (set GRPO_FLYTE_CACHE)")
+        raise ModelError(
+            f"{where} {str(root)!r} cannot be written ({str(problem[0])!r} {problem[1]}); expected a writable folder (set GRPO_FLYTE_CACHE)"
+        )
     return root
 
 

@@ -345,19 +345,25 @@ def _correct_flags(completions: list[str], answer: str) -> list[bool]:
     return [is_correct(c, answer) for c in completions]
 
 
-def correct_flags(completions: list[str], answer: str, timeout_s: float) -> list[bool]:
-    """Which completions state the gold answer (the accuracy metric), each within the time limit;
-    a completion whose check runs out of time is not counted correct."""
+def _flags_within(fn: str, items: list, rest: tuple, timeout_s: float, what: str) -> list[bool]:
+    """`fn(items, *rest)` (a list of flags) in the worker within the time limit; if the batch runs
+    out of time, each item alone, an item that still does counting False."""
     try:
-        return limited("_correct_flags", (completions, answer), timeout_s, "the accuracy check")
+        return limited(fn, (items, *rest), timeout_s, what)
     except RewardTimeout:
         flags = []
-        for c in completions:
+        for item in items:
             try:
-                flags.append(limited("_correct_flags", ([c], answer), timeout_s, "the accuracy check")[0])
+                flags.append(limited(fn, ([item], *rest), timeout_s, what)[0])
             except RewardTimeout:
                 flags.append(False)
         return flags
+
+
+def correct_flags(completions: list[str], answer: str, timeout_s: float) -> list[bool]:
+    """Which completions state the gold answer (the accuracy metric), each within the time limit;
+    a completion whose check runs out of time is not counted correct."""
+    return _flags_within("_correct_flags", completions, (answer,), timeout_s, "the accuracy check")
 
 
 def _usable_many(answers: list[str]) -> list[bool]:
@@ -373,15 +379,7 @@ def usable_golds(answers: list[str], timeout_s: float, chunk: int = 256) -> list
     todo = [i for i, ok in enumerate(flags) if not ok]
     for start in range(0, len(todo), chunk):
         part = todo[start : start + chunk]
-        try:
-            found = limited("_usable_many", ([answers[i] for i in part],), timeout_s, "reading gold answers")
-        except RewardTimeout:  # one of them hangs: read them one by one
-            found = []
-            for i in part:
-                try:
-                    found.append(limited("_usable_many", ([answers[i]],), timeout_s, "reading a gold answer")[0])
-                except RewardTimeout:
-                    found.append(False)
+        found = _flags_within("_usable_many", [answers[i] for i in part], (), timeout_s, "reading gold answers")
         for i, ok in zip(part, found, strict=True):
             flags[i] = ok
     return flags

@@ -110,11 +110,10 @@ async def publish_dir(build: Callable[[Path], object], name: str, folder: str = 
     folder is built in a staging folder beside `<raw data>/<folder>/<name>` and renamed, and stays
     there; on a cluster it is built in a temp folder and uploaded before the folder is removed.
     """
-    ctx = flyte.ctx()
-    raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
-    if raw and not is_remote(raw):
+    raw = _local_raw_data()
+    if raw is not None:
         # Replaces a folder left by an attempt that died before the checkpoint.
-        final = await run_on_torch_thread(build_dir_atomic, Path(raw) / folder / name, build)
+        final = await run_on_torch_thread(build_dir_atomic, raw / folder / name, build)
         return await Dir.from_local(str(final))
     with tempfile.TemporaryDirectory() as tmp:
         await run_on_torch_thread(build, Path(tmp))

@@ -93,10 +93,14 @@ def load_adapter_state(model, adapter_path: str, train: TrainConfig):
             optimizer.load_state_dict(torch.load(opt_file, map_location=best_device(), weights_only=True))
         except Exception as exc:  # noqa: BLE001 -- a truncated or foreign file fails in many ways
             raise AdapterError(f"adapter {adapter_path!r}: optimizer state {OPTIMIZER_FILE} cannot be loaded ({type(exc).__name__}: {exc})") from None
-        for group in optimizer.param_groups:  # the config, not the file, sets the hyper-parameters
-            group["lr"] = train.learning_rate
-            group["weight_decay"] = train.weight_decay
+        _set_hyperparameters(optimizer, train)  # the config, not the file, sets them
     return optimizer
+
+
+def _set_hyperparameters(optimizer, train: TrainConfig) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = train.learning_rate
+        group["weight_decay"] = train.weight_decay
 
 
 def save_adapter(model, optimizer, version: int, out: Path) -> None:
@@ -133,9 +137,7 @@ class WarmOptimizer:
         optimizer = self.optimizer if same else None
         self.clear()  # taken or stale: either way the model is about to change
         if optimizer is not None:
-            for group in optimizer.param_groups:  # the config, not the cache, sets the hyper-parameters
-                group["lr"] = train.learning_rate
-                group["weight_decay"] = train.weight_decay
+            _set_hyperparameters(optimizer, train)  # the config, not the cache, sets them
         return optimizer
 
 
