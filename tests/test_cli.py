@@ -36,7 +36,7 @@ def test_flags_map_to_fields():
             "--prompt-format", "plain",
         ]
     )  # fmt: skip
-    assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "config": None}
+    assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "resume_run": None, "config": None}
     assert config.flat()["model"] == "/models/tiny"
     assert config.flat()["dataset"] == "train.jsonl"
     assert config.num_iterations == 7
@@ -75,7 +75,7 @@ def test_objective_flags_map_to_fields():
 
 def test_no_flags_gives_defaults():
     options, config, explicit = parse_args([])
-    assert options == {"local": False, "run_dir": None, "resume": False, "config": None}
+    assert options == {"local": False, "run_dir": None, "resume": False, "resume_run": None, "config": None}
     assert config == RunConfig()
     assert explicit == set()
 
@@ -479,3 +479,83 @@ def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- cluster runs: --resume-run, large datasets
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--resume-run", "r1", "--seed", "3"], "--resume-run reruns the cluster run with its own inputs; drop --seed"),
+        (["--resume-run", "r1", "--local"], "--resume-run continues a cluster run; a local run continues with --resume --run-dir DIR"),
+    ],
+)
+def test_resume_run_refuses_what_it_cannot_honour(args, expected, monkeypatch, capsys):
+    from grpo_flyte import cli
+
+    monkeypatch.setattr(cli, "_connect", lambda: pytest.fail("nothing may be submitted"))
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.strip() == f"error: {expected}"
+
+
+class _Runner:
+    def __init__(self, error: Exception | None = None):
+        self.error, self.calls = error, []
+
+    def rerun(self, run_name, **kwargs):
+        self.calls.append((run_name, kwargs))
+        if self.error:
+            raise self.error
+        return type("Run", (), {"url": f"https://cluster/runs/{run_name}-2"})()
+
+
+def test_resume_run_reruns_the_named_run_with_recovery(monkeypatch, capsys):
+    from grpo_flyte import cli
+
+    runner = _Runner()
+    monkeypatch.setattr(cli, "_connect", lambda: runner)
+    assert cli.main(["--resume-run", "r1"]) == 0
+    assert runner.calls == [("r1", {"recover": True})]
+    assert capsys.readouterr().out.strip() == "https://cluster/runs/r1-2"
+
+    monkeypatch.setattr(cli, "_connect", lambda: _Runner(NotImplementedError("no RunSpec.relation")))
+    assert cli.main(["--resume-run", "r1"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume-run 'r1': this cluster cannot recover runs (no RunSpec.relation)" in err and len(err.splitlines()) == 1
+
+
+def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """Rows past Flyte's inline limit are uploaded as one folder (content-hashed) and read back by
+    the driver: the driver trains on exactly the rows of the file."""
+    import shutil
+
+    import flyte
+    from flyte.io import Dir
+
+    from grpo_flyte import cli, driver, storage
+    from grpo_flyte.storage import payload_key
+    from grpo_flyte.types import Example
+
+    rows = [Example(question=f"What is {i} + 1?", answer=str(i + 1)) for i in range(12)]
+    assert cli.examples_inputs(rows, lambda folder, key: pytest.fail("small: inline")) == {"examples": rows}
+    monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
+    uploads = []
+
+    def upload(folder, key):  # a stand-in for Dir.from_local_sync: copy the folder to "remote" storage
+        uploads.append(key)
+        return Dir(path=str(shutil.copytree(folder, tmp_path / "remote")), hash=key)
+
+    inputs = cli.examples_inputs(rows, upload)
+    text = (tmp_path / "remote" / storage.PAYLOAD_FILE).read_text()
+    assert uploads == [payload_key(text)] and inputs["examples"] == []
+
+    seen = []
+    split = driver.train_eval_split
+    monkeypatch.setattr(driver, "train_eval_split", lambda config, examples: seen.append(examples) or split(config, examples))
+    config = RunConfig(num_iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=2, min_informative_groups=0)
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        driver.train_rl, config=config, base_model=Dir(path=str(tiny_model_dir)), **inputs
+    )
+    assert [row.iteration for row in run.outputs()[0].history] == [0, 1]
+    assert seen == [rows]

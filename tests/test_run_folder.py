@@ -12,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import flyte
 import pytest
+from flyte.io import Dir
 
 from grpo_flyte.cli import main as cli_main
+from grpo_flyte.config import RunConfig
 from grpo_flyte.driver import LoopState
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
@@ -261,7 +264,7 @@ def test_a_batch_too_large_to_inline_travels_as_a_file_with_the_same_result(tmp_
 
     async def spy(*args, **kwargs):
         given = inspect.signature(train_step).bind(*args, **kwargs).arguments
-        received.append((len(given["scored"]), given.get("scored_payload") is not None))
+        received.append((len(given["scored"]), bool(given.get("scored_payload"))))
         return await train_step(*args, **kwargs)
 
     monkeypatch.setattr(trainer.train_step, "func", spy)
@@ -332,3 +335,72 @@ def test_bad_input_inside_the_driver_is_not_retried(tmp_path, tiny_model_dir, mo
     assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
     assert attempts == [1]
     assert "could not be read (offline)" in caplog.text
+
+
+# --------------------------------------------------------------------------- remote resume (--resume-run)
+
+
+class RecoveringDispatch:
+    """Flyte's recovery, simulated in the local controller: a task whose action name finished in
+    the recorded run returns that run's outputs instead of running (what `flyte.rerun(...,
+    recover=True)` does on a cluster, matching actions by the same deterministic names)."""
+
+    def __init__(self, dispatch, fail_on=None):
+        self.dispatch = dispatch
+        self.fail_on = fail_on  # (task name suffix, call number): raise there, as a lost pod would
+        self.finished: dict[str, object] = {}  # action name -> outputs of the recorded run
+        self.reused: list[str] = []
+        self.ran: list[tuple[str, str]] = []  # (task, action name) executed
+        self.calls: dict[str, int] = {}
+
+    async def __call__(self, task, controller, action, **kwargs):
+        short = task.name.rsplit(".", 1)[-1]
+        if short == "train_rl":  # the driver itself: the rerun's new root
+            return await self.dispatch(task=task, controller=controller, action=action, **kwargs)
+        if action.name in self.finished:
+            self.reused.append(action.name)
+            return self.finished[action.name], None
+        self.calls[short] = self.calls.get(short, 0) + 1
+        if self.fail_on == (short, self.calls[short]):
+            from grpo_flyte.errors import GrpoFlyteError
+
+            raise GrpoFlyteError(f"injected: the {short} pod was lost")
+        self.ran.append((short, action.name))
+        out, err = await self.dispatch(task=task, controller=controller, action=action, **kwargs)
+        if err is None:
+            self.finished[action.name] = out
+        return out, err
+
+
+def test_a_recovered_rerun_reuses_every_finished_task(tmp_path, tiny_model_dir, monkeypatch):
+    """`--resume-run` relies on every child action getting the same name in the rerun. Run 1 dies
+    in iteration 2's train step; the rerun (fresh driver, no checkpoint) reuses every task that
+    finished and runs only that train step and what follows. Train batches go as payload folders
+    here (inline limit 0), so their content hash must keep the names stable too."""
+    from flyte._internal.controllers import _local_controller
+
+    from grpo_flyte import storage
+    from grpo_flyte.driver import train_rl
+
+    monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
+    recovering = RecoveringDispatch(_local_controller.direct_dispatch, fail_on=("train_step", 2))
+    monkeypatch.setattr(_local_controller, "direct_dispatch", recovering)
+    config = RunConfig(num_iterations=2, prompts_per_iter=2, group_size=3, max_new_tokens=6, eval_size=2, min_informative_groups=0)
+    model = Dir(path=str(tiny_model_dir))
+
+    def run(name: str):
+        # On a cluster both runs' root action is 'a0'; a local run's root is named after the run.
+        runner = flyte.with_runcontext(mode="local", name=f"drill-{tmp_path.name}", raw_data_path=str(tmp_path / name))
+        return runner.run(train_rl, config=config, base_model=model)
+
+    with pytest.raises(Exception, match="the train_step pod was lost"):
+        run("first")
+    first_ran = [short for short, _ in recovering.ran]
+    assert first_ran.count("train_step") == 1 and first_ran.count("generate") == 4  # iteration 2 generated
+    finished = set(recovering.finished)
+    recovering.ran, recovering.fail_on = [], None
+    result = run("rerun").outputs()[0]
+    assert set(recovering.reused) == finished  # every finished task reused, none run twice
+    rerun = [short for short, _ in recovering.ran]
+    assert rerun == ["train_step", "generate_eval", "score_groups"]  # the lost step, then the final evaluation
+    assert [row.iteration for row in result.history] == [0, 1, 2] and result.adapter.version == 2

@@ -20,8 +20,9 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from grpo_flyte.data import load_file, train_eval_split
 from grpo_flyte.errors import GrpoFlyteError, ModelError
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
-from grpo_flyte.storage import is_remote
+from grpo_flyte.storage import is_remote, payload_key, payload_text, write_payload
 from grpo_flyte.types import REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
 
 if TYPE_CHECKING:
@@ -68,6 +69,14 @@ RUN_OPTIONS = {
         Field(None, description="Local runs: folder for config, metrics, report and adapter (default: a new ./runs/<time>)."),
     ),
     "resume": (bool, Field(False, description="Local runs: continue the run in --run-dir from its last finished iteration.")),
+    "resume_run": (
+        str | None,
+        Field(
+            None,
+            description="Cluster runs: continue the cluster run of this name. Flyte reruns it with recovery: "
+            "every task that finished is reused, the rest runs again.",
+        ),
+    ),
     "config": (Path | None, Field(None, description="YAML or JSON file of config fields; flags override it.")),
 }
 
@@ -491,21 +500,57 @@ def require_cluster() -> None:
         )
 
 
-def run_remote(config: RunConfig) -> int:
+def examples_inputs(examples: list[Example] | None, upload: Callable[[str, str], Any]) -> dict[str, Any]:
+    """A file dataset's rows as driver inputs: inline, or, past Flyte's inline limit, a folder
+    uploaded with `upload(local folder, content hash)`."""
+    text = payload_text(examples) if examples else None
+    if text is None:
+        return {"examples": examples}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_payload(Path(tmp), text)
+        return {"examples": [], "examples_file": [upload(tmp, payload_key(text))]}
+
+
+def _connect():
+    """flyte.init for this package's code; returns the run context to submit with."""
     import flyte
 
-    from grpo_flyte.driver import train_rl
     from grpo_flyte.envs import from_source_checkout
 
     require_cluster()
-    examples, _ = check_inputs(config, local=False)
     # root_dir = src/ (or site-packages), so the modules resolve as grpo_flyte.* on the cluster.
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
-    base_model = resolve_remote_model(config.base.model)
     # A checkout's code travels in the code bundle; an installed wheel is in the image already
     # (envs._with_package), and bundling site-packages would ship every loaded library.
-    runner = flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none")
-    run = runner.run(train_rl, config=config, base_model=base_model, examples=examples)
+    return flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none")
+
+
+def run_remote(config: RunConfig) -> int:
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+
+    examples, _ = check_inputs(config, local=False)
+    runner = _connect()
+    base_model = resolve_remote_model(config.base.model)
+    inputs = examples_inputs(examples, lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
+    run = runner.run(train_rl, config=config, base_model=base_model, **inputs)
+    print(run.url)
+    return 0
+
+
+def resume_remote(run_name: str) -> int:
+    """Rerun a cluster run with recovery. The driver starts again from the same inputs; every task
+    it submits gets the action name it had in the first run (names hash the inputs, and payload
+    folders carry a content hash), so each finished generate, score and train step is reused and
+    the loop is back where it stopped after a replay of its decisions."""
+    runner = _connect()
+    try:
+        run = runner.rerun(run_name, recover=True)
+    except NotImplementedError as exc:
+        raise UserError(f"--resume-run {run_name!r}: this cluster cannot recover runs ({exc}); start a new run") from None
+    except Exception as exc:  # noqa: BLE001 (a run not found, no access, ...: one line naming the run)
+        raise UserError(f"--resume-run {run_name!r}: {type(exc).__name__}: {exc}") from None
     print(run.url)
     return 0
 
@@ -517,9 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options, config, explicit = parse_args(argv)
         if options["local"]:
+            if options["resume_run"] is not None:
+                raise UserError("--resume-run continues a cluster run; a local run continues with --resume --run-dir DIR")
             return run_local(options, config, explicit)
         if options["resume"] or options["run_dir"]:
             raise UserError("--resume and --run-dir apply to local runs: add --local")
+        if options["resume_run"] is not None:
+            flags = sorted({flag(name) for name in explicit} | ({"--config"} if options["config"] else set()))
+            if flags:
+                raise UserError(f"--resume-run reruns the cluster run with its own inputs; drop {', '.join(flags)}")
+            return resume_remote(options["resume_run"])
         return run_remote(config)
     except GrpoFlyteError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)

@@ -40,7 +40,7 @@ from grpo_flyte.errors import is_not_retried, not_retried
 from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
-from grpo_flyte.storage import as_payload, located_path, portable_path, publish_dir, save_checkpoint
+from grpo_flyte.storage import as_payload, from_payload, located_path, portable_path, publish_dir, replica_cache, save_checkpoint
 from grpo_flyte.tracking import Tracker, new_run_id
 from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
@@ -381,14 +381,18 @@ async def train_rl(
     base_model: Dir,
     examples: list[Example] | None = None,
     resume_from: str | None = None,
+    examples_file: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
 ) -> RunResult:
     """Run GRPO for `config.num_iterations` iterations; returns the final adapter, metrics and report.
 
-    `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way);
+    `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way,
+    or, past Flyte's inline limit, as the folder `examples_file`: see `storage.as_payload`);
     `resume_from` is a checkpoint to continue from. A retried driver (a preempted pod) continues
     from its last checkpoint; bad input (a GrpoFlyteError here or in a task) is not retried.
     """
     try:
+        if examples_file:
+            examples = await from_payload(examples or [], examples_file, Example, replica_cache("driver", capacity=1))
         return await _train_rl(config, base_model, examples, resume_from)
     except Exception as exc:
         if is_not_retried(exc):

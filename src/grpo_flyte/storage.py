@@ -102,8 +102,12 @@ def replica_cache(name: str, capacity: int) -> LocalDirCache:
     return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
 
 
-async def publish_dir(build: Callable[[Path], object], name: str, folder: str = "adapters") -> Dir:
+async def publish_dir(build: Callable[[Path], object], name: str, folder: str = "adapters", key: str | None = None) -> Dir:
     """Write a directory with `build(path)` and return it as a Dir, never half-written.
+
+    `key` (a hash of the content) stands for the folder wherever Flyte hashes task inputs, so a
+    task given this folder gets the same action name in a rerun of the run, and
+    `flyte.rerun(..., recover=True)` reuses its output instead of running it again.
 
     `build` runs on the process's torch thread, which also serializes the steps that share a
     replica's models (locally every task shares one process). With local raw data (local mode) the
@@ -114,10 +118,10 @@ async def publish_dir(build: Callable[[Path], object], name: str, folder: str = 
     if raw is not None:
         # Replaces a folder left by an attempt that died before the checkpoint.
         final = await run_on_torch_thread(build_dir_atomic, raw / folder / name, build)
-        return await Dir.from_local(str(final))
+        return await Dir.from_local(str(final), dir_cache_key=key)
     with tempfile.TemporaryDirectory() as tmp:
         await run_on_torch_thread(build, Path(tmp))
-        return await Dir.from_local(tmp)
+        return await Dir.from_local(tmp, dir_cache_key=key)
 
 
 # Flyte passes task inputs inline up to 10 MiB. A list that could outgrow that (the token ids and
@@ -128,20 +132,39 @@ PAYLOAD_FILE = "items.jsonl"
 M = TypeVar("M", bound=BaseModel)
 
 
-async def as_payload(items: list[M], name: str) -> tuple[list[M], Dir | None]:
-    """(items, None) when they are small enough to pass inline, else ([], a published folder
-    holding them): pass both to the task, which reads them back with `from_payload`."""
+def payload_text(items: list[BaseModel]) -> str | None:
+    """The items as JSON lines when they are too large to pass inline, else None."""
     lines = [item.model_dump_json() for item in items]
     if sum(len(line) + 1 for line in lines) <= INLINE_LIMIT_BYTES:
-        return items, None
-    text = "".join(line + "\n" for line in lines)
-    return [], await publish_dir(lambda out: (out / PAYLOAD_FILE).write_text(text, encoding="utf-8"), name, folder="payloads")
+        return None
+    return "".join(line + "\n" for line in lines)
 
 
-async def from_payload(items: list[M], payload: Dir | None, model: type[M], cache: LocalDirCache) -> list[M]:
+def payload_key(text: str) -> str:
+    """The content hash that stands for a payload folder in Flyte's input hashes."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_payload(folder: Path, text: str) -> None:
+    (folder / PAYLOAD_FILE).write_text(text, encoding="utf-8")
+
+
+async def as_payload(items: list[M], name: str) -> tuple[list[M], list[Dir]]:
+    """(items, []) when they are small enough to pass inline, else ([], [a published folder
+    holding them]): pass both to the task, which reads them back with `from_payload`.
+
+    A list rather than `Dir | None`: Flyte honours a Dir's content hash inside a list when it names
+    the task's action, and not inside an optional, so only the list keeps a rerun's names stable."""
+    text = payload_text(items)
+    if text is None:
+        return items, []
+    return [], [await publish_dir(lambda out: write_payload(out, text), name, folder="payloads", key=payload_key(text))]
+
+
+async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache: LocalDirCache) -> list[M]:
     """The items `as_payload` split: inline, or read back from the folder."""
-    if payload is None:
-        return items
-    folder = await cache.get(payload)
-    text = await asyncio.to_thread((Path(folder) / PAYLOAD_FILE).read_text, encoding="utf-8")
-    return [model.model_validate_json(line) for line in text.splitlines() if line]
+    for folder in payload:
+        path = await cache.get(folder)
+        text = await asyncio.to_thread((Path(path) / PAYLOAD_FILE).read_text, encoding="utf-8")
+        items = [*items, *(model.model_validate_json(line) for line in text.splitlines() if line)]
+    return items

@@ -402,7 +402,7 @@ async def train_step(
     base_model: Dir,
     adapter: AdapterRef,
     scored: list[ScoredGroup],
-    scored_payload: Dir | None = None,
+    scored_payload: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
 ) -> TrainStepResult:
     """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the
     next adapter. A batch too large to pass inline comes as `scored_payload` (`storage.as_payload`)."""
