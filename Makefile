@@ -1,7 +1,7 @@
 # Set-up is part of each target: `make demo` and `make test` work on a fresh clone.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Extra flags for the demo, e.g. make demo ARGS="--num-iterations 20 --run-dir runs/long"
+# Extra flags for the demo, e.g. make demo ARGS="--iterations 20 --run-dir runs/long"
 ARGS ?=
 
 .PHONY: setup chromium demo test clean

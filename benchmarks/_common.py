@@ -107,9 +107,7 @@ def flush() -> None:
 def arithmetic_reward(completion: str, answer: str) -> float:
     """The default reward (correct=1.0, format=0.2) of one completion, as the score_group task gives it."""
     from grpo_flyte.config import DEFAULT_REWARDS
-    from grpo_flyte.rewards import score_completions
+    from grpo_flyte.rewards import Group, score_completions
 
-    parts = score_completions(
-        [completion], question="", answer=answer, num_tokens=[0], max_new_tokens=1, weights=DEFAULT_REWARDS
-    )
+    parts = score_completions([completion], Group(question="", answer=answer, max_new_tokens=1, num_tokens=[0]), weights=DEFAULT_REWARDS)
     return parts[0].reward

@@ -2,7 +2,7 @@
 
 Both start from a fresh adapter (version 0) and run iteration 0 of a run: the same prompts, the
 same sampling seeds, the same batch order, the same trainer. `flyte_iteration` is exactly what
-`python -m grpo_flyte.driver --local --num-iterations 1` does (`train_rl` in a local run: tasks,
+`python -m grpo_flyte.driver --local --iterations 1` does (`train_rl` in a local run: tasks,
 checkpoint, metrics, report, adapter export); `bare_iteration` calls the generator, the reward and
 the trainer directly, the way a one-file script would, and writes only the two adapter versions.
 Both share the process's warm engine and training model (module-level caches), so neither pays
@@ -33,7 +33,7 @@ def flyte_iteration(config: RunConfig, model_dir: Path, run_dir: Path) -> dict[s
 
     from grpo_flyte.driver import train_rl
 
-    assert config.num_iterations == 1 and config.evaluation.eval_size == 0, "one iteration, no held-out evaluation"
+    assert config.iterations == 1 and config.evaluation.eval_size == 0, "one iteration, no held-out evaluation"
     runner = flyte.with_runcontext(mode="local", name=f"bench-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / "flyte"))
     run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)))
     result = run.outputs()[0]

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct with the default config (8 prompts x 8 completions, up to 
 top-up to 4 informative groups) and no held-out evaluation:
 
 - flyte: `train_rl` for one iteration in Flyte local mode, as `python -m grpo_flyte.driver --local
-  --num-iterations 1` runs it: the init_adapter, generate, score_group and train_step tasks,
+  --iterations 1` runs it: the init_adapter, generate, score_group and train_step tasks,
   checkpoint, metrics, report and adapter export, and the run's own start-up.
 - bare: the same init + iteration as direct calls to the same generator, reward and trainer.
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         else {}
     )
     rounds = 2 if args.quick else args.rounds
-    config = RunConfig(num_iterations=1, eval_size=0, **sizes)
+    config = RunConfig(iterations=1, eval_size=0, **sizes)
     # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.
     warm = RunConfig(**{**config.flat(), "prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})
     model_dir = embedded_model_dir()

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
     started = time.perf_counter()
     code = cli_main([
-        "--local", "--run-dir", str(run_dir), "--num-iterations", str(args.iterations),
+        "--local", "--run-dir", str(run_dir), "--iterations", str(args.iterations),
         "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size), *driver_flags,
     ])  # fmt: skip
     if code != 0:

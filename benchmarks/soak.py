@@ -62,7 +62,7 @@ def main() -> int:
     run_dir = work / "run"
     cmd = [
         sys.executable, "-m", "grpo_flyte.driver", "--local", "--model", str(model), "--run-dir", str(run_dir),
-        "--num-iterations", str(args.iterations), "--prompts-per-iter", "2", "--group-size", "3",
+        "--iterations", str(args.iterations), "--prompts-per-iter", "2", "--group-size", "3",
         "--max-new-tokens", "8", "--min-informative-groups", "0", "--eval-every", "10", "--eval-size", "4",
         "--adapters-to-keep", "3",
     ]

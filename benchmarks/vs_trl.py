@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = 1 if args.quick else args.steps
     fixed = args.lengths == "fixed"
     config = RunConfig(
-        num_iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes
+        iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes
     )
     model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-vs-trl-"))

@@ -2,7 +2,7 @@
 
     python examples/local_run.py
 
-Like `python -m grpo_flyte --local --num-iterations 2`, spelled out: the base model is a
+Like `python -m grpo_flyte --local --iterations 2`, spelled out: the base model is a
 `flyte.io.Dir`, the config one `RunConfig`, and the result a `RunResult` (final adapter, metrics
 history, report). The CLI also writes a run folder; here the outputs stay in Flyte's raw data.
 """
@@ -18,7 +18,7 @@ from grpo_flyte.models import embedded_model_dir
 
 if __name__ == "__main__":
     raw = Path("runs/example").resolve()
-    config = RunConfig(num_iterations=2, prompts_per_iter=2, group_size=4, max_new_tokens=64)
+    config = RunConfig(iterations=2, prompts_per_iter=2, group_size=4, max_new_tokens=64)
     run = flyte.with_runcontext(mode="local", raw_data_path=str(raw)).run(
         train_rl, config=config, base_model=Dir(path=str(embedded_model_dir()))
     )

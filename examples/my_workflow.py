@@ -23,8 +23,8 @@ env = flyte.TaskEnvironment(name="my-team-finetune", image=image, env_vars=setti
 
 
 @env.task
-async def finetune_and_report(base_model: Dir, num_iterations: int = 2) -> AdapterRef:
-    config = RunConfig(num_iterations=num_iterations, prompts_per_iter=2, group_size=4, max_new_tokens=64)
+async def finetune_and_report(base_model: Dir, iterations: int = 2) -> AdapterRef:
+    config = RunConfig(iterations=iterations, prompts_per_iter=2, group_size=4, max_new_tokens=64)
     result = await train_rl(config=config, base_model=base_model)
     last = result.history[-1].flat()
     print(f"trained adapter v{result.adapter.version} at {result.adapter.dir.path}; held-out accuracy {last['eval_accuracy']:.1%}")

@@ -33,7 +33,7 @@ def test_bare_iteration_matches_the_local_flyte_run(tmp_path, tiny_model_dir, mo
 
     monkeypatch.setattr(reward, "score", recording_score)  # the score_group task's body
     config = RunConfig(
-        model=str(tiny_model_dir), num_iterations=1, eval_size=0, prompts_per_iter=3, group_size=3,
+        model=str(tiny_model_dir), iterations=1, eval_size=0, prompts_per_iter=3, group_size=3,
         max_new_tokens=6, temperature=1.0, truncated="keep", min_informative_groups=topup, max_topup_rounds=1,
         rewards={"bench_length_reward:by_length": 1.0},
     )  # fmt: skip

@@ -24,7 +24,7 @@ def test_flags_map_to_fields():
             "--run-dir", "out/run1",
             "--model", "/models/tiny",
             "--dataset", "train.jsonl",
-            "--num-iterations", "7",
+            "--iterations", "7",
             "--prompts-per-iter", "3",
             "--group-size", "5",
             "--max-new-tokens", "64",
@@ -39,7 +39,7 @@ def test_flags_map_to_fields():
     assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "resume_run": None, "config": None}
     assert config.flat()["model"] == "/models/tiny"
     assert config.flat()["dataset"] == "train.jsonl"
-    assert config.num_iterations == 7
+    assert config.iterations == 7
     assert config.prompts_per_iter == 3
     assert config.flat()["group_size"] == 5
     assert config.flat()["max_new_tokens"] == 64
@@ -50,7 +50,7 @@ def test_flags_map_to_fields():
     assert config.flat()["backend"] == "hf"
     assert config.flat()["prompt_format"] == "plain"
     assert explicit == {
-        "model", "dataset", "num_iterations", "prompts_per_iter", "group_size", "max_new_tokens",
+        "model", "dataset", "iterations", "prompts_per_iter", "group_size", "max_new_tokens",
         "temperature", "learning_rate", "lora_rank", "seed", "backend", "prompt_format",
     }  # fmt: skip
     # everything not given keeps its default
@@ -81,11 +81,11 @@ def test_no_flags_gives_defaults():
 
 
 def test_explicit_contains_only_given_flags():
-    options, config, explicit = parse_args(["--local", "--resume", "--run-dir", "d", "--num-iterations", "20"])
+    options, config, explicit = parse_args(["--local", "--resume", "--run-dir", "d", "--iterations", "20"])
     # run options are not config fields
-    assert explicit == {"num_iterations"}
+    assert explicit == {"iterations"}
     assert options["resume"] is True and options["local"] is True
-    assert config.num_iterations == 20
+    assert config.iterations == 20
 
 
 def test_flag_equal_to_default_is_still_explicit():
@@ -111,11 +111,11 @@ def test_config_file_values_overridden_by_flags(tmp_path):
 
 def test_json_config_file(tmp_path):
     cfg = tmp_path / "run.json"
-    cfg.write_text(json.dumps({"num_iterations": 2, "lora_target_modules": ["q_proj"]}))
+    cfg.write_text(json.dumps({"iterations": 2, "lora_target_modules": ["q_proj"]}))
     _, config, explicit = parse_args(["--config", str(cfg)])
-    assert config.num_iterations == 2
+    assert config.iterations == 2
     assert config.flat()["lora_target_modules"] == ("q_proj",)
-    assert explicit == {"num_iterations", "lora_target_modules"}  # given in the file
+    assert explicit == {"iterations", "lora_target_modules"}  # given in the file
 
 
 def test_bad_value_in_config_file_is_a_config_error(tmp_path):
@@ -170,7 +170,7 @@ def test_environment_variables_do_not_leak_into_config(monkeypatch):
 # --------------------------------------------------------------------------- subprocess: --help
 
 HELP_FLAGS = [
-    "--local", "--run-dir", "--resume", "--config", "--model", "--dataset", "--num-iterations",
+    "--local", "--run-dir", "--resume", "--config", "--model", "--dataset", "--iterations",
     "--prompts-per-iter", "--group-size", "--max-new-tokens", "--temperature", "--learning-rate",
     "--lora-rank", "--seed", "--backend",
 ]  # fmt: skip
@@ -440,7 +440,7 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
     monkeypatch.chdir(tmp_path)  # no ./.flyte/config.yaml (and no git root holding one)
     submitted = []
     monkeypatch.setattr(flyte, "run", lambda *a, **k: submitted.append(a))
-    assert cli.main(["--num-iterations", "1"]) == 2
+    assert cli.main(["--iterations", "1"]) == 2
     err = capsys.readouterr().err
     assert "no Flyte cluster is configured" in err and "--local" in err and "flyte create config" in err
     assert submitted == []
@@ -458,7 +458,7 @@ def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, ca
     from grpo_flyte import cli, models
 
     monkeypatch.setattr(models, "resolve_local_model", lambda model: pytest.fail("no work may start"))
-    args = ["--local", "--num-iterations", "1", "--eval-size", "2"]
+    args = ["--local", "--iterations", "1", "--eval-size", "2"]
     if case == "run_dir_under_a_file":
         (tmp_path / "file").write_text("x")
         args += ["--run-dir", str(tmp_path / "file" / "run")]
@@ -553,9 +553,36 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
     seen = []
     split = driver.train_eval_split
     monkeypatch.setattr(driver, "train_eval_split", lambda config, examples: seen.append(examples) or split(config, examples))
-    config = RunConfig(num_iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=2, min_informative_groups=0)
+    config = RunConfig(iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=2, min_informative_groups=0)
     run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
         driver.train_rl, config=config, base_model=Dir(path=str(tiny_model_dir)), **inputs
     )
     assert [row.iteration for row in run.outputs()[0].history] == [0, 1]
     assert seen == [rows]
+
+
+# --------------------------------------------------------------------------- TRL's names as flags
+
+
+def test_flags_take_underscores_and_trl_names():
+    _, config, explicit = parse_args(["--num_generations", "6", "--max_completion_length=48", "--learning_rate", "1e-5", "--lora-r", "8"])
+    flat = config.flat()
+    assert (flat["group_size"], flat["max_new_tokens"], flat["learning_rate"], flat["lora_rank"]) == (6, 48, 1e-5, 8)
+    assert {"group_size", "max_new_tokens", "learning_rate", "lora_rank"} <= explicit
+
+
+@pytest.mark.parametrize("arg", ["--num-iterations", "--num_iterations"])
+def test_num_iterations_is_refused_with_both_meanings(arg, capsys):
+    from grpo_flyte import cli
+
+    assert cli.main([arg, "2", "--local"]) == 2
+    err = capsys.readouterr().err
+    assert "'num_iterations' is ambiguous" in err and "--iterations" in err and "--updates-per-iter" in err
+
+
+def test_a_run_folder_saved_before_the_rename_resumes_with_its_length():
+    from grpo_flyte.cli import saved_run_config
+
+    old = RunConfig(iterations=7).model_dump(mode="json")
+    old["num_iterations"] = old.pop("iterations")
+    assert RunConfig.model_validate(saved_run_config(json.dumps(old))).iterations == 7

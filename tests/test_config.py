@@ -84,7 +84,7 @@ def test_several_problems_in_one_message():
     assert "--group-size" in str(exc.value) and "--lora-rank" in str(exc.value)
 
 
-@pytest.mark.parametrize("dataset", ["foo.tsv", "data.json", "gsm8k-main"])
+@pytest.mark.parametrize("dataset", ["foo.tsv", "data.json", "rows.txt"])
 def test_dataset_must_be_a_known_name_or_file_type(dataset):
     with pytest.raises(ConfigError) as exc:
         make_config(dataset=dataset)
@@ -248,7 +248,7 @@ def _invalid_values(name: str) -> list:
     return values
 
 
-CUSTOM_CHECKS = {"dataset": ["data.json", "gsm9k"], "model": []}
+CUSTOM_CHECKS = {"dataset": ["data.json", "rows.tsv"], "model": []}
 
 
 @pytest.mark.parametrize("name", [name for name, _ in leaf_fields()])
@@ -448,3 +448,45 @@ def test_a_field_under_the_wrong_part_names_its_part(tmp_path):
     right = tmp_path / "right.yaml"
     right.write_text("sampling:\n  group_size: 4\ntrain:\n  learning_rate: 0.1\n")
     assert make_config(**load_config_file(right)).train.learning_rate == 0.1
+
+
+# --------------------------------------------------------------------------- TRL's names
+
+
+def test_trl_names_set_the_same_options():
+    config = make_config(
+        num_generations=4, max_completion_length=32, max_prompt_length=300, lora_r=8, model_name_or_path="embedded",
+        mask_truncated_completions=True, scale_rewards=False, vllm_importance_sampling_cap=3.0,
+        reward_funcs=["correct", "tags"], reward_weights=[1.0, 0.5],
+    )  # fmt: skip
+    flat = config.flat()
+    assert (flat["group_size"], flat["max_new_tokens"], flat["max_prompt_tokens"], flat["lora_rank"]) == (4, 32, 300, 8)
+    assert (flat["truncated"], flat["scale_rewards"], flat["is_cap"]) == ("mask", "none", 3.0)
+    assert flat["rewards"] == {"correct": 1.0, "tags": 0.5}
+    assert make_config(mask_truncated_completions=False).train.truncated == "keep"
+    assert make_config(reward_weights=[2.0, 1.0]).scoring.rewards == {"correct": 2.0, "format": 1.0}  # the default rewards, in order
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"num_iterations": 2}, "'num_iterations' is ambiguous, so it is refused: in TRL it is how many times each generated batch"),
+        ({"num_generations": 4, "group_size": 6}, "num_generations (TRL's name for group_size) is 4 but group_size is 6; give one of them"),
+        ({"reward_funcs": ["correct", "format"], "reward_weights": [1.0]}, "reward_weights has 1 weights for 2 rewards (correct, format)"),
+        ({"scale_rewards": "batch"}, "'batch' (TRL's batch-level std) is not supported"),
+        ({"mask_truncated_completions": "yes"}, "mask_truncated_completions='yes': expected true or false"),
+    ],
+)
+def test_trl_names_that_cannot_be_honoured_are_refused(values, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        make_config(**values)
+
+
+def test_a_trl_style_config_file(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("num_generations: 6\nmax_completion_length: 48\nlearning_rate: 1.0e-5\nbeta: 0.04\nloss_type: dr_grpo\n")
+    flat = make_config(**load_config_file(path)).flat()
+    assert (flat["group_size"], flat["max_new_tokens"], flat["learning_rate"], flat["beta"], flat["loss_type"]) == (6, 48, 1e-5, 0.04, "dr_grpo")
+    path.write_text("num_generations: 6\nnum_iterations: 2\n")
+    with pytest.raises(ConfigError, match=r"grpo.yaml': 'num_iterations' is ambiguous"):
+        load_config_file(path)

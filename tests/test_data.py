@@ -27,6 +27,7 @@ from grpo_flyte.data import (
     load_file,
     load_gsm8k,
     load_jsonl,
+    load_rows,
     load_train_examples,
     render_prompt,
     sample_prompts,
@@ -178,7 +179,7 @@ def test_load_jsonl_ok_with_blank_lines_and_integer_answers(tmp_path):
     assert examples == [
         Example(question="What is 2 + 2?", answer="4"),
         Example(question="What is 3 - 5?", answer="-2"),
-        Example(question="Big?", answer="1000"),
+        Example(question="Big?", answer="1000", columns={"extra": "ignored"}),  # other columns go to the rewards
     ]
     assert load_train_examples(str(p)) == examples
 
@@ -344,7 +345,7 @@ def test_parquet_and_csv_read_through_datasets_with_configured_columns(tmp_path)
     rows = [{"id": i, "problem": f"What is {i} + {i}?", "solution": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"} for i in range(1, 6)]
     for path in _tables(tmp_path, rows):
         examples = load_file(path, question_column="problem", answer_column="solution")
-        assert examples == [Example(question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(1, 6)]
+        assert examples == [Example(question=f"What is {i} + {i}?", answer=str(2 * i), columns={"id": i}) for i in range(1, 6)]
         with pytest.raises(DatasetError, match=rf"{path.name}.*no column 'question' \(columns: id, problem, solution\)"):
             load_file(path)
 
@@ -433,3 +434,49 @@ def test_topup_prompts_depend_on_seed_iteration_and_round_only():
     assert a != topup_prompts(examples, seed=1, iteration=3, round_=1, num=4)
     assert a != topup_prompts(examples, seed=1, iteration=4, round_=0, num=4)
     assert len(topup_prompts(examples[:3], seed=1, iteration=0, round_=0, num=10)) == 3
+
+
+# --------------------------------------------------------------------------- TRL's dataset format
+
+
+def test_trl_prompt_rows_text_and_chat_keep_every_other_column(tmp_path):
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    p = _write(tmp_path, "trl.jsonl", [
+        json.dumps({"prompt": "Write a haiku about rain.", "level": 1}),
+        json.dumps({"prompt": chat, "solution": "2", "tags": ["math"]}),
+    ])  # fmt: skip
+    first, second = load_jsonl(p, need_answers=False)
+    assert (first.question, first.prompt, first.answer, first.columns) == ("Write a haiku about rain.", "Write a haiku about rain.", "", {"level": 1})
+    assert [m.model_dump() for m in second.prompt] == chat
+    assert second.question == "Name a prime."  # shown in reports: the last user turn
+    assert second.columns == {"solution": "2", "tags": ["math"]}
+    # the 'correct' reward needs a gold answer in --answer-column: named with its line
+    with pytest.raises(DatasetError, match=r"trl.jsonl' line 1: no usable answer in 'answer' \(got None\)"):
+        load_jsonl(p)
+    assert load_jsonl(p, answer_column="solution", need_answers=False)[1].answer == "2"
+
+
+@pytest.mark.parametrize("prompt", ["", [], [{"role": "user"}], {"role": "user", "content": "hi"}, 3])
+def test_a_bad_trl_prompt_is_named_with_its_line(tmp_path, prompt):
+    p = _write(tmp_path, "bad.jsonl", [json.dumps({"prompt": "fine"}), json.dumps({"prompt": prompt})])
+    with pytest.raises(DatasetError, match=r"bad.jsonl' line 2: 'prompt' must be non-empty text or a list of chat messages"):
+        load_jsonl(p, need_answers=False)
+
+
+def test_a_dataset_folder_is_read_with_load_dataset_and_its_split(tmp_path):
+    """Any `datasets.load_dataset` argument works: here a local folder of parquet splits (a Hub id
+    goes the same way, downloaded once, where a network is reachable)."""
+    import pandas as pd
+
+    folder = tmp_path / "my_dataset" / "data"
+    folder.mkdir(parents=True)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(1, 8)]
+    pd.DataFrame(rows[:5]).to_parquet(folder / "train-00000-of-00001.parquet")
+    pd.DataFrame(rows[5:]).to_parquet(folder / "test-00000-of-00001.parquet")
+    config = RunConfig(dataset=str(tmp_path / "my_dataset"), rewards={"correct": 1.0}, eval_size=2)
+    train = load_rows(config)
+    assert [e.question for e in train] == [f"What is {i} + {i}?" for i in range(1, 6)] and train[0].answer == "2"
+    test = load_rows(config.model_copy(update={"data": config.data.model_copy(update={"dataset_split": "test"})}))
+    assert [e.answer for e in test] == ["12", "14"]
+    with pytest.raises(DatasetError, match=r"'.*no_such_dataset' \(split 'train'\): could not be read through the datasets library"):
+        load_rows(RunConfig(dataset=str(tmp_path / "no_such_dataset")))

@@ -49,7 +49,7 @@ def test_mean_ci95_hand_computed():
     ],
 )
 def test_eval_due(eval_every, eval_size, due):
-    config = RunConfig(num_iterations=25, eval_every=eval_every, eval_size=eval_size)
+    config = RunConfig(iterations=25, eval_every=eval_every, eval_size=eval_size)
     assert [i for i in range(26) if eval_due(config, i)] == due
 
 

@@ -35,11 +35,11 @@ def lora_tensors(adapter_dir: Path) -> dict:
 
 def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(jsonl_dataset), "--num-iterations", "2"]
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(jsonl_dataset), "--iterations", "2"]
     assert cli_main([*args, *TINY, "--run-dir", str(run_dir)]) == 0
 
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["num_iterations"] == 2 and config["sampling"]["group_size"] == 3  # saved in parts
+    assert config["iterations"] == 2 and config["sampling"]["group_size"] == 3  # saved in parts
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the held-out evaluation before training
     assert [r["adapter_version"] for r in rows] == [0, 1, 2]
@@ -162,15 +162,15 @@ def test_several_updates_per_iteration_clip_and_drift_from_the_reference(tmp_pat
 def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
-    assert cli_main([*common, "--num-iterations", "1"]) == 0
+    assert cli_main([*common, "--iterations", "1"]) == 0
     first_adapter = lora_tensors(run_dir / "adapter")
-    assert cli_main([*common, "--num-iterations", "3", "--resume"]) == 0
+    assert cli_main([*common, "--iterations", "3", "--resume"]) == 0
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
     assert [r["adapter_version"] for r in rows] == [0, 1, 2, 3]
     # evaluated before training, at the end of the first run, and at the end of the extension
     assert [r["iteration"] for r in rows if "eval_reward" in r] == [0, 1, 3]
-    assert json.loads((run_dir / "config.json").read_text())["num_iterations"] == 3
+    assert json.loads((run_dir / "config.json").read_text())["iterations"] == 3
     assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 3
     assert lora_tensors(run_dir / "adapter").keys() == first_adapter.keys()
 
@@ -178,17 +178,17 @@ def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
 def test_resume_rejects_a_changed_config(tmp_path, tiny_model_dir, capsys):
     run_dir = tmp_path / "run"
     common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
-    assert cli_main([*common, "--num-iterations", "1"]) == 0
+    assert cli_main([*common, "--iterations", "1"]) == 0
     before = (run_dir / "metrics.jsonl").read_text()
     assert cli_main([*common, "--resume", "--learning-rate", "0.5"]) == 2
     assert "--learning-rate" in capsys.readouterr().err
-    assert cli_main([*common, "--num-iterations", "2"]) == 2  # a second run into the same folder
+    assert cli_main([*common, "--iterations", "2"]) == 2  # a second run into the same folder
     assert (run_dir / "metrics.jsonl").read_text() == before
 
 
 def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "6", "--run-dir", str(run_dir)]
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "6", "--run-dir", str(run_dir)]
     proc = subprocess.Popen([sys.executable, "-m", "grpo_flyte.driver", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -226,7 +226,7 @@ def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "2", "--learning-rate", "0.05",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--learning-rate", "0.05",
             "--dtype", "float32", "--export-merged", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     merged_dir = run_dir / "merged"
@@ -329,7 +329,7 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
 
 def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "1", "--eval-size", "0",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--eval-size", "0",
             "--min-informative-groups", "2", "--max-topup-rounds", "1", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     (row,) = read_metrics(run_dir)  # --eval-size 0: no evaluation rows
@@ -345,7 +345,7 @@ def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_embedded_model_short_run(tmp_path, embedded_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--num-iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24",
+    args = ["--local", "--iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24",
             "--min-informative-groups", "0"]
     assert cli_main([*args, "--eval-size", "4", "--run-dir", str(run_dir)]) == 0
     before, row = read_metrics(run_dir)
@@ -370,7 +370,7 @@ def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tm
     monkeypatch.syspath_prepend(str(REPO))  # examples.custom_reward imports from the repository root
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(GSM8K_SAMPLE), "--prompt-format", "chat",
-            "--rewards", f"correct=1.0,format=0.2,{CUSTOM}=0.3", *TINY, "--eval-size", "4", "--num-iterations", "2",
+            "--rewards", f"correct=1.0,format=0.2,{CUSTOM}=0.3", *TINY, "--eval-size", "4", "--iterations", "2",
             "--export-merged", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     rows = read_metrics(run_dir)
@@ -410,7 +410,7 @@ def _failing_reward_module(tmp_path: Path, monkeypatch) -> str:
 def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, tiny_model_dir, monkeypatch, caplog):
     name = _failing_reward_module(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--num-iterations", "1",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
             "--rewards", f"correct=1,{name}=1", "--run-dir", str(run_dir)]
     with caplog.at_level("ERROR", logger="grpo_flyte"):
         assert cli_main(args) == 1
@@ -424,7 +424,7 @@ def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, t
 def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_model_dir, monkeypatch):
     name = _failing_reward_module(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--num-iterations", "1",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
             "--rewards", f"correct=1,{name}=1", "--on-reward-error", "zero", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     rows = read_metrics(run_dir)
@@ -472,7 +472,7 @@ def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--num-iterations", "2", "--wandb-project", "grpo-test",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--wandb-project", "grpo-test",
             "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     run_id, logged = _wandb_history(run_dir)
@@ -530,7 +530,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     monkeypatch.setattr(engines, "generate_groups", flaky_generate_groups)
     monkeypatch.setattr(trainer, "save_adapter", flaky_save_adapter)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "2",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "2",
             "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     assert (generate_failures, train_failures) == (["generate_groups"], [1])  # each fired, once
@@ -546,7 +546,7 @@ def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_pa
     from grpo_flyte.trainer import OPTIMIZER_FILE
 
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--num-iterations", "1",
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "1",
             "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     name = OPTIMIZER_FILE if damaged == "optimizer.pt" else damaged
@@ -555,7 +555,7 @@ def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_pa
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])  # truncated, as by a full disk
     metrics_before = (run_dir / "metrics.jsonl").read_bytes()
     with caplog.at_level("ERROR", logger="grpo_flyte"):
-        assert cli_main([*args[:-4], "--num-iterations", "2", "--run-dir", str(run_dir), "--resume"]) == 1
+        assert cli_main([*args[:-4], "--iterations", "2", "--run-dir", str(run_dir), "--resume"]) == 1
     failure = "\n".join(r.getMessage() for r in caplog.records)
     assert f"adapter {str(latest)!r}" in failure and "cannot be loaded" in failure
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
@@ -566,7 +566,7 @@ def test_train_rl_outputs_outlive_the_task_in_local_mode(tmp_path, tiny_model_di
     """Used from Python (no CLI), the returned report and adapter folders exist after the run."""
     from grpo_flyte.driver import train_rl
 
-    config = RunConfig(num_iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0)
+    config = RunConfig(iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0)
     run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
         train_rl, config=config, base_model=Dir(path=str(tiny_model_dir))
     )
@@ -575,3 +575,34 @@ def test_train_rl_outputs_outlive_the_task_in_local_mode(tmp_path, tiny_model_di
     assert report.is_file() and "complete" in report.read_text()
     assert (Path(result.adapter.dir.path) / "adapter_model.safetensors").is_file()
     assert [row.iteration for row in result.history] == [1]
+
+
+# --------------------------------------------------------------------------- coming from TRL
+
+
+def test_a_trl_dataset_and_reward_function_work_unchanged(tmp_path, tiny_model_dir, monkeypatch):
+    """A `prompt` column of chat messages, an extra column, and a reward function written for
+    TRL's GRPOTrainer (conversational completions, the column as a list): a local run trains on
+    them and reports the reward; no gold answer is needed without the 'correct' reward."""
+    (tmp_path / "trl_rewards.py").write_text(
+        "def reward_len(completions, target_len, **kwargs):\n"
+        "    # from TRL's documentation, written for conversational data\n"
+        "    return [-abs(t - len(c[0]['content'])) / 10 for c, t in zip(completions, target_len)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(
+        json.dumps({"prompt": [{"role": "user", "content": f"Say something about the number {i}."}], "target_len": 10}) + "\n"
+        for i in range(12)
+    ))  # fmt: skip
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), "--rewards", "trl_rewards:reward_len=1.0",
+            *TINY, "--eval-size", "2", "--iterations", "2", "--run-dir", str(run_dir)]  # fmt: skip
+    assert cli_main(args) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["mean_reward"] == pytest.approx(row["reward/trl_rewards:reward_len"]) and row["mean_reward"] <= 0
+        assert row["accuracy"] == 0  # no gold answers: nothing is counted correct
+    answers = [json.loads(x) for x in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    assert all(a["question"].startswith("Say something about the number") and a["answer"] == "" for a in answers)

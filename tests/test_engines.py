@@ -350,3 +350,27 @@ def test_the_batcher_survives_a_new_event_loop(monkeypatch):
     for seed in (1, 2):
         assert asyncio.run(engines.generate_groups(KEY, "/a", [_request(seed)]))[0][0].completion_ids == [seed]
     assert engine.batches == [[1], [2]]
+
+
+# --------------------------------------------------------------------------- prompts in TRL's format
+
+
+def test_trl_prompts_tokenize_as_trl_would(embedded_dir):
+    """Text is tokenized as it is (the tokenizer's special tokens added); chat messages go through
+    the chat template with the assistant turn opened, and the run's system prompt is not added."""
+    from transformers import AutoTokenizer
+
+    from grpo_flyte.config import PromptConfig
+    from grpo_flyte.types import Example, Message
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_dir))
+    config = PromptConfig()
+    text = Example(question="Write a haiku.", answer="", prompt="Write a haiku.")
+    assert engines.tokenize_prompt(tok, text, config) == tok("Write a haiku.")["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    chat = Example(question="Name a prime.", answer="", prompt=[Message(**m) for m in messages])
+    ids = engines.tokenize_prompt(tok, chat, config)
+    assert ids == tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert config.system_prompt not in tok.decode(ids)
+    # the question form still gets the run's system prompt and instruction
+    assert config.system_prompt in tok.decode(engines.tokenize_prompt(tok, Example(question="Name a prime.", answer="2"), config))

@@ -200,7 +200,7 @@ from grpo_flyte.types import Example
 from grpo_flyte.driver import train_rl
 flyte.init(root_dir=Path({src!r}))
 run = flyte.with_runcontext(mode="remote", dry_run=True).run(
-    train_rl, config=RunConfig(num_iterations=3), base_model=Dir(path="s3://bucket/model"),
+    train_rl, config=RunConfig(iterations=3), base_model=Dir(path="s3://bucket/model"),
     examples=[Example(question="q", answer="1")], examples_file=[Dir(path="s3://bucket/rows", hash="k")])
 args = list(run.task_spec.task_template.container.args)
 print("MOD", args[args.index("mod") + 1], args[args.index("instance") + 1])

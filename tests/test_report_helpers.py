@@ -332,7 +332,7 @@ def test_the_report_tab_gets_a_fragment_and_the_run_folder_a_document(tmp_path, 
     monkeypatch.setattr(flyte.report, "replace", SimpleNamespace(aio=replace))
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--prompts-per-iter", "2", "--group-size", "2",
-            "--eval-size", "2", "--min-informative-groups", "0", "--num-iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
+            "--eval-size", "2", "--min-informative-groups", "0", "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
     assert cli_main(args) == 0
     assert sent, "the driver published no report"
     for fragment in sent:

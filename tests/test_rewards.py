@@ -9,6 +9,7 @@ import pytest
 from grpo_flyte import config, rewards
 from grpo_flyte.config import DEFAULT_REWARDS, ConfigError, make_config
 from grpo_flyte.rewards import (
+    Group,
     RewardError,
     RewardSpecError,
     answer_span,
@@ -142,10 +143,7 @@ def test_length_reward_is_a_soft_penalty_over_the_last_quarter():
 def _score(completions, weights=DEFAULT_REWARDS, on_error="fail", answer="12"):
     return score_completions(
         completions,
-        question="What is 5 + 7?",
-        answer=answer,
-        num_tokens=[len(c) for c in completions],
-        max_new_tokens=64,
+        Group(question="What is 5 + 7?", answer=answer, max_new_tokens=64, num_tokens=[len(c) for c in completions]),
         weights=weights,
         on_error=on_error,
     )
@@ -198,7 +196,7 @@ def test_weighted_mix_with_a_custom_reward_keeps_each_score(custom_module):
         ("_interrupt() if any('bad' in c for c in completions) else [1.0] * len(completions)",
          r"raised KeyboardInterrupt: .* on completion 2 of 3"),
         ("_exit() if any('bad' in c for c in completions) else [1.0] * len(completions)", r"raised SystemExit: 3 on completion 2 of 3"),
-        ("[10 ** 400 if 'bad' in c else 1 for c in completions]", r"returned 1000000.*\.\.\.; expected a number that fits a float on completion 2"),
+        ("[10 ** 400 if 'bad' in c else 1 for c in completions]", r"returned 1000000.*\.\.\.; expected a number that fits a float, or None on completion 2"),
     ],
 )
 def test_a_failing_reward_names_itself_and_the_completion(custom_module, body, message):
@@ -278,21 +276,17 @@ def test_a_reward_that_never_returns_is_stopped_at_its_time_limit(custom_module)
     module = custom_module("def stuck(completions, **kwargs):\n    while True:\n        pass\n")
     texts = ["#### 12", "#### 11"]
     with pytest.raises(RewardError, match=rf"reward '{module}:stuck' took longer than 0.5 s \(reward_timeout_s\) and was stopped"):
-        score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
-                          weights={f"{module}:stuck": 1.0}, timeout_s=0.5)  # fmt: skip
-    parts = score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
-                              weights={"correct": 1.0, f"{module}:stuck": 1.0}, on_error="zero", timeout_s=0.5)  # fmt: skip
+        score_completions(texts, Group("q", "12", 8, [2, 2]), weights={f"{module}:stuck": 1.0}, timeout_s=0.5)  # fmt: skip
+    parts = score_completions(texts, Group("q", "12", 8, [2, 2]), weights={"correct": 1.0, f"{module}:stuck": 1.0}, on_error="zero", timeout_s=0.5)  # fmt: skip
     assert [p.reward for p in parts] == [1.0, 0.0]  # correct scores; the stuck reward counts 0 and an error
     assert [p.errors for p in parts] == [[f"{module}:stuck"]] * 2
     # and the worker is back for the next call
-    assert [p.reward for p in score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
-                                                weights={"correct": 1.0}, timeout_s=5)] == [1.0, 0.0]  # fmt: skip
+    assert [p.reward for p in score_completions(texts, Group("q", "12", 8, [2, 2]), weights={"correct": 1.0}, timeout_s=5)] == [1.0, 0.0]  # fmt: skip
 
 
 def test_math_verify_on_an_exponent_tower_is_a_reward_error_not_a_hang():
     texts = ["#### 12", "#### 9^9^9^9"]
-    parts = score_completions(texts, question="q", answer="12", num_tokens=[2, 2], max_new_tokens=8,
-                              weights={"correct": 1.0, "format": 0.2}, on_error="zero", timeout_s=1)  # fmt: skip
+    parts = score_completions(texts, Group("q", "12", 8, [2, 2]), weights={"correct": 1.0, "format": 0.2}, on_error="zero", timeout_s=1)  # fmt: skip
     assert [p.reward for p in parts] == [1.2, 0.2]
     assert [p.errors for p in parts] == [[], ["correct"]]
     assert [p.correct for p in parts] == [True, False]  # the accuracy check has the same limit
@@ -306,3 +300,51 @@ def test_a_gold_answer_that_cannot_be_read_in_time_is_refused_naming_its_line(tm
     path.write_text('{"question": "q1", "answer": "7"}\n{"question": "q2", "answer": "10**10**10**10"}\n')
     with pytest.raises(DatasetError, match=r"line 2: no usable answer in 'answer' \(got '10\*\*10\*\*10\*\*10'\)"):
         load_jsonl(path, timeout_s=1)
+
+
+# --------------------------------------------------------------------------- TRL's reward signature
+
+
+def test_a_trl_reward_function_gets_lists_one_entry_per_completion(custom_module):
+    """TRL's signature: keyword lists (prompts, completions, completion_ids, every other column);
+    for chat prompts, prompts and completions are message lists, as TRL passes them."""
+    module = custom_module(
+        "import json\n"
+        "SEEN = []\n"
+        "def echo(prompts, completions, completion_ids, solution, **kwargs):\n"
+        "    # a TRL reward: score by the solution column, report what it was given in the score\n"
+        "    assert len(prompts) == len(completions) == len(completion_ids) == len(solution)\n"
+        "    assert all(p == prompts[0] for p in prompts) and all(s == '7' for s in solution)\n"
+        "    assert prompts[0] == [{'role': 'user', 'content': 'What is 3 + 4?'}], prompts[0]\n"
+        "    assert completions[1] == [{'role': 'assistant', 'content': 'it is 8'}], completions[1]\n"
+        "    assert completion_ids == [[1, 2], [3, 4, 5]] and kwargs['level'] == ['easy', 'easy']\n"
+        "    return [1.0 if c[0]['content'].endswith(s) else 0.0 for c, s in zip(completions, solution)]\n"
+    )
+    group = Group(
+        question="What is 3 + 4?", answer="", max_new_tokens=8, num_tokens=[2, 3], completion_ids=[[1, 2], [3, 4, 5]],
+        prompt=[{"role": "user", "content": "What is 3 + 4?"}], columns={"solution": "7", "level": "easy"},
+    )  # fmt: skip
+    parts = score_completions(["it is 7", "it is 8"], group, {f"{module}:echo": 1.0})
+    assert [p.reward for p in parts] == [1.0, 0.0]
+    assert [p.correct for p in parts] == [False, False]  # no gold answer: nothing counts as correct
+
+
+def test_the_signature_decides_for_question_answer_data(custom_module):
+    """With question/answer rows, a function that takes `prompts` is called TRL's way (answer as a
+    list); one in the original form gets one answer per group, as before."""
+    module = custom_module(
+        "def trl(prompts, completions, answer, **kwargs):\n"
+        "    return [float(a == '12' and p == 'What is 5 + 7?') for p, a in zip(prompts, answer)]\n"
+        "def original(completions, *, answer, question, num_tokens, **kwargs):\n"
+        "    return [float(answer == '12' and question == 'What is 5 + 7?')] * len(completions)\n"
+    )
+    parts = _score(["#### 12", "#### 3"], {f"{module}:trl": 1.0, f"{module}:original": 10.0})
+    assert [p.reward for p in parts] == [11.0, 11.0]
+
+
+def test_none_means_does_not_apply(custom_module):
+    """TRL's None: left out of the weighted sum and of that reward's scores."""
+    module = custom_module("def only_long(completions, **kwargs):\n    return [0.5 if len(c) > 8 else None for c in completions]\n")
+    parts = _score(["#### 12 because", "#### 12"], {"correct": 1.0, f"{module}:only_long": 2.0})
+    assert [p.reward for p in parts] == [2.0, 1.0]
+    assert parts[1].scores == {"correct": 1.0} and parts[0].scores[f"{module}:only_long"] == 0.5

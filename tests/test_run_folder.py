@@ -26,7 +26,7 @@ ENTRY = [sys.executable, "-m", "grpo_flyte.driver"]
 
 
 def _args(model: Path, run_dir: Path, iterations: int = 2) -> list[str]:
-    return ["--local", "--model", str(model), *TINY, "--num-iterations", str(iterations), "--run-dir", str(run_dir)]
+    return ["--local", "--model", str(model), *TINY, "--iterations", str(iterations), "--run-dir", str(run_dir)]
 
 
 def _iterations(run_dir: Path) -> list[int]:
@@ -215,7 +215,7 @@ def test_a_resume_never_drops_finished_iterations(tmp_path, tiny_model_dir, fini
     before = _listing(run_dir)
     assert cli_main([*_args(tiny_model_dir, run_dir, 1), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "--num-iterations 1 is below the 2 iterations this run finished" in err and err.count("\n") == 1
+    assert "--iterations 1 is below the 2 iterations this run finished" in err and err.count("\n") == 1
     assert _listing(run_dir) == before
 
 
@@ -223,14 +223,14 @@ def test_a_config_file_given_with_resume_is_applied_or_refused_never_ignored(tmp
     run_dir = _copy(finished, tmp_path / "run")
     before = _listing(run_dir)
     changed = tmp_path / "changed.yaml"
-    changed.write_text("learning_rate: 0.1\nnum_iterations: 3\n")
+    changed.write_text("learning_rate: 0.1\niterations: 3\n")
     assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume", "--config", str(changed)]) == 2
     err = capsys.readouterr().err
     assert "--learning-rate differ" in err and err.count("\n") == 1
     assert _listing(run_dir) == before
     # a file that agrees with the saved config, extending the run, is applied
     same = tmp_path / "same.yaml"
-    same.write_text("max_new_tokens: 8\nnum_iterations: 3\n")
+    same.write_text("max_new_tokens: 8\niterations: 3\n")
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
     assert cli_main([*args, "--resume", "--config", str(same)]) == 0
     assert _iterations(run_dir) == [0, 1, 2, 3]
@@ -385,7 +385,7 @@ def test_a_recovered_rerun_reuses_every_finished_task(tmp_path, tiny_model_dir, 
     monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
     recovering = RecoveringDispatch(_local_controller.direct_dispatch, fail_on=("train_step", 2))
     monkeypatch.setattr(_local_controller, "direct_dispatch", recovering)
-    config = RunConfig(num_iterations=2, prompts_per_iter=2, group_size=3, max_new_tokens=6, eval_size=2, min_informative_groups=0)
+    config = RunConfig(iterations=2, prompts_per_iter=2, group_size=3, max_new_tokens=6, eval_size=2, min_informative_groups=0)
     model = Dir(path=str(tiny_model_dir))
 
     def run(name: str):

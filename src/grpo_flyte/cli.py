@@ -33,6 +33,8 @@ from grpo_flyte.config import (
     ARITHMETIC_DATASET,
     EMBEDDED_MODEL,
     GSM8K_DATASET,
+    NUM_ITERATIONS_REFUSED,
+    TRL_ALIASES,
     RunConfig,
     flag,
     format_validation_error,
@@ -40,7 +42,7 @@ from grpo_flyte.config import (
     load_config_file,
     make_config,
 )
-from grpo_flyte.data import load_file, train_eval_split
+from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import GrpoFlyteError, ModelError
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
@@ -114,8 +116,24 @@ def user_message(exc: GrpoFlyteError) -> str:
     return f"{flag(exc.field)} {exc.detail}" if exc.field else str(exc)
 
 
+def canonical_flags(argv: list[str]) -> list[str]:
+    """The arguments with every flag in its kebab-case form (`--group_size` is `--group-size`) and
+    TRL's names for shared options turned into ours (`--num_generations 8` is `--group-size 8`)."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg[2:].partition("=")
+            key = name.replace("-", "_")
+            if key == "num_iterations":
+                raise UserError(NUM_ITERATIONS_REFUSED)
+            arg = flag(TRL_ALIASES.get(key, key)) + eq + value
+        out.append(arg)
+    return out
+
+
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     """(run options, the run's config, the config fields given: by a flag or in the --config file)."""
+    argv = canonical_flags(argv)
     try:
         parsed = CliApp.run(_cli_model(), cli_args=argv)
     except SettingsError as exc:
@@ -134,14 +152,15 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     """Check the dataset and the rewards before any work starts; returns a file dataset's rows and
     the (training, held-out) split when it was made here.
 
-    Every row must have a usable answer and --eval-size must fit. A file's rows travel to the
-    driver as an input; 'gsm8k' is loaded where the driver runs (here too, in a local run, to check
-    it first). Custom rewards must import, and --wandb-project needs wandb.
+    Every row must have a usable answer (when the 'correct' reward is weighted) and --eval-size must
+    fit. The rows of a file or a local dataset folder travel to the driver as an input; 'gsm8k' and
+    Hub ids are loaded where the driver runs (here too, in a local run, to check them first). Custom
+    rewards must import, and --wandb-project needs wandb.
     """
     examples = split = None
     data = config.data
-    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET):
-        examples = load_file(data.dataset, data.question_column, data.answer_column, config.scoring.reward_timeout_s)
+    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and (is_file_dataset(data.dataset) or Path(data.dataset).exists() or local):
+        examples = load_rows(config)
     if examples is not None or local:
         split = train_eval_split(config, examples)
     for name in config.scoring.rewards:
@@ -149,6 +168,15 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     if config.wandb_project and importlib.util.find_spec("wandb") is None:
         raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
     return examples, split
+
+
+def saved_run_config(text: str) -> Any:
+    """A run folder's saved config as data; a folder saved before 'num_iterations' became
+    'iterations' names the loop's length the old way (unambiguous in our own file)."""
+    data = json.loads(text)
+    if isinstance(data, dict) and "num_iterations" in data:
+        data["iterations"] = data.pop("num_iterations")
+    return data
 
 
 def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> tuple[Path, RunConfig, str | None]:
@@ -163,25 +191,25 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
         if not saved_file.is_file():
             raise UserError(f"--resume: {str(saved_file)!r} not found; expected the folder of an earlier local run")
         try:
-            saved = RunConfig.model_validate_json(saved_file.read_text())
-        except (ValidationError, UnicodeDecodeError) as exc:
+            saved = RunConfig.model_validate(saved_run_config(saved_file.read_text()))
+        except (ValidationError, UnicodeDecodeError, ValueError) as exc:
             detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise UserError(f"--resume: {str(saved_file)!r} is not a valid saved config: {detail}") from None
         given, kept = config.flat(), saved.flat()
-        # Flags and --config file values alike: each is applied (--num-iterations) or refused, never ignored.
-        changed = sorted(f for f in explicit if f != "num_iterations" and given.get(f) != kept.get(f))
+        # Flags and --config file values alike: each is applied (--iterations) or refused, never ignored.
+        changed = sorted(f for f in explicit if f != "iterations" and given.get(f) != kept.get(f))
         if changed:
             flags = ", ".join("--" + f.replace("_", "-") for f in changed)
-            raise UserError(f"--resume continues the saved config; {flags} differ from {saved_file} (only --num-iterations may change)")
+            raise UserError(f"--resume continues the saved config; {flags} differ from {saved_file} (only --iterations may change)")
         checkpoint, state = saved_state(run_dir)
-        if "num_iterations" in explicit:
+        if "iterations" in explicit:
             done = state.iterations_done if state else 0
-            if config.num_iterations < done:
+            if config.iterations < done:
                 raise UserError(
-                    f"--num-iterations {config.num_iterations} is below the {done} iterations this run finished; "
+                    f"--iterations {config.iterations} is below the {done} iterations this run finished; "
                     f"expected at least {done} (a resume never drops finished iterations)"
                 )
-            saved = saved.model_copy(update={"num_iterations": config.num_iterations})
+            saved = saved.model_copy(update={"iterations": config.iterations})
         return run_dir, saved, checkpoint
     if run_dir is None:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -438,7 +466,7 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
     write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     logger.info(
         "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
-        run_dir, config.num_iterations, config.prompts_per_iter, config.sampling.group_size, model_dir,
+        run_dir, config.iterations, config.prompts_per_iter, config.sampling.group_size, model_dir,
     )
     if resume_from:
         logger.info("resuming from %s", resume_from)
@@ -452,7 +480,7 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
             result = run.outputs()[0]
     except KeyboardInterrupt as exc:
         done = [i for i in finished_iterations(run_dir) if i > 0]
-        where = f"iterations 1-{max(done)} of {config.num_iterations} are kept" if done else "no iteration had finished"
+        where = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
         how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
         logger.error("%s: %s in %s; continue with: %s --local --resume --run-dir %s", how, where, run_dir, PROG, run_dir)
         return 143 if isinstance(exc, Terminated) else 130

@@ -29,6 +29,8 @@ EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
 GSM8K_DATASET = "gsm8k"
 DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
+# Data files that look supported but are not (a .json array, tab-separated text, ...).
+UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # The built-in rewards (grpo_flyte.rewards implements them; a test keeps the two in step).
@@ -102,28 +104,38 @@ class DataConfig(_Part):
 
     dataset: str = Field(
         ARITHMETIC_DATASET,
+        min_length=1,
         description=(
-            "'arithmetic' (built-in generator with a held-out split), 'gsm8k' (openai/gsm8k through "
-            "the datasets library: train split, held-out questions from test), or a local .jsonl, "
-            ".parquet or .csv file (see --question-column, --answer-column)."
+            "'arithmetic' (built-in generator with a held-out split), 'gsm8k' (openai/gsm8k: train split, "
+            "held-out questions from test), a local .jsonl, .parquet or .csv file, or anything "
+            "datasets.load_dataset reads (a Hub id such as 'trl-lib/DeepMath-103K', or a local dataset "
+            "folder; see --dataset-split). Rows hold a question and an answer (--question-column, "
+            "--answer-column), or TRL's 'prompt' column (text, or a list of chat messages); every other "
+            "column is passed to the reward functions."
         ),
     )
-    question_column: str = Field("question", min_length=1, description="File datasets: the column holding the question.")
+    @field_validator("dataset")
+    @classmethod
+    def _readable_dataset(cls, dataset: str) -> str:
+        # Anything else may be a Hub id or a dataset folder: read (and checked) before the run starts.
+        if dataset.lower().endswith(UNSUPPORTED_FILE_TYPES):
+            raise ValueError(
+                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}', a path ending in "
+                + ", ".join(DATASET_FILE_TYPES)
+                + ", a dataset folder or a Hub id"
+            )
+        return dataset
+
+    dataset_split: str = Field("train", min_length=1, description="Hub ids and dataset folders: the split to read.")
+    question_column: str = Field("question", min_length=1, description="The column holding the question (unless the rows have TRL's 'prompt').")
     answer_column: str = Field(
         "answer",
         min_length=1,
-        description="File datasets: the column holding the gold answer; text after a '####' (GSM8K's format) is the answer.",
+        description=(
+            "The column holding the gold answer; text after a '####' (GSM8K's format) is the answer. "
+            "Needed, and must parse as math, only when the 'correct' reward is weighted."
+        ),
     )
-
-    @field_validator("dataset")
-    @classmethod
-    def _known_dataset(cls, dataset: str) -> str:
-        if dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and not dataset.lower().endswith(DATASET_FILE_TYPES):
-            raise ValueError(
-                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a path ending in "
-                + ", ".join(DATASET_FILE_TYPES)
-            )
-        return dataset
 
 
 class PromptConfig(_Part):
@@ -234,6 +246,16 @@ class TrainConfig(_Part):
         ),
     )
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range below 1: the ratio is clipped at 1 - epsilon.")
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_scale_rewards(cls, value: Any) -> Any:
+        # TRL also takes booleans (True: 'group', False: 'none'); its 'batch' has no equivalent here
+        if isinstance(value, bool):
+            return "group" if value else "none"
+        if value == "batch":
+            raise ValueError("'batch' (TRL's batch-level std) is not supported; expected 'group' or 'none'")
+        return value
     epsilon_high: float = Field(
         0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high."
     )
@@ -296,7 +318,7 @@ class EvalConfig(_Part):
 class RunConfig(_Part):
     """Everything that determines what a run computes."""
 
-    num_iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
+    iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
     prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     min_informative_groups: int = Field(
         4,
@@ -339,7 +361,7 @@ class RunConfig(_Part):
         """Move flat leaf names (`group_size=4`) into their part; a flat name wins over a nested one."""
         if not isinstance(data, dict):
             return data
-        out = dict(data)
+        out = from_trl_names(data)
         for name, (part, _) in _leaf_index().items():
             if part is not None and name in out:
                 nested = out.get(part, {})
@@ -375,6 +397,55 @@ def _leaf_index() -> dict[str, tuple[str | None, FieldInfo]]:
             assert name not in index, f"config field {name!r} is defined twice"
             index[name] = (part, field)
     return index
+
+
+# TRL's names (GRPOConfig, and the ModelConfig of its scripts) for options both have: accepted from
+# Python, in config files and (the plain renames) as flags, and translated before validation.
+TRL_ALIASES: dict[str, str] = {
+    "num_generations": "group_size",
+    "max_completion_length": "max_new_tokens",
+    "max_prompt_length": "max_prompt_tokens",
+    "model_name_or_path": "model",
+    "lora_r": "lora_rank",
+    "vllm_importance_sampling_correction": "is_correction",
+    "vllm_importance_sampling_cap": "is_cap",
+}
+NUM_ITERATIONS_REFUSED = (
+    "'num_iterations' is ambiguous, so it is refused: in TRL it is how many times each generated batch is "
+    "trained on (not a setting here; --updates-per-iter splits a batch into that many optimizer steps), and "
+    "in grpo_flyte before 2026-11 it was the loop's length, now 'iterations' (--iterations)"
+)
+
+
+def from_trl_names(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with TRL's names turned into this config's (see TRL_ALIASES, plus
+    mask_truncated_completions -> truncated, reward_funcs/reward_weights -> rewards); ValueError
+    for 'num_iterations' and for a TRL name that disagrees with its counterpart given alongside."""
+    out = dict(values)
+    if "num_iterations" in out:
+        raise ValueError(NUM_ITERATIONS_REFUSED)
+    renamed = {trl: ours for trl, ours in TRL_ALIASES.items() if trl in out}
+    if "mask_truncated_completions" in out:
+        masked = out.pop("mask_truncated_completions")
+        if not isinstance(masked, bool):
+            raise ValueError(f"mask_truncated_completions={shown(masked)}: expected true or false")
+        out["mask_truncated_completions"] = "mask" if masked else "keep"
+        renamed["mask_truncated_completions"] = "truncated"
+    if "reward_weights" in out or "reward_funcs" in out:
+        funcs = out.pop("reward_funcs", None)
+        weights = out.pop("reward_weights", None)
+        names = list(funcs) if funcs is not None else list(out.get("rewards") or DEFAULT_REWARDS)
+        weights = [1.0] * len(names) if weights is None else list(weights)
+        if len(weights) != len(names):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(names)} rewards ({', '.join(map(str, names))})")
+        out["reward_funcs"] = dict(zip(names, weights, strict=True))
+        renamed["reward_funcs"] = "rewards"
+    for trl, ours in renamed.items():
+        value = out.pop(trl)
+        if ours in out and out[ours] != value:
+            raise ValueError(f"{trl} (TRL's name for {ours}) is {shown(value)} but {ours} is {shown(out[ours])}; give one of them")
+        out[ours] = value
+    return out
 
 
 def leaf_fields() -> Iterator[tuple[str, FieldInfo]]:
@@ -438,7 +509,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
-    return flatten(data)
+    try:
+        return from_trl_names(flatten(data))
+    except ValueError as exc:
+        raise ConfigError(f"{str(p)!r}: {exc}", field="config") from None
 
 
 MAX_CONFIG_BYTES = 1_000_000

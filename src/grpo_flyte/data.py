@@ -23,7 +23,7 @@ from grpo_flyte.config import (
 )
 from grpo_flyte.errors import DatasetError
 from grpo_flyte.rewards import MARKER, usable_golds
-from grpo_flyte.types import Example
+from grpo_flyte.types import Example, Message
 
 # The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
 PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
@@ -74,15 +74,52 @@ def gold_answer(value: object) -> str:
     return (text.rsplit(MARKER, 1)[1] if MARKER in text else text).strip()
 
 
-def _example(question: object, answer: object, where: str, columns: tuple[str, str]) -> Example:
-    """One validated example; DatasetError naming `where` and the column otherwise."""
+# TRL's dataset format: a `prompt` column of text or chat messages; every other column goes to the rewards.
+PROMPT_COLUMN = "prompt"
+
+
+def _usable_cell(answer: object) -> bool:
+    missing = answer is None or isinstance(answer, bool) or (isinstance(answer, float) and not math.isfinite(answer))
+    return not missing and isinstance(answer, (str, int, float)) and bool(gold_answer(answer))
+
+
+def _trl_prompt(value: object, where: str) -> str | list[Message]:
+    """A `prompt` cell: non-empty text, or a non-empty list of {'role', 'content'} messages."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value:
+        try:
+            return [Message.model_validate(m) for m in value]
+        except ValueError:
+            pass
+    shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:120] + "..."
+    raise DatasetError(
+        f"{where}: {PROMPT_COLUMN!r} must be non-empty text or a list of chat messages "
+        f"({{'role': ..., 'content': ...}}), got {shown}"
+    )
+
+
+def _example(row: dict, where: str, columns: tuple[str, str], need_answer: bool) -> Example:
+    """One validated example from a row; DatasetError naming `where` and the column otherwise.
+
+    A row with a `prompt` column and no question column is in TRL's format. The answer column must
+    hold a usable answer when `need_answer` (the `correct` reward is weighted); otherwise an
+    unusable or missing one is ''.
+    """
     question_column, answer_column = columns
+    answer = row.get(answer_column)
+    if need_answer and not _usable_cell(answer):
+        raise _no_usable_answer(where, answer_column, answer)
+    gold = gold_answer(answer) if _usable_cell(answer) else ""
+    if PROMPT_COLUMN in row and question_column not in row:
+        prompt = _trl_prompt(row[PROMPT_COLUMN], where)
+        question = prompt if isinstance(prompt, str) else next((m.content for m in reversed(prompt) if m.role == "user"), prompt[-1].content)
+        rest = {k: v for k, v in row.items() if k != PROMPT_COLUMN}
+        return Example(question=question, answer=gold, prompt=prompt, columns=rest)
+    question = row.get(question_column)
     if not isinstance(question, str) or not question.strip():
         raise DatasetError(f"{where}: {question_column!r} must be a non-empty string, got {question!r}")
-    missing = answer is None or isinstance(answer, bool) or (isinstance(answer, float) and not math.isfinite(answer))
-    if missing or not isinstance(answer, (str, int, float)) or not gold_answer(answer):
-        raise _no_usable_answer(where, answer_column, answer)
-    return Example(question=question, answer=gold_answer(answer))
+    return Example(question=question, answer=gold, columns={k: v for k, v in row.items() if k not in columns})
 
 
 def _no_usable_answer(where: str, answer_column: str, answer: object) -> DatasetError:
@@ -102,9 +139,13 @@ def _check_answers(examples: list[Example], wheres: list[str], raw: list[object]
 
 
 def load_jsonl(
-    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+    path: str | Path,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    timeout_s: float = REWARD_TIMEOUT_S,
+    need_answers: bool = True,
 ) -> list[Example]:
-    """Read a .jsonl file of objects with a question and an answer, validating every line.
+    """Read a .jsonl file of objects (a question and an answer, or TRL's `prompt`), validating every line.
 
     Read line by line (not through `datasets`) so that an error names the exact line, and so that
     a column mixing integers and strings is accepted.
@@ -114,7 +155,7 @@ def load_jsonl(
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{str(p)!r}: not UTF-8 text (byte {exc.start})") from None
-    examples, wheres, raw = [], [], []
+    rows, wheres = [], []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -124,13 +165,18 @@ def load_jsonl(
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict):
-            raise DatasetError(f"{where}: expected a JSON object with {question_column!r} and {answer_column!r}")
-        examples.append(_example(row.get(question_column), row.get(answer_column), where, (question_column, answer_column)))
+            raise DatasetError(f"{where}: expected a JSON object with {question_column!r} (or {PROMPT_COLUMN!r}) and {answer_column!r}")
+        rows.append(row)
         wheres.append(where)
-        raw.append(row.get(answer_column))
-    if not examples:
+    if not rows:
         raise DatasetError(f"{str(p)!r}: the file has no examples")
-    _check_answers(examples, wheres, raw, answer_column, timeout_s)
+    return _examples(rows, wheres, (question_column, answer_column), timeout_s, need_answers)
+
+
+def _examples(rows: list[dict], wheres: list[str], columns: tuple[str, str], timeout_s: float, need_answers: bool) -> list[Example]:
+    examples = [_example(row, where, columns, need_answers) for row, where in zip(rows, wheres, strict=True)]
+    if need_answers:
+        _check_answers(examples, wheres, [row.get(columns[1]) for row in rows], columns[1], timeout_s)
     return examples
 
 
@@ -138,28 +184,30 @@ def _existing(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():
         raise DatasetError(
-            f"{str(p)!r}: no such file (expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}' or a "
-            f"{', '.join(DATASET_FILE_TYPES)} file)"
+            f"{str(p)!r}: no such file (expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}', a "
+            f"{', '.join(DATASET_FILE_TYPES)} file, or a dataset folder or Hub id that datasets.load_dataset reads)"
         )
     return p
 
 
-def _rows_to_examples(rows, source: str, question_column: str, answer_column: str, timeout_s: float = REWARD_TIMEOUT_S) -> list[Example]:
+def _rows_to_examples(
+    rows, source: str, question_column: str, answer_column: str, timeout_s: float = REWARD_TIMEOUT_S, need_answers: bool = True
+) -> list[Example]:
     """Examples from a `datasets.Dataset`, checking the columns and every row (numbered from 1)."""
-    missing = [c for c in (question_column, answer_column) if c not in rows.column_names]
+    names = rows.column_names
+    trl_format = PROMPT_COLUMN in names and question_column not in names
+    needed = ([] if trl_format else [question_column]) + ([answer_column] if need_answers else [])
+    missing = [c for c in needed if c not in names]
     if missing:
         raise DatasetError(
-            f"{source}: no column {missing[0]!r} (columns: {', '.join(rows.column_names)}); "
-            "expected question_column and answer_column to name existing columns"
+            f"{source}: no column {missing[0]!r} (columns: {', '.join(names)}); expected question_column (or TRL's "
+            f"{PROMPT_COLUMN!r}) and, for the 'correct' reward, answer_column to name existing columns"
         )
-    columns = (question_column, answer_column)
-    answers = list(rows[answer_column])
-    wheres = [f"{source} row {i}" for i in range(1, len(answers) + 1)]
-    examples = [_example(q, a, where, columns) for q, a, where in zip(rows[question_column], answers, wheres, strict=True)]
-    if not examples:
+    table = rows.to_list()
+    if not table:
         raise DatasetError(f"{source}: no rows")
-    _check_answers(examples, wheres, answers, answer_column, timeout_s)
-    return examples
+    wheres = [f"{source} row {i}" for i in range(1, len(table) + 1)]
+    return _examples(table, wheres, (question_column, answer_column), timeout_s, need_answers)
 
 
 def _load_with_datasets(source: str, *args, **kwargs):
@@ -175,14 +223,18 @@ def _load_with_datasets(source: str, *args, **kwargs):
 
 
 def load_table(
-    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+    path: str | Path,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    timeout_s: float = REWARD_TIMEOUT_S,
+    need_answers: bool = True,
 ) -> list[Example]:
     """Read a local .parquet or .csv file through the datasets library, validating every row."""
     p = _existing(path)
     kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
     source = f"{str(p)!r}"
     rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
-    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s)
+    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s, need_answers)
 
 
 # GSM8K on the Hugging Face Hub: "question", and "answer" = worked solution ending in "#### <n>".
@@ -196,13 +248,46 @@ def load_gsm8k(split: str, timeout_s: float = REWARD_TIMEOUT_S) -> list[Example]
     return _rows_to_examples(rows, source, "question", "answer", timeout_s)
 
 
+def is_file_dataset(dataset: str) -> bool:
+    """Whether `dataset` names a local file (read here, its rows sent to the driver)."""
+    return dataset.lower().endswith(DATASET_FILE_TYPES)
+
+
 def load_file(
-    path: str | Path, question_column: str = "question", answer_column: str = "answer", timeout_s: float = REWARD_TIMEOUT_S
+    path: str | Path,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    timeout_s: float = REWARD_TIMEOUT_S,
+    need_answers: bool = True,
 ) -> list[Example]:
     """The examples of a local dataset file, by its suffix; gold answers read within `timeout_s` each."""
     if str(path).lower().endswith(".jsonl"):
-        return load_jsonl(path, question_column, answer_column, timeout_s)
-    return load_table(path, question_column, answer_column, timeout_s)
+        return load_jsonl(path, question_column, answer_column, timeout_s, need_answers)
+    return load_table(path, question_column, answer_column, timeout_s, need_answers)
+
+
+def load_dataset_id(
+    dataset: str,
+    split: str,
+    question_column: str = "question",
+    answer_column: str = "answer",
+    timeout_s: float = REWARD_TIMEOUT_S,
+    need_answers: bool = True,
+) -> list[Example]:
+    """The rows of `datasets.load_dataset(dataset, split=split)`: a Hub id (downloaded once, then
+    cached as the datasets library does) or a local dataset folder."""
+    source = f"{dataset!r} (split {split!r})"
+    rows = _load_with_datasets(source, dataset, split=split)
+    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s, need_answers)
+
+
+def load_rows(config: RunConfig) -> list[Example]:
+    """The rows of the config's dataset when it is a file, a folder or a Hub id."""
+    data, timeout_s = config.data, config.scoring.reward_timeout_s
+    need = "correct" in config.scoring.rewards
+    if is_file_dataset(data.dataset):
+        return load_file(data.dataset, data.question_column, data.answer_column, timeout_s, need)
+    return load_dataset_id(data.dataset, data.dataset_split, data.question_column, data.answer_column, timeout_s, need)
 
 
 def load_train_examples(dataset: str) -> list[Example]:
@@ -240,7 +325,7 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     if examples is None and dataset == GSM8K_DATASET:
         held_out = _first(load_gsm8k("test", timeout_s), eval_size, "GSM8K's test split") if eval_size else []
         return load_gsm8k("train", timeout_s), held_out
-    rows = examples if examples is not None else load_file(dataset, config.data.question_column, config.data.answer_column, timeout_s)
+    rows = examples if examples is not None else load_rows(config)
     if eval_size == 0:
         return list(rows), []
     if eval_size >= len(rows):
@@ -303,4 +388,16 @@ def render_prompt(
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": user})
     extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+
+def render_trl_prompt(prompt: str | list[Message], tokenizer, enable_thinking: str = "auto") -> str:
+    """A prompt in TRL's format: text is used as it is; chat messages go through the chat template
+    with the assistant's turn opened (the run's system prompt and instruction are not added)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the dataset's prompts are chat messages but the model's tokenizer has no chat template")
+    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
+    messages = [m.model_dump() for m in prompt]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)

@@ -119,10 +119,12 @@ def _per_second(count: float, seconds: float) -> float:
 
 
 def reward_means(config: RunConfig, scored: list[ScoredGroup]) -> tuple[dict[str, float], int]:
-    """Each weighted reward's mean (unweighted) score, and how many (completion, reward) scores
-    failed and counted as 0 (on_reward_error='zero')."""
+    """Each weighted reward's mean (unweighted) score over the completions it applies to (a reward
+    that returned None for all of them has none), and how many (completion, reward) scores failed
+    and counted as 0 (on_reward_error='zero')."""
     parts = [p for sg in scored for p in sg.rewards]
-    means = {name: statistics.fmean(p.scores[name] for p in parts) for name in config.scoring.rewards}
+    applied = {name: [p.scores[name] for p in parts if name in p.scores] for name in config.scoring.rewards}
+    means = {name: statistics.fmean(values) for name, values in applied.items() if values}
     return means, sum(len(p.errors) for p in parts)
 
 
@@ -292,7 +294,7 @@ def eval_due(config: RunConfig, iterations_done: int) -> bool:
     every, size = config.evaluation.eval_every, config.evaluation.eval_size
     if size == 0:
         return False
-    if iterations_done in (0, config.num_iterations):
+    if iterations_done in (0, config.iterations):
         return True
     return every > 0 and iterations_done % every == 0
 
@@ -383,7 +385,7 @@ async def train_rl(
     resume_from: str | None = None,
     examples_file: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
 ) -> RunResult:
-    """Run GRPO for `config.num_iterations` iterations; returns the final adapter, metrics and report.
+    """Run GRPO for `config.iterations` iterations; returns the final adapter, metrics and report.
 
     `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way,
     or, past Flyte's inline limit, as the folder `examples_file`: see `storage.as_payload`);
@@ -418,7 +420,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
             observer.recorded(new_state, row, answers)
         tracker.log(row.flat())
         await publish_report(config, new_state, "running")
-        logger.info(progress_line(row, config.num_iterations))
+        logger.info(progress_line(row, config.iterations))
         return new_state
 
     try:
@@ -427,7 +429,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
                 metrics, answers = await run_eval(config, base_model, state.adapter, held_out)
             row = MetricsRow(iteration=0, adapter_version=state.adapter.version, eval=metrics)
             state = await record(state.model_copy(update={"history": [row, *state.history]}), row, answers)
-        while state.iterations_done < config.num_iterations:
+        while state.iterations_done < config.iterations:
             it = state.iterations_done
             answers = None
             with flyte.group(f"iter-{it + 1}"):

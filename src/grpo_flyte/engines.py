@@ -29,7 +29,7 @@ from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
 from grpo_flyte.config import PromptConfig, SamplingConfig
-from grpo_flyte.data import render_prompt
+from grpo_flyte.data import render_prompt, render_trl_prompt
 from grpo_flyte.decoding import Sampling
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models import best_device, torch_dtype
@@ -336,11 +336,16 @@ def get_engine(key: EngineKey) -> Generator:
 
 
 def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
-    text = render_prompt(
-        example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
-    )
-    # The chat template already wrote the special tokens; the plain template gets the tokenizer's.
-    ids = tokenizer(text, add_special_tokens=prompt.prompt_format == "plain")["input_ids"]
+    if example.prompt is None:
+        text = render_prompt(
+            example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+        )
+        templated = prompt.prompt_format == "chat"
+    else:  # TRL's format: text as it is, chat messages through the chat template
+        text = render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking)
+        templated = not isinstance(example.prompt, str)
+    # The chat template already wrote the special tokens; other text gets the tokenizer's.
+    ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
     if len(ids) > prompt.max_prompt_tokens:
         raise ValueError(
             f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={prompt.max_prompt_tokens}: {example.question[:80]!r}"

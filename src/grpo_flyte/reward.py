@@ -11,21 +11,25 @@ import time
 from grpo_flyte.config import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import GrpoFlyteError, not_retried
-from grpo_flyte.rewards import score_completions
+from grpo_flyte.rewards import Group, score_completions
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
 def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     started = time.perf_counter()
-    rewards = score_completions(
-        [r.text for r in group.rollouts],
-        question=group.example.question,
-        answer=group.example.answer,
-        num_tokens=[len(r.completion_ids) for r in group.rollouts],
+    example = group.example
+    prompt = example.prompt if isinstance(example.prompt, str) or example.prompt is None else [m.model_dump() for m in example.prompt]
+    about = Group(
+        question=example.question,
+        answer=example.answer,
         max_new_tokens=sampling.max_new_tokens,
-        weights=scoring.rewards,
-        on_error=scoring.on_reward_error,
-        timeout_s=scoring.reward_timeout_s,
+        num_tokens=[len(r.completion_ids) for r in group.rollouts],
+        completion_ids=[r.completion_ids for r in group.rollouts],
+        prompt=prompt,
+        columns=example.columns,
+    )
+    rewards = score_completions(
+        [r.text for r in group.rollouts], about, scoring.rewards, on_error=scoring.on_reward_error, timeout_s=scoring.reward_timeout_s
     )
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 

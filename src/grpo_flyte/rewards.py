@@ -1,14 +1,21 @@
 """Reward functions and their weighted composition (pure: no Flyte, no torch).
 
-A reward function scores a batch of completions of one prompt:
+A reward function scores a batch of completions of one prompt and returns one number per
+completion (or None: "does not apply", left out of the sum and of that reward's mean). Two
+signatures are accepted:
 
-    def my_reward(completions: list[str], *, answer: str, **kwargs) -> list[float]
+- TRL's, unchanged: `f(prompts, completions, completion_ids, **columns) -> list[float | None]`,
+  every argument a list with one entry per completion. `columns` are the dataset row's other
+  columns (and `answer`, the gold answer, when the row has none of that name). For chat-message
+  prompts, prompts and completions are message lists, as TRL passes them. It is used when the
+  dataset is in TRL's format (a `prompt` column) or the function has a parameter named `prompts`.
+- The original one: `f(completions, *, answer, **kwargs) -> list[float]`, with keyword arguments
+  `answer` (the gold answer), `question`, `num_tokens` (each completion's length in tokens) and
+  `max_new_tokens`, one value per group; accept `**kwargs` for the ones you do not use.
 
-It receives keyword arguments `answer` (the gold answer), `question`, `num_tokens` (each
-completion's length in tokens) and `max_new_tokens`; accept `**kwargs` for the ones you do not
-use. It returns one finite number per completion. The config's `rewards` maps names to weights:
-the built-in `correct`, `format`, `tags` and `length`, or `module:function` for your own. The
-reward of a completion is the weighted sum; every reward's own score is kept for the metrics.
+The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags` and
+`length`, or `module:function` for your own. The reward of a completion is the weighted sum;
+every reward's own score is kept for the metrics.
 
 Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
 start of the completion that broke it; with `on_reward_error='zero'` it scores 0 and is counted.
@@ -17,8 +24,10 @@ start of the completion that broke it; with `on_reward_error='zero'` it scores 0
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -336,8 +345,40 @@ def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
     return _worker.call(fn, args, timeout_s, what)
 
 
-def _call_reward(name: str, completions: list[str], num_tokens: list[int], context: dict[str, Any]) -> Any:
-    values = resolve_reward(name)(completions, num_tokens=num_tokens, **context)
+def trl_style(fn: RewardFn, trl_data: bool) -> bool:
+    """Whether `fn` is called TRL's way: the data are in TRL's format, or it takes `prompts`."""
+    if trl_data:
+        return True
+    try:
+        return "prompts" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
+def trl_arguments(
+    completions: list[str], completion_ids: list[list[int]], context: Mapping[str, Any], row: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The keyword arguments TRL passes a reward function, for one group: lists, one entry per completion."""
+    n = len(completions)
+    prompt = row.get("prompt")
+    chat = isinstance(prompt, list)
+    columns = {"answer": context["answer"], **row.get("columns", {})}
+    return {
+        "prompts": [prompt if prompt is not None else context["question"]] * n,
+        "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
+        "completion_ids": [list(ids) for ids in completion_ids],
+        **{name: [value] * n for name, value in columns.items()},
+    }
+
+
+def _call_reward(
+    name: str, completions: list[str], num_tokens: list[int], completion_ids: list[list[int]], context: dict[str, Any], row: dict[str, Any]
+) -> Any:
+    fn = resolve_reward(name)
+    if name not in REWARD_FUNCTIONS and trl_style(fn, row.get("prompt") is not None):
+        values = fn(**trl_arguments(completions, completion_ids, context, row))
+    else:
+        values = fn(completions, num_tokens=num_tokens, **context)
     return list(values) if isinstance(values, (list, tuple)) else values
 
 
@@ -392,43 +433,62 @@ def _show(text: str) -> str:
     return repr(text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else ""))
 
 
-def _checked(name: str, values: Any, count: int) -> list[float]:
-    """The scores as floats, or RewardError unless they are `count` finite numbers."""
+def _checked(name: str, values: Any, count: int) -> list[float | None]:
+    """The scores as floats (None: does not apply), or RewardError unless they are `count` finite
+    numbers or None."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise RewardError(f"reward {name!r} returned {type(values).__name__}; expected a list of {count} numbers")
     if len(values) != count:
         raise RewardError(f"reward {name!r} returned {len(values)} scores for {count} completions")
     scores = []
     for value in values:
+        if value is None:
+            scores.append(None)
+            continue
         try:
             score = float(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
             shown = repr(value) if len(repr(value)) <= SHOWN_CHARS else repr(value)[:SHOWN_CHARS] + "..."
-            raise RewardError(f"reward {name!r} returned {shown}; expected a number that fits a float") from None
+            raise RewardError(f"reward {name!r} returned {shown}; expected a number that fits a float, or None") from None
         if not math.isfinite(score):
             raise RewardError(f"reward {name!r} returned {score}; expected a finite number")
         scores.append(score)
     return scores
 
 
-def _call(name: str, completions: list[str], num_tokens: Sequence[int], context: Mapping[str, Any], timeout_s: float) -> list[float]:
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """What the rewards see of one prompt group besides the completions' text."""
+
+    question: str
+    answer: str
+    max_new_tokens: int
+    num_tokens: Sequence[int]
+    completion_ids: Sequence[Sequence[int]] = ()
+    prompt: str | list[dict[str, str]] | None = None  # TRL's format (see the module docstring)
+    columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def only(self, i: int) -> Group:
+        """The same group reduced to completion `i`."""
+        ids = [self.completion_ids[i]] if self.completion_ids else []
+        return dataclasses.replace(self, num_tokens=[self.num_tokens[i]], completion_ids=ids)
+
+
+def _call(name: str, completions: list[str], group: Group, timeout_s: float) -> list[float | None]:
     """One reward call in the worker, within the time limit; its scores checked."""
+    context = {"question": group.question, "answer": group.answer, "max_new_tokens": group.max_new_tokens}
+    row = {"prompt": group.prompt, "columns": dict(group.columns)}
+    ids = [list(x) for x in group.completion_ids] or [[] for _ in completions]
+    args = (name, list(completions), list(group.num_tokens), ids, context, row)
     try:
-        values = limited("_call_reward", (name, list(completions), list(num_tokens), dict(context)), timeout_s, f"reward {name!r}")
+        values = limited("_call_reward", args, timeout_s, f"reward {name!r}")
     except _WorkerRaised as exc:
         detail = str(exc) if len(str(exc)) <= SHOWN_CHARS else str(exc)[:SHOWN_CHARS] + "..."
         raise RewardError(f"reward {name!r} raised {exc.kind}: {detail}") from None
     return _checked(name, values, len(completions))
 
 
-def run_reward(
-    name: str,
-    completions: list[str],
-    num_tokens: Sequence[int],
-    context: Mapping[str, Any],
-    on_error: str,
-    timeout_s: float = 10.0,
-) -> tuple[list[float], list[bool]]:
+def run_reward(name: str, completions: list[str], group: Group, on_error: str, timeout_s: float = 10.0) -> tuple[list[float | None], list[bool]]:
     """One reward's scores for a group, and which completions it failed on.
 
     The group is scored in one call. If that fails, each completion is scored alone to find the
@@ -437,12 +497,13 @@ def run_reward(
     """
     resolve_reward(name)  # a name that does not resolve is a spec error here, not a reward error
     try:
-        return _call(name, completions, num_tokens, context, timeout_s), [False] * len(completions)
+        return _call(name, completions, group, timeout_s), [False] * len(completions)
     except RewardError as batch_error:
-        scores, failed = [], []
-        for i, (completion, n) in enumerate(zip(completions, num_tokens, strict=True)):
+        scores: list[float | None] = []
+        failed = []
+        for i, completion in enumerate(completions):
             try:
-                scores.append(_call(name, [completion], [n], context, timeout_s)[0])
+                scores.append(_call(name, [completion], group.only(i), timeout_s)[0])
                 failed.append(False)
             except RewardError as exc:
                 if on_error != "zero":
@@ -459,34 +520,30 @@ def run_reward(
 
 
 def score_completions(
-    completions: list[str],
-    *,
-    question: str,
-    answer: str,
-    num_tokens: Sequence[int],
-    max_new_tokens: int,
-    weights: Mapping[str, float],
-    on_error: str = "fail",
-    timeout_s: float = 10.0,
+    completions: list[str], group: Group, weights: Mapping[str, float], on_error: str = "fail", timeout_s: float = 10.0
 ) -> list[RewardParts]:
     """Every completion's weighted reward, its per-reward scores, and its correct/format flags;
-    each reward call and the accuracy check within `timeout_s` seconds."""
-    context = {"question": question, "answer": answer, "max_new_tokens": max_new_tokens}
-    scores: dict[str, list[float]] = {}
+    each reward call and the accuracy check within `timeout_s` seconds. A score of None (the
+    reward does not apply) adds nothing and is left out of that reward's scores."""
+    scores: dict[str, list[float | None]] = {}
     failures: dict[str, list[bool]] = {}
     for name in weights:
-        scores[name], failures[name] = run_reward(name, completions, num_tokens, context, on_error, timeout_s)
-    correct = correct_flags(list(completions), answer, timeout_s)
-    return [
-        RewardParts(
-            reward=sum(weight * scores[name][i] for name, weight in weights.items()),
-            correct=correct[i],
-            format=MARKER in c,
-            scores={name: scores[name][i] for name in weights},
-            errors=[name for name in weights if failures[name][i]],
+        scores[name], failures[name] = run_reward(name, completions, group, on_error, timeout_s)
+    # without a gold answer (data for custom rewards only) nothing is counted correct
+    correct = correct_flags(list(completions), group.answer, timeout_s) if group.answer else [False] * len(completions)
+    parts = []
+    for i, c in enumerate(completions):
+        applied = {name: scores[name][i] for name in weights if scores[name][i] is not None}
+        parts.append(
+            RewardParts(
+                reward=sum(weights[name] * score for name, score in applied.items()),
+                correct=correct[i],
+                format=MARKER in c,
+                scores=applied,
+                errors=[name for name in weights if failures[name][i]],
+            )
         )
-        for i, c in enumerate(completions)
-    ]
+    return parts
 
 
 # math-verify warns on every call that its timeout is off; it is off on purpose (see _parse_math).

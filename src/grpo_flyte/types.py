@@ -7,6 +7,7 @@ never from each other. Importing it is cheap (pydantic and `flyte.io`).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from flyte.io import Dir
@@ -16,13 +17,34 @@ from pydantic import BaseModel, ConfigDict
 REPORT_FILE = "report.html"
 
 
+class Message(BaseModel):
+    """One chat message of a conversational prompt (TRL's format)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: str
+    content: str
+
+
 class Example(BaseModel):
-    """One prompt and its ground-truth answer."""
+    """One dataset row: the question (or TRL's `prompt`), its gold answer and its other columns.
+
+    `question` is the text shown in metrics and reports. `prompt` is set for rows in TRL's format:
+    text the model sees as it is, or chat messages that the chat template renders; without it the
+    question is wrapped in the run's prompt format. `answer` is the gold answer ('' when the data
+    have none: then only custom rewards can score). `columns` holds every other column of the row,
+    for reward functions.
+    """
 
     model_config = ConfigDict(frozen=True)
 
     question: str
     answer: str
+    prompt: str | list[Message] | None = None
+    columns: dict[str, Any] = {}
+
+    def __hash__(self) -> int:  # frozen, but its list and dict fields are not hashable themselves
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
 
 
 class AdapterRef(BaseModel):
