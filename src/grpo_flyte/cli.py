@@ -10,6 +10,7 @@ here, from what the driver task reports (`driver.observe`) and returns (`RunResu
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as dt
 import hashlib
@@ -21,14 +22,16 @@ import shutil
 import signal
 import sys
 import tempfile
+import typing
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError, create_model
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict, SettingsError
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict, SettingsError
 
+from grpo_flyte import __version__
 from grpo_flyte.config import (
     ARITHMETIC_DATASET,
     EMBEDDED_MODEL,
@@ -107,6 +110,61 @@ def _cli_model() -> type[BaseSettings]:
     return create_model("GrpoFlyteCli", __base__=_CliBase, **fields)
 
 
+# What a flag's value is, in words (argparse would show Python types: `{Path,null}`, `dict[str,float]`).
+_METAVARS = {"run_dir": "DIR", "config": "FILE", "resume_run": "RUN_NAME", "model": "MODEL", "dataset": "DATASET"}
+_TYPE_METAVARS = {int: "N", float: "NUM", str: "TEXT", Path: "PATH"}
+
+
+def _metavar(name: str, annotation: Any) -> str | None:
+    if name in _METAVARS:
+        return _METAVARS[name]
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if typing.get_origin(annotation) is dict:
+        return "NAME=WEIGHT,..."
+    if typing.get_origin(annotation) is tuple:
+        return "NAME,..."
+    if len(args) == 1:  # X | None
+        return _metavar(name, args[0])
+    return _TYPE_METAVARS.get(annotation)
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # a bad flag is a UserError (one line, exit 2), not argparse's usage dump
+        raise SettingsError(f"error parsing CLI: {message}")
+
+
+def build_cli() -> CliSettingsSource:
+    """The command line: pydantic-settings' flags for every option, with metavars in words, one
+    default per flag (from the option itself; none shown for an unset optional one) and --version."""
+    model = _cli_model()
+    parser = _Parser(prog=PROG, description="GRPO + LoRA fine-tuning as Flyte 2 tasks.")
+    source = CliSettingsSource(model, root_parser=parser)
+    fields = model.model_fields
+    for action in parser._actions:  # argparse keeps them here; it has no public accessor
+        if action.dest not in fields:
+            continue
+        field = fields[action.dest]
+        if action.metavar is not None:
+            action.metavar = _metavar(action.dest, field.annotation) or action.metavar
+        description = (field.description or "").rstrip()
+        default = field.get_default(call_default_factory=True)
+        told = "default" in description or default is None
+        action.help = description if told else f"{description} (default: {_shown_default(default)})"
+    parser.add_argument("--version", action="version", version=f"grpo-flyte {__version__}")
+    return source
+
+
 class UserError(GrpoFlyteError):
     """Bad command-line input: printed as one line, exit status 2."""
 
@@ -135,7 +193,8 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     """(run options, the run's config, the config fields given: by a flag or in the --config file)."""
     argv = canonical_flags(argv)
     try:
-        parsed = CliApp.run(_cli_model(), cli_args=argv)
+        source = build_cli()
+        parsed = CliApp.run(source.settings_cls, cli_args=argv, cli_settings_source=source)
     except SettingsError as exc:
         raise UserError(str(exc).replace("error parsing CLI: ", "")) from None
     except ValidationError as exc:
