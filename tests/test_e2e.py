@@ -606,3 +606,30 @@ def test_a_trl_dataset_and_reward_function_work_unchanged(tmp_path, tiny_model_d
         assert row["accuracy"] == 0  # no gold answers: nothing is counted correct
     answers = [json.loads(x) for x in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
     assert all(a["question"].startswith("Say something about the number") and a["answer"] == "" for a in answers)
+
+
+def test_a_hub_repo_id_runs_locally_and_the_adapter_names_it(tmp_path, tiny_model_dir):
+    """`--model org/name` in a local run: fetched into the Hugging Face cache (here a cache
+    prepared beforehand, used offline: no network on this machine), trained, and the shared
+    adapter names the repo id, not a cache path, and carries no optimizer state."""
+    import shutil
+
+    cache = tmp_path / "hf-cache"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    args = ["--local", "--model", "tiny-org/tiny-llama", *TINY, "--eval-size", "0", "--iterations", "1", "--run-dir", str(run_dir)]
+    proc = subprocess.run([sys.executable, "-m", "grpo_flyte", *args], env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = run_dir / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-org/tiny-llama"
+    assert not (adapter / "optimizer.pt").exists()
+    assert (run_dir / "flyte" / "adapters" / "v0001" / "optimizer.pt").is_file()  # kept for --resume
+    # a repo id that is not in the cache (and no network): one line naming it
+    missing = subprocess.run([sys.executable, "-m", "grpo_flyte", *args[:2], "no-org/no-model", *args[3:-1], str(tmp_path / "run2")],
+                             env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert missing.returncode == 2 and "'no-org/no-model': could not be fetched from the Hugging Face Hub" in missing.stderr
+    assert [line for line in missing.stderr.splitlines() if line.startswith("error:")] == [missing.stderr.splitlines()[-1]]

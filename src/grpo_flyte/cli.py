@@ -453,7 +453,14 @@ class LocalRunFiles:
                 shutil.rmtree(old, ignore_errors=True)
 
     def export_adapter(self, adapter: AdapterRef) -> Path:
-        return build_dir_atomic(self.root / ADAPTER_DIR, lambda d: shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True))
+        """The adapter to share: PEFT's files, naming a base others can load; the optimizer state
+        stays with the run's adapter versions (flyte/adapters), which a resume reads."""
+        from grpo_flyte.trainer import OPTIMIZER_FILE
+
+        def copy(d: Path) -> None:
+            shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
+
+        return build_dir_atomic(self.root / ADAPTER_DIR, copy)
 
     def export_merged(self, merged_path: str) -> Path:
         """Move the (complete) merged model folder into the run folder: a rename, so never half there."""

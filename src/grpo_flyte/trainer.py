@@ -20,7 +20,7 @@ from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
 from grpo_flyte.errors import AdapterError, not_retried
-from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
+from grpo_flyte.models import best_device, resolve_dtype, shareable_base, torch_dtype
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -113,6 +113,15 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
 
 
 
+def record_base(out: Path, model: str) -> None:
+    """Name the base model in the saved adapter's config as others can load it (PEFT writes the
+    local folder the trainer loaded, a cache path on a pod): see models.shareable_base."""
+    config_file = out / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = shareable_base(model)
+    config_file.write_text(json.dumps(config, indent=2))
+
+
 class WarmOptimizer:
     """The AdamW state of the adapter this replica produced last, kept with the model that holds
     its weights: the next step of the run (which starts from that adapter) goes on from memory
@@ -162,6 +171,7 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
         _warm.clear()
         reset_lora(peft, seed)
         save_adapter(peft, None, 0, out)
+        record_base(out, model.model)
 
     return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
 
@@ -421,6 +431,7 @@ async def train_step(
             optimizer = load_adapter_state(peft, adapter_path, train)
         measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
         save_adapter(peft, optimizer, version, out)
+        record_base(out, model.model)
         trained.append((peft, optimizer, _files_of(str(out))))
 
     trained: list = []
