@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from grpo_flyte import grpo
 from grpo_flyte.grpo import (
     LossNormalizer,
     TrainSequence,
@@ -477,3 +478,26 @@ def test_training_rewards_reject_a_bad_policy_and_mismatched_lengths():
     with pytest.raises(ValueError, match="2 rewards for 1"):
         training_rewards([1.0, 0.0], [True], "keep")
     assert training_rewards([-1.0, -2.0, 3.0], [False, False, True], "min_reward") == [-1.0, -2.0, -2.0]
+
+
+# --------------------------------------------------------------------------- learning-rate schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        # 10 steps, warmup ceil(0.2 * 10) = 2: 0, lr/2, then the schedule over the 8 steps after it
+        ("constant", [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.0, 0.5, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8]),
+        ("cosine", [0.0, 0.5] + [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]),
+    ],
+)
+def test_scheduled_lr_hand_computed(schedule, expected):
+    got = [grpo.scheduled_lr(step, 10, 1.0, schedule, 0.2) for step in range(10)]
+    assert got == pytest.approx(expected)
+
+
+def test_scheduled_lr_without_warmup_or_total():
+    assert grpo.scheduled_lr(0, 4, 2e-4, "linear", 0.0) == pytest.approx(2e-4)  # no warmup: full rate at step 0
+    assert grpo.scheduled_lr(3, 0, 2e-4, "cosine", 0.5) == 2e-4  # total unknown: the base rate
+    assert grpo.scheduled_lr(12, 10, 1.0, "linear", 0.0) == 0.0  # past the end (a run extended): never negative

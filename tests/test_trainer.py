@@ -206,3 +206,47 @@ def test_a_warm_trainer_goes_on_from_memory_with_the_result_of_a_cold_one(tmp_pa
     assert len(warm_loads) == 1 and len(cold_loads) == 3  # warm: only the first step reads its adapter back
     assert outputs[False].keys() == outputs[True].keys()
     assert all(torch.equal(outputs[False][k], outputs[True][k]) for k in outputs[False])  # bit-identical
+
+
+# --------------------------------------------------------------------------- schedule and checkpointing
+
+
+def test_each_optimizer_step_takes_its_scheduled_learning_rate(fresh, monkeypatch):
+    """Two updates per iteration, linear decay over 4 steps: the second iteration (steps 2 and 3)
+    steps with lr x 2/4 and lr x 1/4, in that order."""
+    model, optimizer, config = fresh(updates_per_iter=2, lr_scheduler_type="linear", learning_rate=0.01)
+    seen = []
+    step = optimizer.step
+
+    def record(*args, **kwargs):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "step", record)
+    stats = trainer.grpo_step(model, optimizer, [A, B, A, B], config.train, config.sampling, steps=(2, 4))
+    assert seen == pytest.approx([0.01 * 2 / 4, 0.01 * 1 / 4]) and stats.lr == pytest.approx(0.0025)
+
+
+def test_gradient_checkpointing_gives_the_same_step(fresh):
+    """Recomputing activations changes memory, not the result: the same loss and gradient norm."""
+    def layer_calls(model, run) -> tuple:
+        calls = []
+        # inside the layer: the recompute calls the layer's forward, not its hooks, but the attention's
+        attention = model.base_model.model.model.layers[0].self_attn
+        hook = attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        try:
+            result = run()
+            return result, calls.count(True)
+        finally:
+            hook.remove()
+
+    model, optimizer, config = fresh(gradient_checkpointing=False)
+    plain, plain_calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
+    model, optimizer, config = fresh(gradient_checkpointing=True)
+    checkpointed, calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
+    assert model.get_base_model().is_activation_checkpointing
+    assert calls == 2 * plain_calls  # each layer's forward runs again in the backward pass
+    assert checkpointed.loss == pytest.approx(plain.loss, abs=1e-6)
+    assert checkpointed.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
+    trainer.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
+    assert not model.get_base_model().is_activation_checkpointing  # the cached model follows each step's config

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import datetime as dt
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -31,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict, SettingsError
 
-from grpo_flyte import __version__
 from grpo_flyte.config import (
     ARITHMETIC_DATASET,
     EMBEDDED_MODEL,
@@ -138,6 +138,13 @@ def _shown_default(value: Any) -> str:
     return str(value)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("grpo-flyte")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        return "unknown (not installed)"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         # a bad flag is a UserError (one line, exit 2), not argparse's usage dump
@@ -160,8 +167,9 @@ def build_cli() -> CliSettingsSource:
         description = (field.description or "").rstrip()
         default = field.get_default(call_default_factory=True)
         told = "default" in description or default is None
-        action.help = description if told else f"{description} (default: {_shown_default(default)})"
-    parser.add_argument("--version", action="version", version=f"grpo-flyte {__version__}")
+        text = description if told else f"{description} (default: {_shown_default(default)})"
+        action.help = text.replace("%", "%%")  # argparse formats help with %
+    parser.add_argument("--version", action="version", version=f"grpo-flyte {_version()}")
     return source
 
 

@@ -294,7 +294,24 @@ class TrainConfig(_Part):
         4096,
         ge=64,
         le=1_048_576,
-        description="Padded tokens per forward/backward micro-batch; sequences are grouped by length.",
+        description=(
+            "Padded tokens per forward/backward micro-batch; sequences are grouped by length. Every optimizer step "
+            "accumulates the gradients of its micro-batches (gradient accumulation): lower it to fit memory."
+        ),
+    )
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description=(
+            "Learning-rate schedule over the run's optimizer steps (iterations x updates_per_iter), after the "
+            "warmup: 'constant', 'linear' decay to 0 or 'cosine' decay to 0 (TRL's names and formulas)."
+        ),
+    )
+    warmup_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of the run's optimizer steps over which the learning rate rises linearly from 0."
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass instead of keeping them: less memory for long sequences, ~30% more time.",
     )
 
     @field_validator("truncated", mode="before")

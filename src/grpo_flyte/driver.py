@@ -154,6 +154,7 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         is_ratio_max=stats.is_ratio_max,
         entropy=stats.entropy,
         grad_norm=stats.grad_norm,
+        lr=stats.lr,
         completion_len_mean=statistics.fmean(lengths),
         completion_len_max=max(lengths),
         truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),
@@ -240,7 +241,9 @@ async def run_iteration(
     scored.sort(key=lambda sg: sg.group.index)
     scored_at = time.perf_counter()
     inline, payload = await as_payload(scored, f"scored-{iteration + 1:04d}")
-    result = await train_step(config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload)
+    result = await train_step(
+        config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload, total_iterations=config.iterations
+    )
     finished = time.perf_counter()
     timings["train_s"] = finished - scored_at
     timings["iteration_s"] = finished - started

@@ -220,6 +220,26 @@ def token_logprobs_and_entropy(
     return chosen, entropy
 
 
+def scheduled_lr(step: int, total_steps: int, base_lr: float, schedule: str, warmup_ratio: float) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `total_steps`: a linear warmup from 0
+    over ceil(warmup_ratio * total_steps) steps, then `schedule` ('constant', 'linear' or 'cosine'
+    decay to 0 at `total_steps`), as transformers' schedulers (TRL's) compute it. With
+    total_steps 0 (unknown) the rate is `base_lr`."""
+    if total_steps <= 0:
+        return base_lr
+    warmup = math.ceil(warmup_ratio * total_steps)
+    if step < warmup:
+        return base_lr * step / max(1, warmup)
+    if schedule == "constant":
+        return base_lr
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    if schedule == "linear":
+        return base_lr * max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return base_lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    raise ValueError(f"schedule={schedule!r}: expected 'constant', 'linear' or 'cosine'")
+
+
 def split_minibatches(num_sequences: int, num_minibatches: int) -> list[list[int]]:
     """Deal sequence indices round-robin into at most `num_minibatches` non-empty minibatches.
 

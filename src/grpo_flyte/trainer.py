@@ -97,6 +97,21 @@ def load_adapter_state(model, adapter_path: str, train: TrainConfig):
     return optimizer
 
 
+def _set_checkpointing(model, on: bool) -> None:
+    """Gradient checkpointing on or off for this step (the model is cached across steps and runs).
+    transformers 5.x calls it activation checkpointing; older releases only have the old names."""
+    base = model.get_base_model()
+    if hasattr(base, "activation_checkpointing_enable"):
+        active, enable, disable = base.is_activation_checkpointing, base.activation_checkpointing_enable, base.activation_checkpointing_disable
+    else:
+        active, enable, disable = base.is_gradient_checkpointing, base.gradient_checkpointing_enable, base.gradient_checkpointing_disable
+    if on and not active:
+        # non-reentrant: works with frozen base weights without forcing gradients on the inputs
+        enable({"use_reentrant": False})
+    elif not on and active:
+        disable()
+
+
 def _set_hyperparameters(optimizer, train: TrainConfig) -> None:
     for group in optimizer.param_groups:
         group["lr"] = train.learning_rate
@@ -299,7 +314,7 @@ class _Totals:
 
     def __init__(self) -> None:
         self.loss = self.grad_norm = self.kl = self.entropy = self.is_sum = 0.0
-        self.is_max = 0.0
+        self.is_max = self.lr = 0.0
         self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.updates = 0
 
     def stats(self) -> StepStats:
@@ -313,6 +328,7 @@ class _Totals:
             entropy=self.entropy / self.tokens,
             is_ratio_mean=self.is_sum / self.is_tokens if self.is_tokens else 1.0,
             is_ratio_max=self.is_max if self.is_tokens else 1.0,
+            lr=self.lr,
         )
 
 
@@ -354,8 +370,13 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     return loss
 
 
-def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig) -> StepStats:
+def grpo_step(
+    model, optimizer, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig, steps: tuple[int, int] = (0, 0)
+) -> StepStats:
     """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
+
+    `steps`: (the run's optimizer step this call starts at, the run's total; 0: unknown), for the
+    learning-rate schedule (`grpo.scheduled_lr`); minibatch k is step first + k.
 
     Every sequence is dealt into a minibatch and counts in its normalizer; only those
     `grpo.in_loss` keeps are forwarded, in length-grouped micro-batches whose losses sum to the
@@ -371,6 +392,7 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: Trai
         model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling
     )
     model.train()
+    _set_checkpointing(model, train.gradient_checkpointing)
     totals = _Totals()
     for k, (minibatch, forward) in enumerate(zip(minibatches, trained, strict=True)):
         if not forward:
@@ -396,6 +418,10 @@ def grpo_step(model, optimizer, sequences: list[grpo.TrainSequence], train: Trai
             loss.backward()
             totals.loss += loss.item()
         totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(_trainable(model), train.max_grad_norm))
+        lr = grpo.scheduled_lr(steps[0] + k, steps[1], train.learning_rate, train.lr_scheduler_type, train.warmup_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        totals.lr = lr
         optimizer.step()
         totals.updates += 1
     optimizer.zero_grad(set_to_none=True)
@@ -413,6 +439,7 @@ async def train_step(
     adapter: AdapterRef,
     scored: list[ScoredGroup],
     scored_payload: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
+    total_iterations: int = 0,
 ) -> TrainStepResult:
     """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the
     next adapter. A batch too large to pass inline comes as `scored_payload` (`storage.as_payload`)."""
@@ -429,7 +456,8 @@ async def train_step(
         optimizer = _warm.take(peft, adapter.dir.path, adapter_path, train)
         if optimizer is None:
             optimizer = load_adapter_state(peft, adapter_path, train)
-        measured.append(grpo_step(peft, optimizer, sequences, train, sampling))
+        steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+        measured.append(grpo_step(peft, optimizer, sequences, train, sampling, steps))
         save_adapter(peft, optimizer, version, out)
         record_base(out, model.model)
         trained.append((peft, optimizer, _files_of(str(out))))

@@ -114,6 +114,7 @@ class StepStats(BaseModel):
     entropy: float = 0.0  # mean per-token entropy of the trainer's policy
     is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
     is_ratio_max: float = 1.0
+    lr: float = 0.0  # the learning rate of the last optimizer step (see lr_scheduler_type)
 
 
 class TrainStepResult(BaseModel):
@@ -147,6 +148,7 @@ class TrainMetrics(BaseModel):
     is_ratio_max: float
     entropy: float
     grad_norm: float
+    lr: float = 0.0  # the learning rate of the iteration's last optimizer step
     completion_len_mean: float
     completion_len_max: int
     truncated_fraction: float
