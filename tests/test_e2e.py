@@ -92,7 +92,7 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
     """One GRPO step on hand-made scored groups with varied rewards."""
     import torch
 
-    config = RunConfig(model=str(tiny_model_dir), group_size=2, learning_rate=1e-2, dtype="float32")
+    config = RunConfig(model=str(tiny_model_dir), group_size=2, learning_rate=1e-2, dtype="float32", kl_monitor_every=1)
 
     def scored(index: int) -> ScoredGroup:
         rollouts = [

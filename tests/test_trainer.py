@@ -250,3 +250,16 @@ def test_gradient_checkpointing_gives_the_same_step(fresh):
     assert checkpointed.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
     trainer.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
     assert not model.get_base_model().is_activation_checkpointing  # the cached model follows each step's config
+
+
+def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):
+    """beta 0: the KL is only a metric, so its reference pass runs on iterations N, 2N, ... (the
+    others report none); with beta > 0 it is in the loss and runs every time."""
+    model, optimizer, config = fresh(beta=0.0, kl_monitor_every=2)
+    first = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10))  # iteration 1
+    second = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10))  # iteration 2
+    assert first.kl is None and second.kl is not None and second.kl >= 0
+    model, optimizer, config = fresh(beta=0.0, kl_monitor_every=0)
+    assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10)).kl is None
+    model, optimizer, config = fresh(beta=0.04, kl_monitor_every=0)
+    assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10)).kl is not None

@@ -269,6 +269,15 @@ class TrainConfig(_Part):
     beta: float = Field(
         0.0, ge=0.0, le=100.0, description="KL penalty weight against the base model (the adapter disabled)."
     )
+    kl_monitor_every: int = Field(
+        5,
+        ge=0,
+        le=100_000,
+        description=(
+            "With beta 0 the KL to the base model is only a metric: measured on 8 sequences every N iterations "
+            "(iterations N, 2N, ...; 0: never), a forward pass saved on the others (their kl is empty)."
+        ),
+    )
     is_correction: bool = Field(
         True,
         description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",

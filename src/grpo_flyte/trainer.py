@@ -274,21 +274,36 @@ def _completion_logprobs(model, sequences: list[grpo.TrainSequence], sampling: S
     return logprobs, entropy, batch.row_of_token.to(device)
 
 
-# With beta = 0 the KL only feeds the `kl` metric: the reference pass then runs on a few sequences.
+# With beta = 0 the KL only feeds the `kl` metric: the reference pass then runs on a few sequences,
+# every `kl_monitor_every` iterations.
 KL_MONITOR_SEQUENCES = 8
 
 
-def _reference_pass(model, sequences: list[grpo.TrainSequence], trained: list[int], need_old: set[int], train: TrainConfig, sampling: SamplingConfig):
+def kl_measured(train: TrainConfig, iteration: int) -> bool:
+    """Whether iteration `iteration` (1-based) computes reference log-probs: always with beta > 0
+    (the KL is in the loss), else every `kl_monitor_every` iterations."""
+    if train.beta > 0:
+        return True
+    every = train.kl_monitor_every
+    return every > 0 and iteration % every == 0
+
+
+def _reference_pass(
+    model, sequences: list[grpo.TrainSequence], trained: list[int], need_old: set[int], train: TrainConfig, sampling: SamplingConfig, iteration: int
+):
     """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
     disabled: no second copy of the model) and, for the sequences in `need_old`, the old ones.
 
-    Reference log-probs are computed for every trained sequence when beta > 0 and for an evenly
-    spread sample of KL_MONITOR_SEQUENCES of them otherwise (None for the rest).
+    Reference log-probs are computed for every trained sequence when beta > 0, for an evenly
+    spread sample of KL_MONITOR_SEQUENCES of them on the iterations `kl_measured` names, and for
+    none otherwise (None for the rest).
     """
     import torch
 
     n = len(trained)
-    if train.beta > 0 or n <= KL_MONITOR_SEQUENCES:
+    if not kl_measured(train, iteration):
+        with_ref: set[int] = set()
+    elif train.beta > 0 or n <= KL_MONITOR_SEQUENCES:
         with_ref = set(trained)
     else:
         with_ref = {trained[i * n // KL_MONITOR_SEQUENCES] for i in range(KL_MONITOR_SEQUENCES)}
@@ -323,7 +338,7 @@ class _Totals:
             grad_norm=self.grad_norm / self.updates,
             num_updates=self.updates,
             num_tokens=self.tokens,
-            kl=self.kl / self.kl_tokens if self.kl_tokens else 0.0,
+            kl=self.kl / self.kl_tokens if self.kl_tokens else None,
             clip_fraction=self.clipped / self.tokens,
             entropy=self.entropy / self.tokens,
             is_ratio_mean=self.is_sum / self.is_tokens if self.is_tokens else 1.0,
@@ -388,8 +403,9 @@ def grpo_step(
 
     minibatches = grpo.split_minibatches(len(sequences), train.updates_per_iter) if sequences else []
     trained = [[i for i in mb if grpo.in_loss(sequences[i], train.beta)] for mb in minibatches]
+    iteration = steps[0] // train.updates_per_iter + 1  # 1-based, for the KL monitor
     ref, old = _reference_pass(
-        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling
+        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling, iteration
     )
     model.train()
     _set_checkpointing(model, train.gradient_checkpointing)

@@ -109,7 +109,7 @@ class StepStats(BaseModel):
     grad_norm: float = 0.0  # mean pre-clip gradient norm over the optimizer steps
     num_updates: int = 0
     num_tokens: int = 0  # completion tokens in the loss
-    kl: float = 0.0  # mean per-token k3 KL to the reference (adapter disabled)
+    kl: float | None = None  # mean per-token k3 KL to the reference (adapter disabled); None: not measured
     clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
     entropy: float = 0.0  # mean per-token entropy of the trainer's policy
     is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
@@ -142,7 +142,7 @@ class TrainMetrics(BaseModel):
     frac_zero_std_groups: float
     num_updates: int
     num_tokens: int
-    kl: float
+    kl: float | None  # None: not measured this iteration (beta 0, see kl_monitor_every)
     clip_fraction: float
     is_ratio_mean: float
     is_ratio_max: float
