@@ -18,7 +18,7 @@ Sides, run alternately, each step timed from its start to its optimizer step:
   (generate + score + train), and the whole run's wall time is reported beside it.
 - trl default: GRPOTrainer with TRL's defaults for everything but the workload (model loaded as
   saved, float32; bf16 autocast on; gradient checkpointing on).
-- trl fast: the fastest TRL settings found on this CPU (see TRL_FAST; `--explore` times the
+- trl fast: the fastest TRL settings found on this CPU (see TRL_FAST_BF16 and TRL_FAST_FP32; `--explore` times the
   candidates): bfloat16 weights, no gradient checkpointing.
 
     python benchmarks/vs_trl.py                # 3 steps per side after a warm-up, ~10 minutes
@@ -54,14 +54,19 @@ from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 0.55
 
-# What TRL's fastest settings change from its defaults (measured with --explore, see the README).
-TRL_FAST: dict[str, Any] = {"model_dtype": "bfloat16", "gradient_checkpointing": False}
+# What TRL's fastest settings change from its defaults (measured with --explore, see the README):
+# bfloat16 weights where bfloat16 matmuls are fast (AVX-512/AMX, a GPU); on a CPU without them
+# (AVX2 only: bfloat16 is 30-50x slower there) float32 weights and no bfloat16 autocast, the same
+# dtype grpo_flyte's 'auto' picks there.
+TRL_FAST_BF16: dict[str, Any] = {"model_dtype": "bfloat16", "gradient_checkpointing": False}
+TRL_FAST_FP32: dict[str, Any] = {"gradient_checkpointing": False, "bf16": False}
 # --explore: settings a user would try first, each changed from TRL's defaults (which the main
-# comparison measures, as it does TRL_FAST).
+# comparison measures, as it does the fast settings).
 TRL_CANDIDATES: dict[str, dict[str, Any]] = {
     "no grad ckpt (fp32 weights)": {"gradient_checkpointing": False},
     "bf16 weights (grad ckpt on)": {"model_dtype": "bfloat16"},
     "bf16 weights, no grad ckpt, no autocast": {"model_dtype": "bfloat16", "gradient_checkpointing": False, "bf16": False},
+    "fp32 weights, no grad ckpt, no autocast": TRL_FAST_FP32,
 }
 
 
@@ -194,7 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per side, after one warm-up step each")
     p.add_argument("--lengths", choices=["fixed", "natural"], default="fixed")
     p.add_argument("--explore", action="store_true", help="time TRL's candidate settings (one step each) instead")
+    p.add_argument(
+        "--no-default-side",
+        action="store_true",
+        help="skip TRL's defaults (bfloat16 autocast: many minutes a step on a CPU without fast bfloat16)",
+    )
     args = p.parse_args(argv)
+    from grpo_flyte.models import fast_bfloat16
+
+    trl_fast_settings = TRL_FAST_BF16 if fast_bfloat16() else TRL_FAST_FP32
     _common.quiet_logs()
     try:
         import trl
@@ -244,13 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             }
 
         # TRL runs on the thread grpo_flyte's tasks run torch on: two threads driving torch slow both.
-        trl_default, default_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-default", {}, fixed)
-        trl_fast, fast_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-fast", TRL_FAST, fixed)
-        sides = {
-            "grpo_flyte": grpo_side,
-            "trl default": lambda: on_torch_thread(trl_step, trl_default, default_timer),
-            "trl fast": lambda: on_torch_thread(trl_step, trl_fast, fast_timer),
-        }
+        trl_fast, fast_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-fast", trl_fast_settings, fixed)
+        sides = {"grpo_flyte": grpo_side, "trl fast": lambda: on_torch_thread(trl_step, trl_fast, fast_timer)}
+        if not args.no_default_side:
+            trl_default, default_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-default", {}, fixed)
+            sides["trl default"] = lambda: on_torch_thread(trl_step, trl_default, default_timer)
         print("warm-up: one step per side (excluded)")
         for name, side in sides.items():
             print(f"  {name:<12} {side()['s']:.1f} s")
@@ -260,18 +271,20 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
     vs_fast = _common.paired_ratios(runs["grpo_flyte"], runs["trl fast"])
-    vs_default = _common.paired_ratios(runs["grpo_flyte"], runs["trl default"])
-    ratio, ratio_default = statistics.median(vs_fast), statistics.median(vs_default)
+    vs_default = _common.paired_ratios(runs["grpo_flyte"], runs["trl default"]) if "trl default" in runs else []
+    ratio = statistics.median(vs_fast)
+    ratio_default = statistics.median(vs_default) if vs_default else None
     med = {name: _common.median_s(r) for name, r in runs.items()}
     tokens = {name: statistics.median(x["completion_len_mean"] for x in r) for name, r in runs.items()}
     print(
         f"\ngrpo_flyte / TRL fastest = {ratio:.3f}x (per step {', '.join(f'{r:.3f}' for r in vs_fast)}); "
         f"{_common.verdict(ratio, TARGET)}"
     )
-    print(f"grpo_flyte / TRL default = {ratio_default:.3f}x")
+    if ratio_default is not None:
+        print(f"grpo_flyte / TRL default = {ratio_default:.3f}x")
     print(
         f"  seconds per step (median): grpo_flyte {med['grpo_flyte']:.2f} (whole local run "
-        f"{_common.median_s(runs['grpo_flyte'], 'run_s'):.2f}), TRL default {med['trl default']:.2f}, TRL fast {med['trl fast']:.2f}"
+        f"{_common.median_s(runs['grpo_flyte'], 'run_s'):.2f}), TRL default {med.get('trl default', float('nan')):.2f}, TRL fast {med['trl fast']:.2f}"
     )
     print(
         "  tokens per completion (median of the steps' means): "
@@ -282,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "  fairness: same model, prompts, reward, sampling settings, LoRA and one step on both sides; grpo_flyte "
         "trains only on rollouts with a nonzero advantage (median "
         f"{statistics.median(x['num_contributing'] for x in runs['grpo_flyte']):.0f} of {config.rollouts_per_iter}), "
-        "TRL forwards all of them; grpo_flyte also runs its KL-monitor reference pass on 8 sequences"
+        "TRL forwards all of them; with beta 0 neither side runs a reference pass on this first iteration"
     )
     _common.write_result(
         args.out,
@@ -292,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             "trl": trl.__version__,
             "lengths": args.lengths,
             "config": config.flat(),
-            "trl_fast_settings": TRL_FAST,
+            "trl_fast_settings": trl_fast_settings,
             "runs": runs,
             "ratios_vs_fast": vs_fast,
             "ratio_vs_fast": ratio,

@@ -149,3 +149,22 @@ def test_a_metrics_row_flattens_to_the_metrics_file_keys():
     assert (flat["reward/correct"], flat["reward/m:f"], flat["eval_reward/correct"], flat["eval_reward_errors"]) == (0.5, 0.1, 0.2, 1)
     assert "reward_means" not in flat and "eval_reward_means" not in flat
     assert set(MetricsRow(iteration=0, adapter_version=0, eval=evaluated).flat()) == set(flat) - set(TrainMetrics.model_fields) - {"reward/correct", "reward/m:f"}
+
+
+def test_the_eta_counts_iterations_and_evaluations_still_due():
+    from grpo_flyte.driver import eta_seconds
+
+    config = RunConfig(iterations=10, eval_every=5)
+    held_out = EvalMetrics(eval_reward=0.2, eval_reward_ci95=0.1, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
+                           eval_format_rate=0.5, eval_reward_means={}, eval_reward_errors=0, eval_size=10, eval_s=4.0)  # fmt: skip
+    history = [
+        MetricsRow(iteration=0, adapter_version=0, eval=held_out),
+        MetricsRow(iteration=1, adapter_version=1, train=_train_metrics(iteration_s=10.0)),
+        MetricsRow(iteration=2, adapter_version=2, train=_train_metrics(iteration_s=20.0)),
+    ]
+    # 8 iterations left at 15 s, and the evaluations after iterations 5 and 10 at 4 s
+    assert eta_seconds(config, history, 2) == 8 * 15 + 2 * 4
+    assert eta_seconds(config, history[:1], 0) is None  # nothing timed yet
+    line = progress_line(history[2], 10, 128.0)
+    assert line.endswith("| ETA 2m08s")
+    assert "ETA" not in progress_line(history[2].model_copy(update={"iteration": 10}), 10, 0.0)  # the last one

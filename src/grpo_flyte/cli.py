@@ -657,9 +657,18 @@ def resume_remote(run_name: str) -> int:
     return 0
 
 
+def quiet_libraries() -> None:
+    """Keep the console to this run's lines: no per-file progress bars from Hugging Face
+    downloads and model loads, and transformers' own messages only when they are errors. Set
+    before those libraries are imported (they read these once); a value you set wins."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logger.setLevel(logging.INFO)
+    quiet_libraries()
     argv = sys.argv[1:] if argv is None else argv
     try:
         options, config, explicit = parse_args(argv)

@@ -321,7 +321,24 @@ async def publish_report(config: RunConfig, state: LoopState, status: str, messa
     return html
 
 
-def progress_line(row: MetricsRow, total: int) -> str:
+def eta_seconds(config: RunConfig, history: list[MetricsRow], done: int) -> float | None:
+    """Seconds the run still needs: the mean iteration time so far times the iterations left, plus
+    the held-out evaluations still due at their mean time (None before the first iteration)."""
+    times = [row.train.iteration_s for row in history if row.train]
+    if not times:
+        return None
+    evals = [row.eval.eval_s for row in history if row.eval]
+    due = sum(eval_due(config, i) for i in range(done + 1, config.iterations + 1))
+    return statistics.fmean(times) * (config.iterations - done) + (statistics.fmean(evals) * due if evals else 0.0)
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> str:
     e, t = row.eval, row.train
     held_out = (
         f"held-out reward {e.eval_reward:.3f} +- {e.eval_reward_ci95:.3f}  acc {e.eval_accuracy:.1%}  "
@@ -338,7 +355,8 @@ def progress_line(row: MetricsRow, total: int) -> str:
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
         f"format {t.format_rate:.1%}{others}{errors}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
         f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
-        f"total {t.iteration_s:.1f}s" + (f"\n  {held_out}" if held_out else "")
+        f"total {t.iteration_s:.1f}s" + (f"  | ETA {_clock(eta_s)}" if eta_s is not None and row.iteration < total else "")
+        + (f"\n  {held_out}" if held_out else "")
     )
 
 
@@ -423,7 +441,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
             observer.recorded(new_state, row, answers)
         tracker.log(row.flat())
         await publish_report(config, new_state, "running")
-        logger.info(progress_line(row, config.iterations))
+        logger.info(progress_line(row, config.iterations, eta_seconds(config, new_state.history, new_state.iterations_done)))
         return new_state
 
     try:
