@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grpo_flyte.cli import UserError, parse_args
-from grpo_flyte.config import ConfigError, RunConfig, leaf_fields
+from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
 
 # --------------------------------------------------------------------------- parse_args
 
@@ -607,3 +607,66 @@ def test_help_speaks_in_words_with_one_default_per_flag():
     assert "--rewards NAME=WEIGHT,..." in text and "(default: correct=1.0,format=0.2)" in " ".join(text.split())
     version = subprocess.run([sys.executable, "-m", "grpo_flyte", "--version"], capture_output=True, text=True, check=False, timeout=60)
     assert (version.returncode, version.stdout.strip()) == (0, "grpo-flyte 0.1.0")
+
+
+# --------------------------------------------------------------------------- the model, checked before start
+
+
+def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    from grpo_flyte import cli, models
+
+    args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(cli, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
+    assert cli.main([*args, "--lora-target-modules", "q_proj,query_key_value"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --lora-target-modules 'query_key_value' names no linear layer of")
+    assert "expected some of down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, or 'all-linear'" in err
+    assert not (tmp_path / "run").exists()
+    assert models.lora_target_problem(tiny_model_dir, ("all-linear",)) is None
+    assert models.lora_target_problem(tiny_model_dir, ("q_proj", "down_proj")) is None
+    with pytest.raises(ConfigError, match="'all-linear' already names every linear layer"):
+        make_config(lora_target_modules=("all-linear", "q_proj"))
+
+
+def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_dir):
+    from grpo_flyte import trainer
+
+    config = RunConfig(model=str(tiny_model_dir), dtype="float32", lora_target_modules=("all-linear",))
+    model = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+    adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A") and name.count(".") > 3}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not hasattr(model.get_output_embeddings(), "lora_A") and "lm_head" not in str(adapted)
+
+
+def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
+    from grpo_flyte import cli
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
+    rows[3]["question"] = "Please add these numbers carefully, showing each step. " * 8 + "What is 3 + 3?"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), "--eval-size", "2", "--iterations", "1",
+            "--max-prompt-tokens", "100", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    monkeypatch.setattr(cli, "_run_locked", lambda *a, **k: 0)
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --max-prompt-tokens 100: 1 of 10 prompts are longer than 100 tokens (the longest, ")
+    assert "'Please add these numbers carefully" in err and err.endswith("add --overlong-prompts truncate")
+    with caplog.at_level("WARNING", logger="grpo_flyte"):
+        assert cli.main([*args, "--overlong-prompts", "truncate"]) == 0
+    assert "1 of 10 prompts are longer than 100 tokens" in caplog.text and "each keeps its last 100 tokens" in caplog.text
+
+
+def test_truncate_keeps_the_end_of_an_overlong_prompt(embedded_dir):
+    from transformers import AutoTokenizer
+
+    from grpo_flyte import engines
+    from grpo_flyte.types import Example
+
+    tok = AutoTokenizer.from_pretrained(str(embedded_dir))
+    example = Example(question="word " * 200 + "What is 2 + 2?", answer="4")
+    full = engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=4096).prompt)
+    cut = engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64, overlong_prompts="truncate").prompt)
+    assert len(full) > 200 and cut == full[-64:]
+    with pytest.raises(ValueError, match="exceeds max_prompt_tokens=64"):
+        engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64).prompt)

@@ -46,7 +46,7 @@ from grpo_flyte.config import (
     make_config,
 )
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
-from grpo_flyte.errors import GrpoFlyteError, ModelError
+from grpo_flyte.errors import ConfigError, GrpoFlyteError, ModelError
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote, payload_key, payload_text, write_payload
@@ -492,6 +492,35 @@ def _wandb_dir(run_dir: Path) -> Iterator[None]:
         os.environ.pop("WANDB_DIR", None)
 
 
+def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What the config asks of the model, checked before any task starts: the LoRA target layers
+    and, when the rows are known here, every prompt's length in the model's tokens."""
+    from grpo_flyte.models import lora_target_problem
+
+    problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
+    if problem:
+        raise ConfigError(problem, field="lora_target_modules")
+    if split is not None:
+        check_prompt_lengths(config, model_dir, [*split[0], *split[1]])
+
+
+def check_prompt_lengths(config: RunConfig, model_dir: Path, rows: list[Example]) -> None:
+    from transformers import AutoTokenizer
+
+    from grpo_flyte.engines import overlong_prompts
+
+    limit = config.prompt.max_prompt_tokens
+    over = overlong_prompts(AutoTokenizer.from_pretrained(model_dir), rows, config.prompt)
+    if not over:
+        return
+    longest = max(over, key=over.__getitem__)
+    what = f"{len(over)} of {len(rows)} prompts are longer than {limit} tokens (the longest, {over[longest]} tokens: {rows[longest].question[:60]!r})"
+    if config.prompt.overlong_prompts == "truncate":
+        logger.warning("%s; each keeps its last %d tokens (--overlong-prompts truncate)", what, limit)
+        return
+    raise ConfigError(f"{limit}: {what}; expected at most {limit}: raise it, or add --overlong-prompts truncate", field="max_prompt_tokens")
+
+
 def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
     from grpo_flyte.models import check_cache_writable, resolve_local_model
 
@@ -504,6 +533,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
         check_same_data(run_dir, fingerprint)
     check_cache_writable()
     model_dir = resolve_local_model(config.base.model)
+    check_model_fits(config, model_dir, split)
     if not resuming:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -631,9 +661,12 @@ def run_remote(config: RunConfig) -> int:
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
+    from grpo_flyte.models import is_repo_id, resolve_local_model
 
-    examples, _ = check_inputs(config, local=False)
+    examples, split = check_inputs(config, local=False)
     runner = _connect()
+    if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
+        check_model_fits(config, resolve_local_model(config.base.model), split)
     base_model = resolve_remote_model(config.base.model)
     inputs = examples_inputs(examples, lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
     run = runner.run(train_rl, config=config, base_model=base_model, **inputs)

@@ -162,7 +162,14 @@ class PromptConfig(_Part):
         ),
     )
     max_prompt_tokens: int = Field(
-        512, ge=8, le=131_072, description="Longest prompt accepted, in tokens; longer prompts fail the generate task."
+        512, ge=8, le=131_072, description="Longest prompt, in tokens (see --overlong-prompts); checked before a run starts."
+    )
+    overlong_prompts: Literal["error", "truncate"] = Field(
+        "error",
+        description=(
+            "A prompt longer than max_prompt_tokens: 'error' stops the run before it starts, naming how many and the "
+            "longest; 'truncate' keeps each one's last max_prompt_tokens tokens (TRL's max_prompt_length) and says how many."
+        ),
     )
 
 
@@ -221,8 +228,20 @@ class LoraConfig(_Part):
     lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale = alpha / r).")
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
     lora_target_modules: tuple[str, ...] = Field(
-        ("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1, description="Module names that get LoRA adapters."
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        min_length=1,
+        description=(
+            "Linear layers that get LoRA adapters, by name (q_proj matches every '...q_proj'), or 'all-linear' (PEFT's: "
+            "every linear layer but the output layer); checked against the model before a run starts."
+        ),
     )
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _all_linear_alone(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
+        if "all-linear" in targets and len(targets) > 1:
+            raise ValueError("'all-linear' already names every linear layer; expected it alone or a list of names")
+        return targets
 
 
 class TrainConfig(_Part):

@@ -347,10 +347,45 @@ def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[i
     # The chat template already wrote the special tokens; other text gets the tokenizer's.
     ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
     if len(ids) > prompt.max_prompt_tokens:
+        if prompt.overlong_prompts == "truncate":
+            return list(ids[-prompt.max_prompt_tokens :])  # the end holds the question and the turn's start
         raise ValueError(
             f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={prompt.max_prompt_tokens}: {example.question[:80]!r}"
         )
     return list(ids)
+
+
+# A token covers at least one byte of the text it was cut from (byte-level BPE, SentencePiece
+# with byte fallback); the slack covers tokens added outside the text (BOS, a leading-space marker).
+_TOKEN_SLACK = 4
+
+
+def overlong_prompts(tokenizer, examples: list[Example], prompt: PromptConfig) -> dict[int, int]:
+    """{index: length in tokens} of the examples whose prompt is longer than max_prompt_tokens.
+
+    Tokenizing every prompt of a large dataset takes seconds, so a prompt is tokenized only when
+    its UTF-8 size (which no token count exceeds, plus a little slack) is over the limit; for a
+    question that size is that of the prompt rendered around an empty question plus the question's.
+    """
+    limit = prompt.max_prompt_tokens
+    untruncated = prompt.model_copy(update={"max_prompt_tokens": 1 << 30})
+    frame: int | None = None
+    found = {}
+    for i, example in enumerate(examples):
+        if example.prompt is None:
+            if frame is None:
+                empty = render_prompt(
+                    "", prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+                )
+                frame = len(empty.encode()) + 1  # the space between question and instruction
+            bound = frame + len(example.question.encode())
+        else:
+            bound = len(render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking).encode())
+        if bound + _TOKEN_SLACK > limit:
+            length = len(tokenize_prompt(tokenizer, example, untruncated))
+            if length > limit:
+                found[i] = length
+    return found
 
 
 def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:

@@ -141,6 +141,31 @@ def _hub_snapshot(repo_id: str) -> Path:
     return folder
 
 
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output layer
+
+
+def lora_target_problem(model_dir: Path, targets: tuple[str, ...]) -> str | None:
+    """Why LoRA cannot go on `targets` in this model (None: it can), found without loading its
+    weights (the model is built on the meta device from its config). A target matches a linear
+    layer named like it or ending in '.<target>', as PEFT matches them; 'all-linear' matches every
+    linear layer but the output layer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    output = model.get_output_embeddings()
+    linear = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and module is not output]
+    if targets == (ALL_LINEAR,):
+        return None if linear else "the model has no linear layers for 'all-linear'"
+    known = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in linear):
+            return f"{target!r} names no linear layer of {model_dir.name}; expected some of {', '.join(known)}, or '{ALL_LINEAR}'"
+    return None
+
+
 def shareable_base(model: str) -> str:
     """The base model a saved adapter names, for others to load: the Hub id when there is one
     (for 'embedded', the repo it was quantized from), else the local directory."""

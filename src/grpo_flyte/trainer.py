@@ -20,7 +20,7 @@ from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
 from grpo_flyte.errors import AdapterError, not_retried
-from grpo_flyte.models import best_device, resolve_dtype, shareable_base, torch_dtype
+from grpo_flyte.models import ALL_LINEAR, best_device, resolve_dtype, shareable_base, torch_dtype
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -38,7 +38,8 @@ def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: f
 
     logger.info("loading the base model for training from %s (once per replica)", model_path)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), task_type="CAUSAL_LM")
+    modules = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     model.config.use_cache = False
     return model
