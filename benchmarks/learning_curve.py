@@ -6,7 +6,7 @@ the held-out split before training, every --eval-every iterations and at the end
 the before/after figures with 95% intervals, the paired gain (the same questions before and after),
 and the seconds per iteration; writes them to <run-dir>/learning_curve.json.
 
-    python benchmarks/learning_curve.py                       # the README's figures
+    python benchmarks/learning_curve.py                       # the figures in docs/measurements.md
     python benchmarks/learning_curve.py --iterations 5        # a quicker look
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
 """

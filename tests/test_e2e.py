@@ -417,6 +417,8 @@ def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, t
     failure = "\n".join(r.getMessage() for r in caplog.records)
     # the evaluation before training scores one completion per question: the reward raises there
     assert f"reward '{name}' raised ValueError: cannot judge this one on completion 1 of 1, which starts" in failure
+    # bad input: the resume hint says a resume meets the same failure until it is fixed
+    assert "no iteration had finished; the failure comes from the run's input (above), which a resume meets again: fix it" in failure
     assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
     assert "failed" in (run_dir / "report.html").read_text()
 

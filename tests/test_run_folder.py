@@ -404,3 +404,23 @@ def test_a_recovered_rerun_reuses_every_finished_task(tmp_path, tiny_model_dir, 
     rerun = [short for short, _ in recovering.ran]
     assert rerun == ["train_step", "generate_eval", "score_groups"]  # the lost step, then the final evaluation
     assert [row.iteration for row in result.history] == [0, 1, 2] and result.adapter.version == 2
+
+
+def test_a_run_that_fails_on_every_attempt_says_what_is_kept_and_how_to_continue(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A failure that is not the input's (a lost worker, every attempt): the finished iterations
+    are kept and the resume command is printed, as it can help."""
+    from grpo_flyte import driver
+
+    run_iteration = driver.run_iteration
+
+    async def second_iteration_lost(config, base_model, adapter, dataset, iteration):
+        if iteration == 1:
+            raise ConnectionError("the worker pod went away")
+        return await run_iteration(config, base_model, adapter, dataset, iteration)
+
+    monkeypatch.setattr(driver, "run_iteration", second_iteration_lost)
+    run_dir = tmp_path / "run"
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main(_args(tiny_model_dir, run_dir, 2)) == 1
+    assert f"iterations 1-1 of 2 are kept; continue with: python -m grpo_flyte.driver --local --resume --run-dir {run_dir}" in caplog.text
+    assert "meets again" not in caplog.text

@@ -46,7 +46,7 @@ from grpo_flyte.config import (
     make_config,
 )
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
-from grpo_flyte.errors import ConfigError, GrpoFlyteError, ModelError
+from grpo_flyte.errors import ConfigError, GrpoFlyteError, ModelError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote, payload_key, payload_text, write_payload
@@ -590,7 +590,13 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
         logger.error("run failed: %s", exc)
-        logger.error("finished iterations are kept; continue with: %s --local --resume --run-dir %s", PROG, run_dir)
+        done = [i for i in finished_iterations(run_dir) if i > 0]
+        kept = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
+        resume = f"{PROG} --local --resume --run-dir {run_dir}"
+        if is_not_retried(exc):  # bad input: a resume as it is would fail the same way
+            logger.error("%s; the failure comes from the run's input (above), which a resume meets again: fix it, then: %s", kept, resume)
+        else:
+            logger.error("%s; continue with: %s", kept, resume)
         return 1
     files.export_adapter(result.adapter)
     logger.info("done: adapter %s, report %s, metrics %s", run_dir / ADAPTER_DIR, run_dir / REPORT_FILE, run_dir / METRICS_FILE)

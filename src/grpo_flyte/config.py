@@ -41,7 +41,7 @@ SYSTEM_PROMPT = (
     "reply with the final answer on its own line as '#### <integer>'."
 )
 # Appended to the question in the user turn: a small model follows an instruction there more
-# often than one in the system prompt (measured in the README's learning section).
+# often than one in the system prompt (measured: docs/measurements.md, the learning section).
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
 
 

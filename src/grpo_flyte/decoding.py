@@ -1,7 +1,7 @@
 """Batched sampling for the transformers backend: the token choice as a pure function, and the loop.
 
 Why not `model.generate`: on the CPU this loop is ~1.5x faster for the same tokens (measured on the
-embedded model, 24 rows x 128 tokens: see the README's benchmarks), for three reasons.
+embedded model, 24 rows x 128 tokens: see docs/measurements.md), for three reasons.
 - The prompt pass computes logits for the last position only, through a contiguous copy of it.
   `generate` asks for `logits_to_keep=1`, a strided slice that torch's matmul turns into a batched
   product against 24 copies of the vocabulary matrix (a 1.4 GB copy for SmolLM2, ~4 s).
