@@ -65,6 +65,9 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         assert rows[iteration]["eval_reward"] == pytest.approx(sum(a["reward"] for a in answers) / 2)
     report = (run_dir / "report.html").read_text()
     assert "complete" in report and "<svg" in report and "Held-out evaluation" in report and "Entropy" in report
+    # the latest evaluation's answers (eval size 2 here: both) and the stage times have their place
+    assert report.count('<table class="kv held-out">') == 1 and "Seconds per stage" in report
+    assert 'http-equiv="refresh"' not in report  # a finished run's report no longer reloads itself
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 import pytest
 
 from grpo_flyte import files
-from grpo_flyte.report_helpers import METRIC_CHARTS, render_report, write_report_atomic
+from grpo_flyte.report_helpers import METRIC_CHARTS, nice_ticks, render_report, render_report_fragment, write_report_atomic
 
 MINUS = "\u2212"
 
@@ -106,7 +106,7 @@ def test_two_rows_cards_charts_and_table():
     assert "+1 since previous" in _section(cards, "stat-adapter_version", "</div></div>")
 
     svgs = _svgs(document)
-    assert set(svgs) == {"Reward, accuracy and format rate", "Loss"}
+    assert set(svgs) == {"Reward, accuracy and format rate", "Loss", "Seconds per stage"}
     assert svgs["Reward, accuracy and format rate"].count("<circle") == 6
     assert svgs["Reward, accuracy and format rate"].count("<polyline") == 3
     assert svgs["Loss"].count("<circle") == 2
@@ -229,8 +229,8 @@ def test_document_parses_and_svg_tags_balance():
     history = [_row(i, eval_reward=0.1 * i, eval_accuracy=0.2 * i) for i in range(1, 6)]
     document = _render(history, best_completion={"question": "q", "answer": "a", "completion": "c", "reward": 1})
     tags = _parse(document)
-    assert tags.starts.count("svg") == tags.ends.count("svg") == 3
-    assert tags.starts.count("figure") == tags.ends.count("figure") == 3
+    assert tags.starts.count("svg") == tags.ends.count("svg") == 4
+    assert tags.starts.count("figure") == tags.ends.count("figure") == 4
     assert tags.starts.count("svg") == len(re.findall(r'<svg role="img" aria-label="[^"]+"', document))
     for tag in ("html", "body", "main", "table", "tbody", "polyline", "circle", "title"):
         assert tags.starts.count(tag) == tags.ends.count(tag), tag
@@ -342,3 +342,50 @@ def test_the_report_tab_gets_a_fragment_and_the_run_folder_a_document(tmp_path, 
     assert document.startswith("<!DOCTYPE html>") and document.rstrip().endswith("</body></html>")
     # the same style and content: the tab's last fragment opens as the file's body does
     assert sent[-1][:2000] in document
+
+
+# --------------------------------------------------------------------------- axes, bands, refresh
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "ticks"),
+    [
+        (0.0, 1.0, [0.0, 0.5, 1.0]),
+        (0.13, 0.87, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]),
+        (-0.31, 0.05, [-0.4, -0.3, -0.2, -0.1, 0.0, 0.1]),
+        (12.0, 74.0, [0.0, 20.0, 40.0, 60.0, 80.0]),
+        (0.0021, 0.0029, [0.002, 0.0022, 0.0024, 0.0026, 0.0028, 0.003]),
+    ],
+)
+def test_nice_ticks_hand_computed(lo, hi, ticks):
+    assert nice_ticks(lo, hi) == ticks
+
+
+def test_held_out_curves_carry_their_95_percent_band_and_round_ticks():
+    history = [_row(i, eval_reward=0.1 * i, eval_reward_ci95=0.05, eval_accuracy=0.2 * i, eval_accuracy_ci95=float("inf")) for i in range(1, 4)]
+    held_out = _svgs(_render(history))["Held-out evaluation"]
+    bands = re.findall(r'<polygon class="band"[^>]*points="([^"]+)"', held_out)
+    assert len(bands) == 1  # eval_reward's; an infinite interval (one question) draws none
+    assert len(bands[0].split()) == 6  # three points along the top, three back along the bottom
+    labels = re.findall(r'text-anchor="end">([^<]+)<', held_out)
+    assert all(len(label) <= 4 for label in labels), labels  # 0.2, 0.4, ... not 0.2378
+
+
+def test_a_running_local_report_reloads_itself_and_a_finished_one_does_not():
+    running = render_report(title="t", status="running", config={}, history=[_row(1)])
+    assert '<meta http-equiv="refresh" content="30">' in running
+    assert "refresh" not in render_report(title="t", status="complete", config={}, history=[_row(1)])
+    assert "refresh" not in render_report_fragment(title="t", status="running", config={}, history=[_row(1)])
+
+
+def test_held_out_answers_are_shown_escaped_and_cut():
+    answers = [
+        {"question": "What is 2 + 2?", "answer": "4", "completion": "<script>alert(1)</script> #### 4", "reward": 1.2, "correct": True},
+        {"question": "What is 3 + 3?", "answer": "6", "completion": "x" * 1000, "reward": 0.0, "correct": False},
+    ]
+    document = render_report(title="t", status="complete", config={}, history=[_row(1)], held_out_answers=answers)
+    table = document.split('class="kv held-out"', 1)[1].split("</table>", 1)[0]
+    assert "<script>" not in document and "&lt;script&gt;alert(1)&lt;/script&gt; #### 4" in table
+    assert "x" * 400 + " \u2026" in table and "x" * 401 not in table
+    assert table.count("<tr>") == 3 and ">yes<" in table and ">no<" in table
+    assert "Held-out answers" not in render_report(title="t", status="complete", config={}, history=[_row(1)])

@@ -61,6 +61,8 @@ logger = logging.getLogger("grpo_flyte")
 
 # Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
 EVAL_CHUNK = 64
+# Held-out answers the report shows (spread over the evaluation's questions).
+HELD_OUT_SHOWN = 6
 REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
 
 
@@ -73,6 +75,8 @@ class LoopState(BaseModel):
     best_completion: BestCompletion | None = None
     # The experiment-tracking run this loop logs to (kept so that a resumed run continues it).
     tracking_id: str = ""
+    # A few answers of the latest held-out evaluation, for the report.
+    held_out_sample: list[EvalAnswer] = []
 
 
 class RunObserver(Protocol):
@@ -311,6 +315,7 @@ async def publish_report(config: RunConfig, state: LoopState, status: str, messa
         "config": config.flat(),
         "history": [row.flat() for row in state.history],
         "best_completion": state.best_completion.model_dump() if state.best_completion else None,
+        "held_out_answers": [answer.model_dump() for answer in state.held_out_sample],
         "message": message,
     }
     html = render_report(**parts)
@@ -435,6 +440,8 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
 
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
+        if answers:
+            new_state = new_state.model_copy(update={"held_out_sample": answers[:: max(1, len(answers) // HELD_OUT_SHOWN)][:HELD_OUT_SHOWN]})
         if checkpoint is not None:
             await save_checkpoint(checkpoint, checkpoint_payload(new_state))
         for observer in _observers:
@@ -468,6 +475,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
                     history=[*state.history, row],
                     best_completion=best_completion(scored),
                     tracking_id=state.tracking_id,
+                    held_out_sample=state.held_out_sample,
                 ),
                 row,
                 answers,

@@ -31,7 +31,10 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Clipped tokens, zero-variance groups, truncated completions", ("clip_fraction", "frac_zero_std_groups", "truncated_fraction")),
     ("Importance ratio (trainer / generator)", ("is_ratio_mean", "is_ratio_max")),
     ("Completion length", ("completion_len_mean", "completion_len_max")),
+    ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s")),
 )
+# A series drawn with a shaded 95% interval: the key holding the interval's half-width.
+_BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95"}
 
 DASH = "\u2013"
 _MINUS = "\u2212"
@@ -174,6 +177,21 @@ def _tick_label(value: float) -> str:
     return f"{value:.3g}"
 
 
+def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
+    """Round axis values covering [lo, hi]: multiples of 1, 2 or 5 x 10^k, about `count` of them,
+    the first at or below lo and the last at or above hi."""
+    if not hi > lo:
+        raise ValueError(f"an empty range [{lo}, {hi}]")
+    rough = (hi - lo) / max(1, count - 1)
+    magnitude = 10 ** math.floor(math.log10(rough))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= rough)
+    first = math.floor(lo / step + 1e-9) * step
+    n = math.ceil((hi - first) / step - 1e-9)
+    # round() drops the float noise of k * step (0.30000000000000004 -> 0.3)
+    digits = max(0, -math.floor(math.log10(step)) + 1)
+    return [round(first + k * step, digits) for k in range(n + 1)]
+
+
 # --------------------------------------------------------------------------- header
 
 
@@ -256,7 +274,8 @@ class _Scale:
 
     def __init__(self, xs: Sequence[float], ys: Sequence[float]) -> None:
         self.x0, self.x1 = _span(xs, 0.03)
-        self.y0, self.y1 = _span(ys, 0.06)
+        self.y_ticks = nice_ticks(*_span(ys, 0.0))
+        self.y0, self.y1 = self.y_ticks[0], self.y_ticks[-1]
         self.width = _W - _LEFT - _RIGHT
         self.height = _H - _TOP - _BOTTOM
 
@@ -270,8 +289,7 @@ class _Scale:
 def _axes(scale: _Scale, xs: Sequence[float]) -> str:
     bottom, right = _H - _BOTTOM, _W - _RIGHT
     parts = []
-    for i in range(_Y_TICKS):
-        value = scale.y0 + (scale.y1 - scale.y0) * i / (_Y_TICKS - 1)
+    for value in scale.y_ticks:
         y = scale.y(value)
         parts.append(f'<line class="grid" x1="{_LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>')
         parts.append(
@@ -289,6 +307,28 @@ def _axes(scale: _Scale, xs: Sequence[float]) -> str:
         f'<text x="{_LEFT + scale.width / 2:.1f}" y="{_H - 6}" text-anchor="middle">iteration</text>'
     )
     return "".join(parts)
+
+
+def _band(history: Sequence[Mapping], key: str) -> list[tuple[float, float, float]]:
+    """(iteration, low, high) of `key`'s 95% interval on the rows that carry a finite one."""
+    if key not in _BANDS:
+        return []
+    band = []
+    for position, row in enumerate(history, start=1):
+        y, half = _finite(row.get(key)), _finite(row.get(_BANDS[key]))
+        if y is None or half is None:
+            continue
+        x = _finite(row.get("iteration"))
+        band.append((x if x is not None else float(position), y - half, y + half))
+    return band
+
+
+def _band_svg(band: Sequence[tuple[float, float, float]], colour: str, scale: _Scale) -> str:
+    if len(band) < 2:
+        return ""
+    upper = [f"{scale.x(x):.1f},{scale.y(hi):.1f}" for x, _, hi in band]
+    lower = [f"{scale.x(x):.1f},{scale.y(lo):.1f}" for x, lo, _ in reversed(band)]
+    return f'<polygon class="band" fill="{colour}" fill-opacity="0.15" stroke="none" points="{" ".join(upper + lower)}"/>'
 
 
 def _series_svg(key: str, points: Sequence[tuple[float, float]], colour: str, scale: _Scale) -> str:
@@ -324,13 +364,14 @@ def _has_key(history: Sequence[Mapping], key: str) -> bool:
 def _chart(title: str, keys: Sequence[str], history: Sequence[Mapping]) -> str:
     keys = [key for key in keys if _has_key(history, key)]
     series = [(key, _points(history, key)) for key in keys]
+    bands = {key: _band(history, key) for key in keys}
     points = [point for _, pts in series for point in pts]
+    band_ys = [y for band in bands.values() for _, lo, hi in band for y in (lo, hi)]
     # With nothing finite to plot, still draw empty axes rather than fail.
-    scale = _Scale([x for x, _ in points] or [1.0], [y for _, y in points] or [0.0, 1.0])
-    body = "".join(
-        _series_svg(key, pts, _SERIES_COLOURS[i % len(_SERIES_COLOURS)], scale)
-        for i, (key, pts) in enumerate(series)
-    )
+    scale = _Scale([x for x, _ in points] or [1.0], [y for _, y in points] + band_ys or [0.0, 1.0])
+    colours = {key: _SERIES_COLOURS[i % len(_SERIES_COLOURS)] for i, key in enumerate(keys)}
+    body = "".join(_band_svg(bands[key], colours[key], scale) for key in keys)
+    body += "".join(_series_svg(key, pts, colours[key], scale) for key, pts in series)
     label = _esc(f"{title}: {', '.join(keys)} by iteration")
     svg = (
         f'<svg role="img" aria-label="{label}" viewBox="0 0 {_W} {_H}" '
@@ -414,6 +455,32 @@ def _best_completion(best: Mapping | None) -> str:
     )
 
 
+# Characters of a held-out completion shown in the report's table (the run folder has them whole).
+_ANSWER_CHARS = 400
+
+
+def _held_out(answers: Sequence[Mapping] | None) -> str:
+    if not answers:
+        return ""
+    rows = "".join(
+        "<tr>"
+        f"<td>{_text(a.get('question'))}</td><td>{_text(a.get('answer'))}</td>"
+        f"<td><pre>{_esc(_cut(str(a.get('completion', ''))))}</pre></td>"
+        f"<td>{_format(a.get('reward'), 'num')}</td><td>{'yes' if a.get('correct') else 'no'}</td>"
+        "</tr>"
+        for a in answers
+    )
+    head = "".join(f'<th scope="col">{h}</th>' for h in ("Question", "Expected", "Greedy answer", "Reward", "Correct"))
+    return (
+        '<h2>Held-out answers <span class="meta">(a sample of the latest evaluation)</span></h2>'
+        f'<div class="scroll"><table class="kv held-out"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
+    )
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _ANSWER_CHARS else text[:_ANSWER_CHARS] + " \u2026"
+
+
 def _config(config: Mapping[str, object]) -> str:
     if not config:
         return '<h2>Run config</h2><p class="placeholder">No config recorded.</p>'
@@ -427,12 +494,19 @@ def _config(config: Mapping[str, object]) -> str:
 # --------------------------------------------------------------------------- public API
 
 
+# A local report of a run still going reloads itself this often (seconds); a finished one does not.
+REFRESH_S = 30
+
+
 def render_report(**parts: Any) -> str:
     """The whole run report as one self-contained HTML document (the local report.html): the
-    fragment `render_report_fragment(**parts)` as the body of a page titled `parts["title"]`."""
+    fragment `render_report_fragment(**parts)` as the body of a page titled `parts["title"]`.
+    While the run is going the page reloads itself every REFRESH_S seconds (an HTML meta refresh:
+    no script)."""
+    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if parts["status"] == "running" else ""
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1">{refresh}'
         f"<title>{_esc(parts['title'])}</title></head><body>{render_report_fragment(**parts)}</body></html>\n"
     )
 
@@ -445,6 +519,7 @@ def render_report_fragment(
     history: list[dict[str, object]],
     best_completion: dict[str, object] | None = None,
     message: str | None = None,
+    held_out_answers: list[dict[str, object]] | None = None,
 ) -> str:
     """The report as an HTML fragment (its style and its content, no document around them): what
     `flyte.report.replace` puts inside the report tab's own page, and the body of `render_report`."""
@@ -458,6 +533,7 @@ def render_report_fragment(
         _header(title, status, message, sum(1 for row in history if "mean_reward" in row))
         + progress
         + _best_completion(best_completion)
+        + _held_out(held_out_answers)
         + _config(config)
     )
     return f"<style>{_CSS}</style><main>{body}</main>"
