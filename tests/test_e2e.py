@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import flyte
 import pytest
@@ -638,3 +639,47 @@ def test_a_hub_repo_id_runs_locally_and_the_adapter_names_it(tmp_path, tiny_mode
                              env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert missing.returncode == 2 and "'no-org/no-model': could not be fetched from the Hugging Face Hub" in missing.stderr
     assert [line for line in missing.stderr.splitlines() if line.startswith("error:")] == [missing.stderr.splitlines()[-1]]
+
+
+class StandInHub:
+    """huggingface_hub.HfApi's create_repo and upload_folder against a local folder (no network here)."""
+
+    root: ClassVar[Path]
+    fail: ClassVar[list[str]] = []
+
+    def create_repo(self, repo_id, private=False, exist_ok=False):
+        (self.root / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+        return type("RepoUrl", (), {"url": f"https://huggingface.co/{repo_id}"})()
+
+    def upload_folder(self, folder_path, repo_id, commit_message=""):
+        if self.fail:
+            raise ConnectionError(self.fail.pop())
+        import shutil
+
+        shutil.copytree(folder_path, self.root / repo_id, dirs_exist_ok=True)
+
+
+def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    import huggingface_hub
+
+    hub_dir = tmp_path / "hub"
+    monkeypatch.setattr(StandInHub, "root", hub_dir, raising=False)
+    monkeypatch.setattr(StandInHub, "fail", ["the Hub is unreachable"] * 3)  # the first attempt and both driver retries
+    monkeypatch.setattr(huggingface_hub, "HfApi", StandInHub)
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
+            "--push-to-hub", "me/tiny-grpo", "--run-dir", str(run_dir)]  # fmt: skip
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main(args) == 1  # trained, then the upload failed: the iterations are kept
+    assert "the Hub is unreachable" in caplog.text and "iterations 1-1 of 1 are kept; continue with" in caplog.text
+    assert not (hub_dir / "me" / "tiny-grpo" / "README.md").exists()
+    assert cli_main([*args, "--resume"]) == 0  # the resume goes straight to the upload
+    repo = hub_dir / "me" / "tiny-grpo"
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in repo.iterdir()}
+    assert not (repo / "optimizer.pt").exists()
+    card = (repo / "README.md").read_text()
+    rows = read_metrics(run_dir)
+    assert f"base_model: {tiny_model_dir}" in card and "library_name: peft" in card
+    assert "**Data:** `arithmetic`" in card and "`correct` x 1, `format` x 0.2" in card
+    assert f"| after (iteration 1) | {rows[-1]['eval_reward']:.3f}" in card
+    assert json.loads((repo / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)

@@ -178,8 +178,9 @@ def test_importing_the_driver_leaves_heavy_libraries_out(probe_a100):
 
 
 def test_wandb_secret_env_var_gives_the_driver_the_key(probe_a100):
-    assert probe_a100["driver_secrets"] == [["wandb-key", "WANDB_API_KEY"]]
-    assert list(envs.driver_env.secrets or []) == []  # unset here: no secret requested
+    assert probe_a100["driver_secrets"] == [["hf-token", "HF_TOKEN"], ["wandb-key", "WANDB_API_KEY"]]
+    # unset here: only the Hugging Face token (for --push-to-hub)
+    assert [(s.key, s.as_env_var) for s in envs.driver_env.secrets] == [(envs.settings.hf_token_secret, "HF_TOKEN")]
 
 
 def test_rollout_gpu_env_var_changes_the_device(probe_a100):

@@ -20,7 +20,7 @@ LAYERS = {
     # 1: the run's config; the report renderer
     "config": 1, "report_helpers": 1, "__init__": 2,
     # 2-4: models, rewards, data, storage, engines, the task environments
-    "models": 2, "rewards": 2, "data": 3, "storage": 3, "engines": 4, "envs": 4,
+    "models": 2, "rewards": 2, "data": 3, "storage": 3, "hub": 3, "engines": 4, "envs": 4,
     # 5: the task modules, side by side
     "rollout": 5, "reward": 5, "trainer": 5,
     # 6-8: the driver, the command line, `python -m grpo_flyte`

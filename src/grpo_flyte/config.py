@@ -384,6 +384,15 @@ class RunConfig(_Part):
             "(a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
         ),
     )
+    push_to_hub: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
+        description=(
+            "After the last iteration, upload the final adapter (the merged model with export_merged) to this "
+            "Hugging Face repo, 'user/name' (created private if missing), with a model card naming the base, data, "
+            "rewards and the final held-out figures. Needs HF_TOKEN (on a cluster: the hf_token secret)."
+        ),
+    )
     wandb_project: str | None = Field(
         None,
         description="Also log each iteration's metrics to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline works).",
@@ -455,6 +464,7 @@ TRL_ALIASES: dict[str, str] = {
     "lora_r": "lora_rank",
     "vllm_importance_sampling_correction": "is_correction",
     "vllm_importance_sampling_cap": "is_cap",
+    "hub_model_id": "push_to_hub",
 }
 NUM_ITERATIONS_REFUSED = (
     "'num_iterations' is ambiguous, so it is refused: in TRL it is how many times each generated batch is "

@@ -32,7 +32,7 @@ import flyte.report
 from flyte.io import Dir
 from pydantic import BaseModel
 
-from grpo_flyte import grpo
+from grpo_flyte import grpo, hub
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.envs import driver_env
@@ -393,6 +393,15 @@ def checkpoint_payload(state: LoopState) -> bytes:
     return _with_adapter_path(state, portable_path(state.adapter.dir.path)).model_dump_json().encode()
 
 
+async def push_to_hub(config: RunConfig, state: LoopState, merged: Dir | None) -> str:
+    """Upload the final adapter, or the merged model, with its model card (`hub.push_folder`).
+    A failure fails the run after its last checkpoint: a resume (or the driver's retry) goes
+    straight to the export and tries again."""
+    folder = await replica_cache("driver", capacity=1).get(merged if merged is not None else state.adapter.dir)
+    card = hub.model_card(config, state.history, merged=merged is not None)
+    return await asyncio.to_thread(hub.push_folder, folder, config.push_to_hub, card)
+
+
 async def _report_dir(html: str, version: int) -> Dir:
     """The final report as a task output: a folder holding `report.html`, published like an adapter
     (locally it stays under the run's raw data; a temp folder would be gone once this returns).
@@ -484,6 +493,9 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
         if config.export_merged:
             with flyte.group("export"):
                 merged = await merge_adapter(base_model, state.adapter)
+        if config.push_to_hub:
+            with flyte.group("push"):
+                await push_to_hub(config, state, merged)
     except Exception as exc:
         await publish_report(config, state, "failed", f"{type(exc).__name__}: {exc}")
         tracker.finish(failed=True)

@@ -176,7 +176,8 @@ driver_env = flyte.TaskEnvironment(
     description="The GRPO loop: generate, score, train, report, checkpoint.",
     image=image,
     resources=flyte.Resources(cpu=1, memory="2Gi"),
-    secrets=[flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else [],
+    # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
+    secrets=[_hf_token, *([flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else [])],
     env_vars=_settings_env,
     # The driver submits tasks of the other three environments; depends_on puts their images in
     # the run's image cache.
