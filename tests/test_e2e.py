@@ -489,6 +489,19 @@ def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monk
             want["mean_reward" if "mean_reward" in want else "eval_reward"])
         assert got["_step"] == want["iteration"]
     assert len(run_id) == 12
+    # each held-out evaluation also logs its answers as a table, at the same step
+    # (the history record holds the table's reference as nested keys: held_out_answers/path, ...)
+    tables = {
+        r["iteration"]: {k.split("/", 1)[1]: v for k, v in r.items() if k.startswith("held_out_answers/")}
+        for r in logged
+        if "held_out_answers/path" in r
+    }
+    assert sorted(tables) == [0, 2] and all(t["_type"] == "table-file" and t["nrows"] == 2 for t in tables.values())
+    (files,) = run_dir.glob("wandb/offline-run-*/files")
+    table = json.loads((files / tables[2]["path"]).read_text())
+    answers = [json.loads(x) for x in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    assert table["columns"] == ["question", "answer", "completion", "reward", "correct"]
+    assert [row[2] for row in table["data"]] == [a["completion"] for a in answers]
 
 
 def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model_dir, monkeypatch, capsys):

@@ -244,12 +244,12 @@ def test_gradient_checkpointing_gives_the_same_step(fresh):
     plain, plain_calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
     model, optimizer, config = fresh(gradient_checkpointing=True)
     checkpointed, calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
-    assert model.get_base_model().is_activation_checkpointing
+    assert trainer.checkpointing_on(model)
     assert calls == 2 * plain_calls  # each layer's forward runs again in the backward pass
     assert checkpointed.loss == pytest.approx(plain.loss, abs=1e-6)
     assert checkpointed.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
     trainer.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
-    assert not model.get_base_model().is_activation_checkpointing  # the cached model follows each step's config
+    assert not trainer.checkpointing_on(model)  # the cached model follows each step's config
 
 
 def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):

@@ -455,7 +455,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
             await save_checkpoint(checkpoint, checkpoint_payload(new_state))
         for observer in _observers:
             observer.recorded(new_state, row, answers)
-        tracker.log(row.flat())
+        tracker.log(row.flat(), [answer.model_dump() for answer in answers] if answers else None)
         await publish_report(config, new_state, "running")
         logger.info(progress_line(row, config.iterations, eta_seconds(config, new_state.history, new_state.iterations_done)))
         return new_state

@@ -36,10 +36,17 @@ class Tracker:
         self._run = wandb.init(project=project, id=run_id, resume="allow", config=config)
         logger.info("logging metrics to W&B project %s, run %s", project, run_id)
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], answers: list[dict[str, Any]] | None = None) -> None:
+        """One metrics row; with a held-out evaluation's answers, also a table of them (question,
+        expected answer, the greedy completion, its reward, correct), at the same step."""
         if self._run is not None:
-            numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            self._run.log(numbers, step=int(row["iteration"]))
+            values: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if answers:
+                import wandb
+
+                columns = ["question", "answer", "completion", "reward", "correct"]
+                values["held_out_answers"] = wandb.Table(columns=columns, data=[[a[c] for c in columns] for a in answers])
+            self._run.log(values, step=int(row["iteration"]))
 
     def finish(self, failed: bool = False) -> None:
         if self._run is not None:

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flyte.io import Dir
@@ -98,14 +99,22 @@ def load_adapter_state(model, adapter_path: str, train: TrainConfig):
     return optimizer
 
 
-def _set_checkpointing(model, on: bool) -> None:
-    """Gradient checkpointing on or off for this step (the model is cached across steps and runs).
-    transformers 5.x calls it activation checkpointing; older releases only have the old names."""
+def _checkpointing_api(model) -> tuple[bool, Callable, Callable]:
+    """(on now, enable, disable) of the base model's gradient checkpointing: transformers >= 5.23
+    calls it activation checkpointing (the old names warn); earlier releases have only the old ones."""
     base = model.get_base_model()
     if hasattr(base, "activation_checkpointing_enable"):
-        active, enable, disable = base.is_activation_checkpointing, base.activation_checkpointing_enable, base.activation_checkpointing_disable
-    else:
-        active, enable, disable = base.is_gradient_checkpointing, base.gradient_checkpointing_enable, base.gradient_checkpointing_disable
+        return base.is_activation_checkpointing, base.activation_checkpointing_enable, base.activation_checkpointing_disable
+    return base.is_gradient_checkpointing, base.gradient_checkpointing_enable, base.gradient_checkpointing_disable
+
+
+def checkpointing_on(model) -> bool:
+    return _checkpointing_api(model)[0]
+
+
+def _set_checkpointing(model, on: bool) -> None:
+    """Gradient checkpointing on or off for this step (the model is cached across steps and runs)."""
+    active, enable, disable = _checkpointing_api(model)
     if on and not active:
         # non-reentrant: works with frozen base weights without forcing gradients on the inputs
         enable({"use_reentrant": False})
