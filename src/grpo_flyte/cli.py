@@ -44,13 +44,14 @@ from grpo_flyte.config import (
     leaf_fields,
     load_config_file,
     make_config,
+    shown_default,
 )
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, GrpoFlyteError, ModelError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote, payload_key, payload_text, write_payload
-from grpo_flyte.types import REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
+from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
 
 if TYPE_CHECKING:
     from grpo_flyte.driver import LoopState
@@ -130,14 +131,6 @@ def _metavar(name: str, annotation: Any) -> str | None:
     return _TYPE_METAVARS.get(annotation)
 
 
-def _shown_default(value: Any) -> str:
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return str(value)
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("grpo-flyte")
@@ -167,7 +160,7 @@ def build_cli() -> CliSettingsSource:
         description = (field.description or "").rstrip()
         default = field.get_default(call_default_factory=True)
         told = "default" in description or default is None
-        text = description if told else f"{description} (default: {_shown_default(default)})"
+        text = description if told else f"{description} (default: {shown_default(default)})"
         action.help = text.replace("%", "%%")  # argparse formats help with %
     parser.add_argument("--version", action="version", version=f"grpo-flyte {_version()}")
     return source
@@ -463,8 +456,6 @@ class LocalRunFiles:
     def export_adapter(self, adapter: AdapterRef) -> Path:
         """The adapter to share: PEFT's files, naming a base others can load; the optimizer state
         stays with the run's adapter versions (flyte/adapters), which a resume reads."""
-        from grpo_flyte.trainer import OPTIMIZER_FILE
-
         def copy(d: Path) -> None:
             shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
 

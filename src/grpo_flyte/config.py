@@ -634,15 +634,20 @@ def make_config(**values: Any) -> RunConfig:
         raise ConfigError(format_validation_error(exc)) from None
 
 
+def shown_default(value: Any) -> str:
+    """An option's default as its flag takes it: `correct=1.0,format=0.2`, `q_proj,k_proj`."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
 def config_table_markdown() -> str:
     """The README's config table, generated from RunConfig (a test keeps the README in sync)."""
     rows = ["| flag | part | default | description |", "| --- | --- | --- | --- |"]
     for name, (part, field) in _leaf_index().items():
         default = field.get_default(call_default_factory=True)
-        if isinstance(default, dict):
-            shown = ",".join(f"{k}={v}" for k, v in default.items())
-        else:
-            shown = ",".join(default) if isinstance(default, tuple) else default
         names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
-        rows.append(f"| {names} | {part or 'run'} | `{shown}` | {field.description} |")
+        rows.append(f"| {names} | {part or 'run'} | `{shown_default(default)}` | {field.description} |")
     return "\n".join(rows)

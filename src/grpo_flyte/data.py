@@ -78,6 +78,12 @@ def gold_answer(value: object) -> str:
 PROMPT_COLUMN = "prompt"
 
 
+def _shown(value: object) -> str:
+    """repr(value) for an error message, cut to 120 characters."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."
+
+
 def _usable_cell(answer: object) -> bool:
     missing = answer is None or isinstance(answer, bool) or (isinstance(answer, float) and not math.isfinite(answer))
     return not missing and isinstance(answer, (str, int, float)) and bool(gold_answer(answer))
@@ -92,10 +98,9 @@ def _trl_prompt(value: object, where: str) -> str | list[Message]:
             return [Message.model_validate(m) for m in value]
         except ValueError:
             pass
-    shown = repr(value) if len(repr(value)) <= 120 else repr(value)[:120] + "..."
     raise DatasetError(
         f"{where}: {PROMPT_COLUMN!r} must be non-empty text or a list of chat messages "
-        f"({{'role': ..., 'content': ...}}), got {shown}"
+        f"({{'role': ..., 'content': ...}}), got {_shown(value)}"
     )
 
 
@@ -108,9 +113,10 @@ def _example(row: dict, where: str, columns: tuple[str, str], need_answer: bool)
     """
     question_column, answer_column = columns
     answer = row.get(answer_column)
-    if need_answer and not _usable_cell(answer):
+    usable = _usable_cell(answer)
+    if need_answer and not usable:
         raise _no_usable_answer(where, answer_column, answer)
-    gold = gold_answer(answer) if _usable_cell(answer) else ""
+    gold = gold_answer(answer) if usable else ""
     if PROMPT_COLUMN in row and question_column not in row:
         prompt = _trl_prompt(row[PROMPT_COLUMN], where)
         question = prompt if isinstance(prompt, str) else next((m.content for m in reversed(prompt) if m.role == "user"), prompt[-1].content)
@@ -123,9 +129,8 @@ def _example(row: dict, where: str, columns: tuple[str, str], need_answer: bool)
 
 
 def _no_usable_answer(where: str, answer_column: str, answer: object) -> DatasetError:
-    shown = repr(answer) if len(repr(answer)) <= 120 else repr(answer)[:120] + "..."
     return DatasetError(
-        f"{where}: no usable answer in {answer_column!r} (got {shown}); expected a number or math "
+        f"{where}: no usable answer in {answer_column!r} (got {_shown(answer)}); expected a number or math "
         f"expression, or text ending in '{MARKER} <answer>' as in GSM8K, that can be read within reward_timeout_s"
     )
 
@@ -222,21 +227,6 @@ def _load_with_datasets(source: str, *args, **kwargs):
         raise DatasetError(f"{source}: could not be read through the datasets library ({type(exc).__name__}: {detail})") from None
 
 
-def load_table(
-    path: str | Path,
-    question_column: str = "question",
-    answer_column: str = "answer",
-    timeout_s: float = REWARD_TIMEOUT_S,
-    need_answers: bool = True,
-) -> list[Example]:
-    """Read a local .parquet or .csv file through the datasets library, validating every row."""
-    p = _existing(path)
-    kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
-    source = f"{str(p)!r}"
-    rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
-    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s, need_answers)
-
-
 # GSM8K on the Hugging Face Hub: "question", and "answer" = worked solution ending in "#### <n>".
 GSM8K_HUB = ("openai/gsm8k", "main")
 
@@ -260,10 +250,15 @@ def load_file(
     timeout_s: float = REWARD_TIMEOUT_S,
     need_answers: bool = True,
 ) -> list[Example]:
-    """The examples of a local dataset file, by its suffix; gold answers read within `timeout_s` each."""
+    """The examples of a local dataset file, by its suffix (.parquet and .csv through the datasets
+    library), every row validated; gold answers read within `timeout_s` each."""
     if str(path).lower().endswith(".jsonl"):
         return load_jsonl(path, question_column, answer_column, timeout_s, need_answers)
-    return load_table(path, question_column, answer_column, timeout_s, need_answers)
+    p = _existing(path)
+    source = f"{str(p)!r}"
+    kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
+    rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
+    return _rows_to_examples(rows, source, question_column, answer_column, timeout_s, need_answers)
 
 
 def load_dataset_id(
@@ -387,6 +382,12 @@ def render_prompt(
         )
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": user})
+    return _chat(tokenizer, messages, enable_thinking)
+
+
+def _chat(tokenizer, messages: list[dict[str, str]], enable_thinking: str) -> str:
+    """The chat template applied with the assistant's turn opened; enable_thinking 'on'/'off' is
+    passed to it (Qwen3's switch), 'auto' passes nothing."""
     extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
@@ -398,6 +399,4 @@ def render_trl_prompt(prompt: str | list[Message], tokenizer, enable_thinking: s
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the dataset's prompts are chat messages but the model's tokenizer has no chat template")
-    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
-    messages = [m.model_dump() for m in prompt]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    return _chat(tokenizer, [m.model_dump() for m in prompt], enable_thinking)

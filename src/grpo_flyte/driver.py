@@ -61,6 +61,9 @@ logger = logging.getLogger("grpo_flyte")
 
 # Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
 EVAL_CHUNK = 64
+# Folders the driver reads (a large dataset file, the model it pushes to the Hub): one cache, so
+# two users of it never remove each other's downloads.
+_driver_dirs = replica_cache("driver", capacity=1)
 # Held-out answers the report shows (spread over the evaluation's questions).
 HELD_OUT_SHOWN = 6
 REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
@@ -397,7 +400,7 @@ async def push_to_hub(config: RunConfig, state: LoopState, merged: Dir | None) -
     """Upload the final adapter, or the merged model, with its model card (`hub.push_folder`).
     A failure fails the run after its last checkpoint: a resume (or the driver's retry) goes
     straight to the export and tries again."""
-    folder = await replica_cache("driver", capacity=1).get(merged if merged is not None else state.adapter.dir)
+    folder = await _driver_dirs.get(merged if merged is not None else state.adapter.dir)
     card = hub.model_card(config, state.history, merged=merged is not None)
     return await asyncio.to_thread(hub.push_folder, folder, config.push_to_hub, card)
 
@@ -429,7 +432,7 @@ async def train_rl(
     """
     try:
         if examples_file:
-            examples = await from_payload(examples or [], examples_file, Example, replica_cache("driver", capacity=1))
+            examples = await from_payload(examples or [], examples_file, Example, _driver_dirs)
         return await _train_rl(config, base_model, examples, resume_from)
     except Exception as exc:
         if is_not_retried(exc):

@@ -15,12 +15,12 @@ from typing import Any
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import shareable_base
-from grpo_flyte.types import MetricsRow
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow
 
 logger = logging.getLogger("grpo_flyte")
 
 # Never uploaded: the optimizer state and the loop's own bookkeeping stay with the run.
-NOT_SHARED = ["optimizer.pt", "grpo_state.json"]
+NOT_SHARED = [OPTIMIZER_FILE, STATE_FILE]
 
 
 def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> str:

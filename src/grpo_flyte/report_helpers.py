@@ -73,7 +73,6 @@ _NEUTRAL_DELTA = frozenset({"adapter_version"})
 _W, _H = 640, 260
 _LEFT, _RIGHT, _TOP, _BOTTOM = 60, 16, 14, 40
 _MAX_X_TICKS = 10
-_Y_TICKS = 5
 
 _CSS = """
 *{box-sizing:border-box}

@@ -347,8 +347,12 @@ def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
 
 def trl_style(fn: RewardFn, trl_data: bool) -> bool:
     """Whether `fn` is called TRL's way: the data are in TRL's format, or it takes `prompts`."""
-    if trl_data:
-        return True
+    return trl_data or _takes_prompts(fn)
+
+
+@functools.cache
+def _takes_prompts(fn: RewardFn) -> bool:
+    # once per function and worker process: the worker calls it for every group
     try:
         return "prompts" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable without a signature

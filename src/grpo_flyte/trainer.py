@@ -23,12 +23,10 @@ from grpo_flyte.envs import train_env
 from grpo_flyte.errors import AdapterError, not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, resolve_dtype, shareable_base, torch_dtype
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
-from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "grpo_state.json"
 
 
 

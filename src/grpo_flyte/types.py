@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict
 
 # The report's file name: in a local run folder, and inside `RunResult.report`.
 REPORT_FILE = "report.html"
+# Beside PEFT's files in an adapter folder: the AdamW state that produced it and its version. They
+# stay with the run (a resume reads them); a shared adapter leaves them out.
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "grpo_state.json"
 
 
 class Message(BaseModel):
