@@ -42,7 +42,7 @@ async def curriculum(base_model: Dir, config: RunConfig | None = None) -> Adapte
     config = config or RunConfig(prompts_per_iter=4, group_size=4)
     # Each task takes the parts of the config it uses.
     adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
-    sampling = (config.base, config.engine, config.prompt, config.sampling)
+    sampling = (config.base, config.engine, config.prompt, config.sampling, config.episode)
     for stage, prompts in enumerate(STAGES):
         with flyte.group(f"stage-{stage + 1}"):
             groups = await asyncio.gather(

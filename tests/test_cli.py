@@ -670,3 +670,74 @@ def test_truncate_keeps_the_end_of_an_overlong_prompt(embedded_dir):
     assert len(full) > 200 and cut == full[-64:]
     with pytest.raises(ValueError, match="exceeds max_prompt_tokens=64"):
         engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64).prompt)
+
+
+# --------------------------------------------------------------------------- cluster runs: the W&B link
+
+_WANDB_DRY_RUN = """
+import json, sys
+from pathlib import Path
+import flyte
+from flyte.io import Dir
+from grpo_flyte import cli
+
+flyte.init(root_dir=Path(sys.argv[1]))
+submitted = []
+
+
+class DryRun:
+    \"\"\"What `_connect` returns, submitting nothing: an offline remote dry run with the CLI's context.\"\"\"
+
+    def __init__(self, custom_context):
+        self.runner = flyte.with_runcontext(mode="remote", dry_run=True, custom_context=custom_context)
+
+    def run(self, task, **inputs):
+        submitted.append(self.runner.run(task, **inputs))
+        return type("Run", (), {"url": "https://cluster/runs/r1"})()
+
+
+cli._connect = lambda custom_context=None: DryRun(custom_context)
+cli.resolve_remote_model = lambda model: Dir(path="s3://bucket/model")
+common = ["--model", sys.argv[2], "--iterations", "1", "--eval-size", "2"]
+for argv in ([*common, "--wandb-project", "grpo-test"], common):
+    assert cli.main(argv) == 0
+    tt = submitted[-1].task_spec.task_template
+    args = list(tt.container.args)
+    print(json.dumps({
+        "links": [[link.name, link.uri] for link in tt.metadata.log_links],
+        "context": submitted[-1].inputs.context,
+        "task": [args[args.index("mod") + 1], args[args.index("instance") + 1]],
+        "retries": tt.metadata.retries.retries,
+    }))
+"""
+
+
+def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_path, tiny_model_dir):
+    """The CLI chooses the W&B run before submitting: the run's context names it as
+    flyteplugins-wandb writes it, the submitted driver task carries the plugin's link to it, and
+    the task still resolves as grpo_flyte.driver.train_rl with its retries; without W&B, neither."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "WANDB_ENTITY": "my-team"}
+    out = subprocess.run([sys.executable, "-c", _WANDB_DRY_RUN, str(src), str(tiny_model_dir)], capture_output=True, text=True,
+                         timeout=180, cwd=tmp_path, env=env, check=False)  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    with_wandb, without = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+    context = with_wandb["context"]
+    run_id = context["wandb_id"]
+    assert (context["wandb_project"], context["wandb_entity"], len(run_id)) == ("grpo-test", "my-team", 12)
+    assert with_wandb["links"] == [["Weights & Biases", f"https://wandb.ai/my-team/grpo-test/runs/{run_id}"]]
+    assert with_wandb["task"] == without["task"] == ["grpo_flyte.driver", "train_rl"]
+    assert with_wandb["retries"] == without["retries"] == 2
+    assert f"W&B run {run_id} in project grpo-test" in out.stderr
+    assert without["links"] == [] and not any(key.startswith("wandb") for key in without["context"])
+
+
+def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, capsys):
+    from grpo_flyte import cli
+
+    monkeypatch.setattr(cli, "_installed", lambda module: module != "flyteplugins.wandb")
+    monkeypatch.setattr(cli, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    assert cli.main(["--wandb-project", "grpo-test", "--iterations", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --wandb-project 'grpo-test' on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): " \
+                  "pip install 'grpo-flyte[wandb]'\n"  # fmt: skip

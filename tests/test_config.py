@@ -248,7 +248,7 @@ def _invalid_values(name: str) -> list:
     return values
 
 
-CUSTOM_CHECKS = {"dataset": ["data.json", "rows.tsv"], "model": [], "push_to_hub": ["no-slash", "a/b/c"]}
+CUSTOM_CHECKS = {"dataset": ["data.json", "rows.tsv"], "model": [], "env": ["calc", "my_env.Class", "a:b:c"], "push_to_hub": ["no-slash", "a/b/c"]}
 
 
 @pytest.mark.parametrize("name", [name for name, _ in leaf_fields()])

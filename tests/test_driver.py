@@ -118,8 +118,8 @@ def test_iteration_metrics_count_zero_std_after_truncation_policy():
 
 
 def _train_metrics(**values) -> TrainMetrics:
-    """A TrainMetrics with every field 0 (reward_means empty) but those given."""
-    zeros = {name: ({} if name == "reward_means" else 0) for name in TrainMetrics.model_fields}
+    """A TrainMetrics with every field 0 (reward_means and episode_ends empty) but those given."""
+    zeros = {name: ({} if name in ("reward_means", "episode_ends") else 0) for name in TrainMetrics.model_fields}
     return TrainMetrics(**{**zeros, **values})
 
 

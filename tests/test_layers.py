@@ -17,14 +17,16 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 LAYERS = {
     # 0: no grpo_flyte imports (shared types, pure helpers and math)
     "errors": 0, "types": 0, "files": 0, "torch_thread": 0, "decoding": 0, "grpo": 0, "tracking": 0,
-    # 1: the run's config; the report renderer
-    "config": 1, "report_helpers": 1, "__init__": 2,
-    # 2-4: models, rewards, data, storage, engines, the task environments
-    "models": 2, "rewards": 2, "data": 3, "storage": 3, "hub": 3, "engines": 4, "envs": 4,
-    # 5: the task modules, side by side
-    "rollout": 5, "reward": 5, "trainer": 5,
-    # 6-8: the driver, the command line, `python -m grpo_flyte`
-    "driver": 6, "cli": 7, "__main__": 8,
+    # 1: the multi-turn environments and episode loop (pure: the model is passed in)
+    "multiturn": 1,
+    # 2: the run's config; the report renderer
+    "config": 2, "report_helpers": 2, "__init__": 3,
+    # 3-5: models, rewards, data, storage, engines, the task environments
+    "models": 3, "rewards": 3, "data": 4, "storage": 4, "hub": 4, "engines": 5, "envs": 5,
+    # 6: the task modules, side by side
+    "rollout": 6, "reward": 6, "trainer": 6,
+    # 7-9: the driver and a local run's progress bars, the command line, `python -m grpo_flyte`
+    "driver": 7, "progress": 7, "cli": 8, "__main__": 9,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "trainer"}
 

@@ -253,7 +253,7 @@ def test_config_names_exactly_the_builtin_reward_functions():
 @pytest.mark.parametrize(
     ("rewards", "message"),
     [
-        ({"corect": 1.0}, r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length or 'module:function'"),
+        ({"corect": 1.0}, r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env or 'module:function'"),
         ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
         ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),
         ({"my mod:fn": 1.0}, r"unknown reward 'my mod:fn'"),

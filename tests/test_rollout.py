@@ -23,7 +23,7 @@ async def one_iteration(config: RunConfig, base_model: Dir, questions: list[str]
     """What the driver does for one iteration's generation: one generate task per prompt, all at once."""
     adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
     return await asyncio.gather(*[
-        generate(config.base, config.engine, config.prompt, config.sampling, base_model, adapter, Example(question=q, answer="1"), i, 100 + i)
+        generate(config.base, config.engine, config.prompt, config.sampling, config.episode, base_model, adapter, Example(question=q, answer="1"), i, 100 + i)
         for i, q in enumerate(questions)
     ])  # fmt: skip
 

@@ -77,3 +77,14 @@ def test_vllms_sampling_logprobs_are_the_trainers(contract, case):
     ratio = contract[f"ratio_{case}"]
     assert ratio["tokens"] > 0
     assert abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01
+
+
+def test_multi_turn_episodes_on_vllm_train_on_exactly_the_models_tokens(contract):
+    """Episodes through the vLLM engine (stop strings end turns, replies spliced in): each has
+    environment tokens, the mask counts exactly the model turns' tokens, and the trainer's
+    log-probs of those tokens are vLLM's sampling log-probs."""
+    episodes = contract["episodes"]
+    assert episodes["count"] == 4 and all(1 <= n <= 3 for n in episodes["turns"])
+    assert any(n > 0 for n in episodes["env_tokens"]) and episodes["mask_matches_turns"]
+    ratio = episodes["ratio"]
+    assert ratio["tokens"] > 0 and abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01

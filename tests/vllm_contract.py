@@ -83,8 +83,42 @@ def main() -> None:
         samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
         ratio = torch.exp(logprobs - samp)
         out[f"ratio_{name}_top_p_{top_p}"] = {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()}
+    out["episodes"] = episodes(key, gen, paths["v0"], peft, config)
     gen.close()
     print(json.dumps(out))
+
+
+def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
+    """Multi-turn episodes on vLLM (tests/chatty_env.py: stop strings end turns, replies spliced in):
+    the mask covers the model's tokens, and the trainer's log-probs of those tokens are vLLM's."""
+    import asyncio
+
+    from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
+
+    engines._slot.key, engines._slot.engine = key, gen  # the engine built above, not a second one
+    run = RunConfig(model=config.base.model, env="chatty_env:Chatty", max_turns=3, max_episode_tokens=96, max_new_tokens=8, temperature=0.8)
+    example = Example(question="hello", answer="", prompt="Say something.")
+    prompt_ids = [1, 17, 29, 41]
+    played = asyncio.run(
+        engines.play_episodes(key, adapter_path, run.episode.env, example, prompt_ids, request(prompt_ids, temperature=0.8), run.episode, run.prompt)
+    )
+    group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
+    parts = [RewardParts(reward=float(i), correct=False, format=False) for i in range(len(played))]
+    sequences, _ = trainer.build_sequences([ScoredGroup(group=group, rewards=parts)], run.train)
+    trainer.load_adapter_state(peft, adapter_path, run.train)
+    with torch.no_grad():
+        logprobs, _, _ = trainer._completion_logprobs(peft, sequences, run.sampling)
+    samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
+    ratio = torch.exp(logprobs - samp)
+    return {
+        "count": len(played),
+        "turns": [sum(t.role == "model" for t in r.episode.turns) for r in played],
+        "env_tokens": [len(r.completion_ids) - r.num_model_tokens for r in played],
+        "mask_matches_turns": all(
+            r.num_model_tokens == sum(t.num_tokens for t in r.episode.turns if t.role == "model") for r in played
+        ),
+        "ratio": {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()},
+    }
 
 
 if __name__ == "__main__":

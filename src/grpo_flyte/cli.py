@@ -5,7 +5,8 @@ Every config field is a flag (`group_size` -> `--group-size`) with its descripti
 exits with status 2 and one line naming the value and what was expected, before anything is written.
 
 A local run's folder (config, metrics, held-out answers, report, adapter, merged model) is written
-here, from what the driver task reports (`driver.observe`) and returns (`RunResult`).
+here, from what the driver task reports (`driver.observe`) and returns (`RunResult`); the same
+reports move its progress bars on a terminal (`progress.RunProgress`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from grpo_flyte.config import (
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, GrpoFlyteError, ModelError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
+from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.rewards import resolve_reward
 from grpo_flyte.storage import is_remote, payload_key, payload_text, write_payload
 from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
@@ -219,15 +221,30 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     """
     examples = split = None
     data = config.data
-    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET) and (is_file_dataset(data.dataset) or Path(data.dataset).exists() or local):
+    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET, *BUILTIN_DATASETS) and (is_file_dataset(data.dataset) or Path(data.dataset).exists() or local):
         examples = load_rows(config)
     if examples is not None or local:
         split = train_eval_split(config, examples)
     for name in config.scoring.rewards:
         resolve_reward(name)
+    if config.episode.multi_turn:
+        load_environment(config.episode.env)
     if config.wandb_project and importlib.util.find_spec("wandb") is None:
         raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
+    if config.wandb_project and not local and not _installed("flyteplugins.wandb"):
+        raise UserError(
+            f"--wandb-project {config.wandb_project!r} on a cluster needs flyteplugins-wandb (the run's W&B link in the "
+            "Flyte UI): pip install 'grpo-flyte[wandb]'"
+        )
     return examples, split
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package too)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def saved_run_config(text: str) -> Any:
@@ -434,7 +451,7 @@ class LocalRunFiles:
         text = "".join(json.dumps(r.flat()) + "\n" for r in state.history)
         write_text_atomic(self.root / METRICS_FILE, text)
         if answers is not None:
-            rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump()}) + "\n" for a in answers)
+            rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump(exclude_none=True)}) + "\n" for a in answers)
             write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
         self.prune_adapters(state.adapter)
         # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
@@ -443,6 +460,9 @@ class LocalRunFiles:
 
     def report(self, html: str) -> None:
         write_text_atomic(self.root / REPORT_FILE, html)
+
+    def evaluating(self, iteration: int, answered: int, total: int) -> None:
+        """An evaluation's answers are written once it is recorded."""
 
     def prune_adapters(self, current: AdapterRef) -> None:
         """Delete adapter versions older than the newest `adapters_to_keep` from the run's Flyte data."""
@@ -554,7 +574,8 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
     import flyte
     from flyte.io import Dir
 
-    from grpo_flyte.driver import observe, train_rl
+    from grpo_flyte.driver import eta_seconds, observe, train_rl
+    from grpo_flyte.progress import RunProgress
 
     for path in remove_leftovers(run_dir):
         logger.info("removed %s, left half-written by a run that was killed", path)
@@ -569,8 +590,11 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
         mode="local", name=f"grpo-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / FLYTE_DATA)
     )
     files = LocalRunFiles(run_dir, config.adapters_to_keep)
+    done = max([i for i in finished_iterations(run_dir) if i > 0], default=0)
+    progress = RunProgress(config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished))
     try:
-        with observe(files), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c():
+        # the bars stop (and the terminal is whole again) before any message below
+        with observe(files), observe(progress), progress.shown(), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c():
             run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from)
             result = run.outputs()[0]
     except KeyboardInterrupt as exc:
@@ -640,7 +664,7 @@ def examples_inputs(examples: list[Example] | None, upload: Callable[[str, str],
         return {"examples": [], "examples_file": [upload(tmp, payload_key(text))]}
 
 
-def _connect():
+def _connect(custom_context: dict[str, str] | None = None):
     """flyte.init for this package's code; returns the run context to submit with."""
     import flyte
 
@@ -651,7 +675,26 @@ def _connect():
     flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
     # A checkout's code travels in the code bundle; an installed wheel is in the image already
     # (envs._with_package), and bundling site-packages would ship every loaded library.
-    return flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none")
+    return flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none", custom_context=custom_context)
+
+
+def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
+    """For --wandb-project on a cluster: the run context naming a new W&B run, and the W&B link
+    (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B.
+
+    The run is chosen here, before submitting, because the link is made when the task is
+    submitted; the driver then logs to the run the context names. The link needs the W&B entity
+    (user or team), from WANDB_ENTITY; wandb itself picks the key's default entity without it,
+    which the link cannot know."""
+    from grpo_flyte.tracking import WandbRun, new_run_id
+
+    if not project:
+        return {}, ()
+    chosen = WandbRun(project=project, id=new_run_id(), entity=os.environ.get("WANDB_ENTITY") or None)
+    if chosen.entity is None:
+        logger.warning("W&B: set WANDB_ENTITY (your W&B user or team) for the Flyte UI's W&B link to open run %s; without it, it opens wandb.ai", chosen.id)
+    logger.info("W&B run %s in project %s, linked from the driver task in the Flyte UI", chosen.id, project)
+    return chosen.context(), (WandbRun.link(),)
 
 
 def run_remote(config: RunConfig) -> int:
@@ -661,12 +704,15 @@ def run_remote(config: RunConfig) -> int:
     from grpo_flyte.models import is_repo_id, resolve_local_model
 
     examples, split = check_inputs(config, local=False)
-    runner = _connect()
+    context, links = wandb_submission(config.wandb_project)
+    runner = _connect(context)
     if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
         check_model_fits(config, resolve_local_model(config.base.model), split)
     base_model = resolve_remote_model(config.base.model)
     inputs = examples_inputs(examples, lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
-    run = runner.run(train_rl, config=config, base_model=base_model, **inputs)
+    # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
+    task = train_rl.override(links=links) if links else train_rl
+    run = runner.run(task, config=config, base_model=base_model, **inputs)
     print(run.url)
     return 0
 

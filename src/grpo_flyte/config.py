@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 
 from grpo_flyte.errors import ConfigError
+from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
 
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
@@ -34,7 +35,7 @@ UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".z
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # The built-in rewards (grpo_flyte.rewards implements them; a test keeps the two in step).
-BUILTIN_REWARDS = ("correct", "format", "tags", "length")
+BUILTIN_REWARDS = ("correct", "format", "tags", "length", "env")
 _CUSTOM_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
@@ -107,7 +108,8 @@ class DataConfig(_Part):
         ARITHMETIC_DATASET,
         min_length=1,
         description=(
-            "'arithmetic' (built-in generator with a held-out split), 'gsm8k' (openai/gsm8k: train split, "
+            "'arithmetic' (built-in generator with a held-out split), 'calculator' and 'guess' (the built-in "
+            "environments' own, see --env), 'gsm8k' (openai/gsm8k: train split, "
             "held-out questions from test), a local .jsonl, .parquet or .csv file, or anything "
             "datasets.load_dataset reads (a Hub id such as 'trl-lib/DeepMath-103K', or a local dataset "
             "folder; see --dataset-split). Rows hold a question and an answer (--question-column, "
@@ -184,6 +186,39 @@ class SamplingConfig(_Part):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
 
 
+class EpisodeConfig(_Part):
+    """Multi-turn episodes: the environment the model talks to, and the budgets of an episode."""
+
+    env: str = Field(
+        NO_ENV,
+        description=(
+            "'none' (one completion per prompt), 'calculator' (arithmetic with a <calc> tool; its own dataset of "
+            "3-digit products), 'guess' (guess-the-number dialogue; its own dataset and reward), or 'module:Class' "
+            "for your own environment (see the README). With an environment, max_new_tokens is per model turn."
+        ),
+    )
+    max_turns: int = Field(4, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
+    max_episode_tokens: int = Field(
+        384,
+        ge=2,
+        le=131_072,
+        description="Multi-turn: tokens after the prompt, the model's and the environment's together, per episode at most.",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="Multi-turn: seconds one environment step may take; past it the model gets an error reply."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, env: str) -> str:
+        check_env_name(env)
+        return env
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env != NO_ENV
+
+
 class RewardConfig(_Part):
     """Which rewards score a completion, and what a failing reward does."""
 
@@ -192,7 +227,7 @@ class RewardConfig(_Part):
         description=(
             "Weighted rewards, name=weight: built-in 'correct' (math-verify equivalence, integer "
             "fallback), 'format' (the '####' marker), 'tags' (<reasoning>/<answer>), 'length' (soft "
-            "penalty near max_new_tokens), or 'module:function' for your own."
+            "penalty near max_new_tokens), 'env' (a multi-turn environment's own reward), or 'module:function' for your own."
         ),
     )
     on_reward_error: Literal["fail", "zero"] = Field(
@@ -409,6 +444,7 @@ class RunConfig(_Part):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
+    episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -423,7 +459,7 @@ class RunConfig(_Part):
                 nested = nested.model_dump() if isinstance(nested, BaseModel) else dict(nested or {})
                 nested[name] = out.pop(name)
                 out[part] = nested
-        return out
+        return _env_defaults(out)
 
     def flat(self) -> dict[str, Any]:
         """Every leaf field by its flat name: the report's config card, W&B, comparisons on resume."""
@@ -432,6 +468,20 @@ class RunConfig(_Part):
     @property
     def rollouts_per_iter(self) -> int:
         return self.prompts_per_iter * self.sampling.group_size
+
+
+def _env_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """A built-in environment brings its dataset and rewards unless the config names others."""
+    episode = values.get("episode")
+    env = episode.env if isinstance(episode, BaseModel) else (episode or {}).get("env")
+    if env not in BUILTIN_DATASETS:
+        return values
+    for part, name, default in (("data", "dataset", env), ("scoring", "rewards", ENV_DEFAULT_REWARDS[env])):
+        given = values.get(part)
+        given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else dict(given or {})
+        if name not in given:
+            values[part] = {**given, name: default}
+    return values
 
 
 _PARTS: dict[str, type[_Part]] = {

@@ -22,6 +22,7 @@ from grpo_flyte.config import (
     RunConfig,
 )
 from grpo_flyte.errors import DatasetError
+from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
 from grpo_flyte.rewards import MARKER, usable_golds
 from grpo_flyte.types import Example, Message
 
@@ -288,6 +289,8 @@ def load_rows(config: RunConfig) -> list[Example]:
 def load_train_examples(dataset: str) -> list[Example]:
     if dataset == ARITHMETIC_DATASET:
         return arithmetic_split("train")
+    if dataset in BUILTIN_DATASETS:
+        return builtin_split(dataset, "train")
     if dataset == GSM8K_DATASET:
         return load_gsm8k("train")
     return load_file(dataset)
@@ -316,6 +319,8 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     dataset, eval_size = config.data.dataset, config.evaluation.eval_size
     if examples is None and dataset == ARITHMETIC_DATASET:
         return arithmetic_split("train"), _first(arithmetic_split("eval"), eval_size, "the arithmetic task")
+    if examples is None and dataset in BUILTIN_DATASETS:
+        return builtin_split(dataset, "train"), _first(builtin_split(dataset, "eval"), eval_size, f"the {dataset} environment's data")
     timeout_s = config.scoring.reward_timeout_s
     if examples is None and dataset == GSM8K_DATASET:
         held_out = _first(load_gsm8k("test", timeout_s), eval_size, "GSM8K's test split") if eval_size else []

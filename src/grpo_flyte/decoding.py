@@ -30,6 +30,20 @@ class Sampling:
     max_new_tokens: int
     greedy: bool = False
     min_new_tokens: int = 0  # end-of-sequence tokens are not drawn before this many tokens
+    stop: tuple[str, ...] = ()  # a row also ends once its text contains one of these (kept)
+
+
+# A stop string is looked for in the text of a row's last this many tokens (a stop string is a few
+# tokens long; the window only has to hold the longest one).
+STOP_WINDOW = 16
+
+
+def hits_stop(tokenizer, ids: list[int], stop: tuple[str, ...]) -> bool:
+    """Whether the text of the last STOP_WINDOW tokens contains a stop string."""
+    if not stop:
+        return False
+    tail = tokenizer.decode(ids[-STOP_WINDOW:], skip_special_tokens=False)
+    return any(s in tail for s in stop)
 
 
 def row_stream(seed: int, row: int) -> random.Random:
@@ -80,13 +94,16 @@ def choose_tokens(
 
 
 def decode(
-    model, prompts: list[list[int]], seeds: list[tuple[int, int]], sampling: Sampling, eos_ids: set[int], pad_id: int
+    model, prompts: list[list[int]], seeds: list[tuple[int, int]], sampling: Sampling, eos_ids: set[int], pad_id: int, tokenizer=None
 ) -> list[tuple[list[int], list[float]]]:
     """Sample a completion for each prompt in one batch; returns (token ids, log-probs) per row.
 
     `seeds[i]` is (request seed, row within the request) for row i. A row ends at its first
-    end-of-sequence token (kept) or after `max_new_tokens`.
+    end-of-sequence token (kept), at the token that completes one of `sampling.stop` (kept; the
+    tokenizer decodes the row's tail to see it) or after `max_new_tokens`.
     """
+    if sampling.stop and tokenizer is None:
+        raise ValueError("stop strings need the tokenizer")
     import torch
     from transformers import DynamicCache
 
@@ -115,6 +132,9 @@ def decode(
             out_ids[r].append(t)
             out_lps[r].append(lp)
         finished = torch.isin(tokens, eos)
+        if sampling.stop:
+            stopped = [hits_stop(tokenizer, out_ids[r], sampling.stop) for r in active]
+            finished |= torch.tensor(stopped, device=device)
         if finished.any():
             keep = (~finished).nonzero().squeeze(-1)
             if keep.numel() == 0:

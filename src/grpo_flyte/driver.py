@@ -17,6 +17,7 @@ without `--local` against the cluster in your Flyte config; `--help` lists every
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -41,7 +42,7 @@ from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
 from grpo_flyte.storage import as_payload, from_payload, located_path, portable_path, publish_dir, replica_cache, save_checkpoint
-from grpo_flyte.tracking import Tracker, new_run_id
+from grpo_flyte.tracking import Tracker, WandbRun, new_run_id
 from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
     REPORT_FILE,
@@ -51,6 +52,7 @@ from grpo_flyte.types import (
     EvalMetrics,
     Example,
     MetricsRow,
+    Rollout,
     RunResult,
     ScoredGroup,
     TrainMetrics,
@@ -91,6 +93,10 @@ class RunObserver(Protocol):
 
     def report(self, html: str) -> None:
         """The report, republished."""
+
+    def evaluating(self, iteration: int, answered: int, total: int) -> None:
+        """The held-out evaluation after `iteration` iterations (0: before training) has `answered`
+        of its `total` questions answered and scored: 0 as it starts, `total` as it ends."""
 
 
 _observers: list[RunObserver] = []
@@ -169,16 +175,50 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         generate_tokens_per_s=_per_second(sum(lengths), timings["generate_s"]),
         score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
         train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
+        **episode_metrics(rollouts),
     )
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
+    """The multi-turn metrics of a batch of episodes ({} for single-turn completions)."""
+    episodes = [(r, r.episode) for r in rollouts if r.episode is not None]
+    if not episodes:
+        return {}
+    return {
+        "turns_mean": statistics.fmean(sum(t.role == "model" for t in e.turns) for _, e in episodes),
+        "tool_calls_mean": statistics.fmean(e.tool_calls for _, e in episodes),
+        "tool_call_rate": statistics.fmean(e.tool_calls > 0 for _, e in episodes),
+        "tool_errors": sum(e.tool_errors for _, e in episodes),
+        "model_tokens_mean": statistics.fmean(r.num_model_tokens for r, _ in episodes),
+        "env_tokens_mean": statistics.fmean(len(r.completion_ids) - r.num_model_tokens for r, _ in episodes),
+        "episode_ends": dict(collections.Counter(e.end for _, e in episodes)),
+    }
+
+
+def _episode_fields(rollout: Rollout) -> dict[str, Any]:
+    episode = rollout.episode
+    return {} if episode is None else {"tool_calls": episode.tool_calls, "turns": episode.turns}
+
+
+def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
+    """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval)
+    and the mean number of model turns ({} for single-turn answers)."""
+    found = episode_metrics(rollouts)
+    if not found:
+        return {}
+    rate, ci = mean_ci95([float(r.episode.tool_calls > 0) for r in rollouts if r.episode is not None])
+    return {"eval_tool_call_rate": rate, "eval_tool_call_rate_ci95": ci, "eval_turns_mean": found["turns_mean"]}
 
 
 def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
     sg, i = max(((sg, i) for sg in scored for i in range(len(sg.rewards))), key=lambda x: x[0].rewards[x[1]].reward)
+    rollout = sg.group.rollouts[i]
     return BestCompletion(
         question=sg.group.example.question,
         answer=sg.group.example.answer,
-        completion=sg.group.rollouts[i].text,
+        completion=rollout.text,
         reward=sg.rewards[i].reward,
+        turns=rollout.episode.turns if rollout.episode else None,
     )
 
 
@@ -206,7 +246,7 @@ async def generate_and_score(
 
 def _generate_parts(config: RunConfig) -> dict[str, Any]:
     """The config parts the generate tasks take."""
-    return {"model": config.base, "engine": config.engine, "prompt": config.prompt, "sampling": config.sampling}
+    return {"model": config.base, "engine": config.engine, "prompt": config.prompt, "sampling": config.sampling, "episode": config.episode}
 
 
 def informative_group(sg: ScoredGroup, truncated: str) -> bool:
@@ -258,17 +298,33 @@ async def run_iteration(
 
 
 async def run_eval(
-    config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example]
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example], iteration: int
 ) -> tuple[EvalMetrics, list[EvalAnswer]]:
-    """Greedy answers to the held-out questions on the generate pool: metrics and per-question answers."""
+    """Greedy answers to the held-out questions on the generate pool: metrics and per-question
+    answers. Observers hear how many are answered as each chunk is scored (`iteration`: the
+    iterations trained before it)."""
     started = time.perf_counter()
+    answered = 0
+
+    def tell(count: int) -> None:
+        for observer in _observers:
+            observer.evaluating(iteration, count, len(questions))
+
+    async def score_chunk(groups: list[Any]) -> list[ScoredGroup]:
+        nonlocal answered
+        chunk = await score_groups(config.scoring, config.sampling, groups)
+        answered += len(groups)
+        tell(answered)
+        return chunk
+
+    tell(0)
     generating = [
         asyncio.create_task(
             generate_eval(**_generate_parts(config), base_model=base_model, adapter=adapter, examples=questions[i : i + EVAL_CHUNK], first_index=i)
         )
         for i in range(0, len(questions), EVAL_CHUNK)
     ]
-    landed, _, _ = await generate_and_score(generating, lambda groups: score_groups(config.scoring, config.sampling, groups))
+    landed, _, _ = await generate_and_score(generating, score_chunk)
     scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)
     answers = [
         EvalAnswer(
@@ -279,6 +335,7 @@ async def run_eval(
             correct=sg.rewards[0].correct,
             format=sg.rewards[0].format,
             scores=sg.rewards[0].scores,
+            **_episode_fields(sg.group.rollouts[0]),
         )
         for sg in scored
     ]
@@ -295,6 +352,7 @@ async def run_eval(
         eval_reward_errors=errors,
         eval_size=len(answers),
         eval_s=time.perf_counter() - started,
+        **eval_episode_metrics([sg.group.rollouts[0] for sg in scored]),
     )
     return metrics, answers
 
@@ -350,7 +408,9 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     e, t = row.eval, row.train
     held_out = (
         f"held-out reward {e.eval_reward:.3f} +- {e.eval_reward_ci95:.3f}  acc {e.eval_accuracy:.1%}  "
-        f"format {e.eval_format_rate:.1%}  (n={e.eval_size}, {e.eval_s:.1f}s)"
+        f"format {e.eval_format_rate:.1%}"
+        + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
+        + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"
         if e
         else ""
     )
@@ -359,6 +419,8 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     # accuracy and format rate are shown anyway; other rewards and failed scores are added
     others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
     errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
+    if t.turns_mean is not None:  # multi-turn: turns per episode and the share that used a tool
+        errors += f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}"
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
         f"format {t.format_rate:.1%}{others}{errors}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
@@ -443,12 +505,15 @@ async def train_rl(
 async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None) -> RunResult:
     dataset, held_out = train_eval_split(config, examples)
     checkpoint, state = await restore_state(resume_from)
+    # The W&B run a cluster run's submitter chose (its id is in the run's W&B link); a resumed
+    # loop keeps the id in its checkpoint.
+    chosen = WandbRun.from_context(flyte.ctx().custom_context if flyte.ctx() else None)
     if state is None:
         adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
-        state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=new_run_id())
+        state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=chosen.id if chosen else new_run_id())
     else:
         logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
-    tracker = Tracker(config.wandb_project, state.tracking_id, config.flat())
+    tracker = Tracker(config.wandb_project, state.tracking_id, config.flat(), entity=chosen.entity if chosen else None)
 
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
@@ -466,7 +531,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
     try:
         if eval_due(config, 0) and not any(row.iteration == 0 for row in state.history):
             with flyte.group("eval-0"):
-                metrics, answers = await run_eval(config, base_model, state.adapter, held_out)
+                metrics, answers = await run_eval(config, base_model, state.adapter, held_out, 0)
             row = MetricsRow(iteration=0, adapter_version=state.adapter.version, eval=metrics)
             state = await record(state.model_copy(update={"history": [row, *state.history]}), row, answers)
         while state.iterations_done < config.iterations:
@@ -478,7 +543,7 @@ async def _train_rl(config: RunConfig, base_model: Dir, examples: list[Example] 
                     iteration=it + 1, adapter_version=result.adapter.version, train=iteration_metrics(config, scored, result, timings)
                 )
                 if eval_due(config, it + 1):
-                    metrics, answers = await run_eval(config, base_model, result.adapter, held_out)
+                    metrics, answers = await run_eval(config, base_model, result.adapter, held_out, it + 1)
                     row = row.model_copy(update={"eval": metrics})
             state = await record(
                 LoopState(

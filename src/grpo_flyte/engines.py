@@ -28,7 +28,8 @@ from typing import Literal, Protocol
 from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
-from grpo_flyte.config import PromptConfig, SamplingConfig
+from grpo_flyte import multiturn
+from grpo_flyte.config import EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.data import render_prompt, render_trl_prompt
 from grpo_flyte.decoding import Sampling
 from grpo_flyte.errors import AdapterError
@@ -55,10 +56,11 @@ class SamplingRequest(BaseModel):
     seed: int
     greedy: bool = False  # evaluation: the most likely token at every step
     min_new_tokens: int = 0  # no end-of-sequence before this many tokens (vLLM's min_tokens)
+    stop: tuple[str, ...] = ()  # multi-turn: strings that end a model turn (kept in it)
 
     def sampling(self) -> Sampling:
         """The settings a batch shares: requests batch together only when these are equal."""
-        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.greedy, self.min_new_tokens)
+        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.greedy, self.min_new_tokens, self.stop)
 
 
 class Generator(Protocol):
@@ -146,16 +148,19 @@ class HFGenerator:
         """One batched decode for several groups sharing an adapter and sampling settings."""
         import torch
 
-        from grpo_flyte.decoding import decode
+        from grpo_flyte.decoding import decode, hits_stop
 
         self._activate(adapter_path)
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
         seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
+        sampling = requests[0].sampling()
         with torch.inference_mode():
-            rows = decode(self.model, prompts, seeds, requests[0].sampling(), self.eos_ids, self.pad_id)
+            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer)
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
+            if finish == "length" and hits_stop(self.tokenizer, ids, sampling.stop):
+                finish = "stop"
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             rollouts.append(Rollout(completion_ids=ids, sampling_logprobs=lps, finish_reason=finish, text=text))
         groups, start = [], 0
@@ -229,6 +234,8 @@ class VLLMGenerator:
                 min_tokens=r.min_new_tokens,
                 logprobs=0,
                 seed=r.seed,
+                stop=list(r.stop) or None,
+                include_stop_str_in_output=True,
             )
             for r in requests
         ]
@@ -488,6 +495,53 @@ async def generate_groups(key: EngineKey, adapter_path: str, requests: list[Samp
         if isinstance(result, BaseException):
             raise result
     return results
+
+
+def is_chat(example: Example, prompt: PromptConfig) -> bool:
+    """Whether the example's prompt went through the chat template (so replies are chat turns)."""
+    return prompt.prompt_format == "chat" if example.prompt is None else not isinstance(example.prompt, str)
+
+
+async def play_episodes(
+    key: EngineKey,
+    adapter_path: str,
+    env: str,
+    example: Example,
+    prompt_ids: list[int],
+    request: SamplingRequest,
+    episode: EpisodeConfig,
+    prompt: PromptConfig,
+) -> list[Rollout]:
+    """`request.group_size` episodes of environment `env` from one prompt, played concurrently.
+
+    Every model turn of every episode goes through the replica's batcher on its own, so the turns
+    of episodes that are not waiting on their environment decode together, with other groups'.
+    Each turn is sampled with its own seed (`multiturn.turn_seed`): an episode does not depend on
+    which others it was batched with.
+    """
+    cls = multiturn.load_environment(env)
+    engine = await run_on_torch_thread(get_engine, key)
+    splicer = multiturn.Splicer(engine.tokenizer, is_chat(example, prompt), prompt.enable_thinking)
+    budgets = multiturn.Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
+    stop = multiturn.stop_strings(cls)
+
+    async def play(row: int) -> Rollout:
+        async def sample_turn(context: list[int], max_new_tokens: int, turn: int) -> Rollout:
+            one = request.model_copy(
+                update={
+                    "prompt_ids": context,
+                    "group_size": 1,
+                    "max_new_tokens": max_new_tokens,
+                    "seed": multiturn.turn_seed(request.seed, row, turn),
+                    "stop": stop,
+                }
+            )
+            [[rollout]] = await generate_groups(key, adapter_path, [one])
+            return rollout
+
+        return await multiturn.run_episode(multiturn.new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
+
+    return list(await asyncio.gather(*(play(row) for row in range(request.group_size))))
 
 
 async def tokenize(key: EngineKey, examples: list[Example], prompt: PromptConfig) -> list[list[int]]:

@@ -101,6 +101,9 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "math-verify>=0.8",
         "pebble>=5.0",
         "wandb>=0.19",
+        # W&B's Flyte plugin, for your own tasks in this image (`@wandb_init`); the driver reads the
+        # W&B run the CLI chose from the run's context without it
+        "flyteplugins-wandb>=2.12.1,<2.13",
     )
     image = _with_package(image)
     return image.with_env_vars({"VLLM_USE_V1": "1", "TOKENIZERS_PARALLELISM": "false"})

@@ -47,6 +47,17 @@ class AdapterError(GrpoFlyteError, ValueError):
     """An adapter directory that cannot be used; the message names it."""
 
 
+class EnvironmentSpecError(GrpoFlyteError, ValueError):
+    """An `env` that names no built-in environment and no importable class with a `step` method."""
+
+    def __init__(self, detail: str, *, field: str | None = "env"):
+        super().__init__(detail, field=field)
+
+
+class EpisodeError(GrpoFlyteError, RuntimeError):
+    """An environment that broke its contract (a step returned no Reply); the message shows the episode."""
+
+
 NOT_RETRIED = "NonRecoverableError"  # the code Flyte gives a failure it must not retry
 
 

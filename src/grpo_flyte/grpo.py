@@ -87,7 +87,10 @@ def group_advantages(rewards: Sequence[float], eps: float, scale_by_std: bool = 
 @dataclass(frozen=True)
 class TrainSequence:
     """One training sequence: prompt and completion token ids, its advantage, and the generator's
-    sampling log-prob of each completion token (None when unknown: no IS correction then).
+    sampling log-prob of each trained completion token (None when unknown: no IS correction then).
+
+    `model_mask` (multi-turn): which completion tokens the model sampled; the others are the
+    environment's, in the context but out of the loss. None: every completion token is trained.
 
     `masked`: out of the loss (the 'mask' truncation policy); it still counts in the normalizer's
     number of sequences, not in its number of tokens.
@@ -98,10 +101,16 @@ class TrainSequence:
     advantage: float
     sampling_logprobs: list[float] | None = None
     masked: bool = False
+    model_mask: tuple[bool, ...] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def num_trained(self) -> int:
+        """The completion tokens in the loss: all of them, or a multi-turn episode's model tokens."""
+        return len(self.completion_ids) if self.model_mask is None else sum(self.model_mask)
 
 
 def in_loss(sequence: TrainSequence, beta: float) -> bool:
@@ -139,6 +148,7 @@ class PaddedBatch:
     predict_mask[b, t] is True where position t predicts completion token targets[b, t]:
     t in [P_b - 1, P_b + C_b - 1) for prompt length P_b and completion length C_b. Prompt and
     padding positions are False; the last completion token (EOS when the model stopped) is kept.
+    In a multi-turn episode only the positions that predict the model's tokens are True.
     """
 
     input_ids: torch.Tensor
@@ -160,12 +170,17 @@ def pad_batch(sequences: Sequence[TrainSequence], pad_id: int) -> PaddedBatch:
     for b, s in enumerate(sequences):
         if not s.prompt_ids or not s.completion_ids:
             raise ValueError("every sequence needs at least one prompt token and one completion token")
+        if s.model_mask is not None and len(s.model_mask) != len(s.completion_ids):
+            raise ValueError(f"model_mask has {len(s.model_mask)} entries for {len(s.completion_ids)} completion tokens")
         ids = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
         p, n = len(s.prompt_ids), len(ids)
         input_ids[b, :n] = ids
         attention_mask[b, :n] = 1
         targets[b, : n - 1] = ids[1:]
-        predict_mask[b, p - 1 : n - 1] = True
+        if s.model_mask is None:
+            predict_mask[b, p - 1 : n - 1] = True
+        else:
+            predict_mask[b, p - 1 : n - 1] = torch.tensor(s.model_mask, dtype=torch.bool)
     row_of_token = torch.nonzero(predict_mask, as_tuple=True)[0]
     return PaddedBatch(input_ids, attention_mask, predict_mask, targets, row_of_token)
 

@@ -31,10 +31,12 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Clipped tokens, zero-variance groups, truncated completions", ("clip_fraction", "frac_zero_std_groups", "truncated_fraction")),
     ("Importance ratio (trainer / generator)", ("is_ratio_mean", "is_ratio_max")),
     ("Completion length", ("completion_len_mean", "completion_len_max")),
+    ("Multi-turn: tool use", ("tool_call_rate", "eval_tool_call_rate")),
+    ("Multi-turn: turns and tokens per episode", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
     ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s")),
 )
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.
-_BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95"}
+_BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95", "eval_tool_call_rate": "eval_tool_call_rate_ci95"}
 
 DASH = "\u2013"
 _MINUS = "\u2212"
@@ -113,6 +115,11 @@ th{background:#f6f8fa;font-weight:600}
 .card dt{color:#656d76}.card dd{margin:0;white-space:pre-wrap;overflow-wrap:anywhere}
 pre{background:#f6f8fa;border:1px solid #d0d7de;border-radius:6px;padding:10px;margin:0;
  white-space:pre-wrap;overflow-wrap:anywhere;font:12px/1.45 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.episode{display:flex;flex-direction:column;gap:8px}
+.turn{border-left:4px solid #0969da;padding-left:10px}
+.turn.env{border-left-color:#d4620a;margin-left:32px}
+.turn.env pre{background:#fff8f0}
+.who{display:block;font-weight:600;font-size:12px;margin-bottom:2px}
 .placeholder{background:#fff;border:1px dashed #d0d7de;border-radius:8px;padding:28px;
  text-align:center;color:#656d76;margin-top:18px}
 """
@@ -447,11 +454,33 @@ def _best_completion(best: Mapping | None) -> str:
         ("Reward", reward_text),
     )
     items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in fields)
+    turns = best.get("turns")
+    if turns:
+        return (
+            '<h2>Best episode of the last iteration</h2>'
+            f'<div class="card best"><dl>{items}</dl>{_episode(turns)}</div>'
+        )
     completion = _text(best.get("completion"))
     return (
         '<h2>Best completion of the last iteration</h2>'
         f'<div class="card best"><dl>{items}</dl><pre class="completion">{completion}</pre></div>'
     )
+
+
+def _episode(turns: Sequence[Mapping]) -> str:
+    """A multi-turn episode turn by turn: the model's turns and the environment's set apart (class
+    and label), each turn's text escaped."""
+    rows = []
+    for turn in turns:
+        role = str(turn.get("role", ""))
+        mine = role == "model"
+        label = "model" if mine else f"environment ({role})"
+        rows.append(
+            f'<div class="turn {"model" if mine else "env"}"><span class="who">{_esc(label)}'
+            f' <span class="meta">{_format(turn.get("num_tokens"), "int")} tokens</span></span>'
+            f'<pre class="completion">{_text(turn.get("text"))}</pre></div>'
+        )
+    return f'<div class="episode">{"".join(rows)}</div>'
 
 
 # Characters of a held-out completion shown in the report's table (the run folder has them whole).

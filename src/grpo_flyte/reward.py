@@ -18,18 +18,21 @@ from grpo_flyte.types import RolloutGroup, ScoredGroup
 def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     started = time.perf_counter()
     example = group.example
+    episodes = all(r.episode is not None for r in group.rollouts)
     prompt = example.prompt if isinstance(example.prompt, str) or example.prompt is None else [m.model_dump() for m in example.prompt]
     about = Group(
         question=example.question,
         answer=example.answer,
         max_new_tokens=sampling.max_new_tokens,
-        num_tokens=[len(r.completion_ids) for r in group.rollouts],
+        num_tokens=[r.num_model_tokens for r in group.rollouts],
         completion_ids=[r.completion_ids for r in group.rollouts],
         prompt=prompt,
         columns=example.columns,
+        env_rewards=[r.episode.reward for r in group.rollouts] if episodes else (),
+        episodes=[r.episode.messages() for r in group.rollouts] if episodes else (),
     )
     rewards = score_completions(
-        [r.text for r in group.rollouts], about, scoring.rewards, on_error=scoring.on_reward_error, timeout_s=scoring.reward_timeout_s
+        [r.answer_text for r in group.rollouts], about, scoring.rewards, on_error=scoring.on_reward_error, timeout_s=scoring.reward_timeout_s
     )
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 

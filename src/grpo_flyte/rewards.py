@@ -13,8 +13,12 @@ signatures are accepted:
   `answer` (the gold answer), `question`, `num_tokens` (each completion's length in tokens) and
   `max_new_tokens`, one value per group; accept `**kwargs` for the ones you do not use.
 
-The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags` and
-`length`, or `module:function` for your own. The reward of a completion is the weighted sum;
+Multi-turn episodes: the completion is the model's last turn; TRL-style functions with chat data
+get the whole episode as messages; every function also gets `episodes` (each episode's messages)
+and `env_rewards` (the environment's own reward of each, or None).
+
+The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags`, `length`
+and `env` (the environment's reward), or `module:function` for your own. The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
 Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
@@ -194,11 +198,19 @@ def length_reward(completions: list[str], *, num_tokens: Sequence[int], max_new_
     return [-min(1.0, max(0, n - start) / window) for n in num_tokens]
 
 
+def env_reward(completions: list[str], *, env_rewards: Sequence[float | None] = (), **_: Any) -> list[float]:
+    """Multi-turn: the reward the environment gave at the end of each episode (0 when an episode
+    ended without one, e.g. its turns ran out)."""
+    given = list(env_rewards) or [None] * len(completions)
+    return [0.0 if r is None else float(r) for r in given]
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "correct": correct_reward,
     "format": format_reward,
     "tags": tags_reward,
     "length": length_reward,
+    "env": env_reward,
 }
 assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS, "config.BUILTIN_REWARDS names the built-in rewards"
 
@@ -367,11 +379,14 @@ def trl_arguments(
     prompt = row.get("prompt")
     chat = isinstance(prompt, list)
     columns = {"answer": context["answer"], **row.get("columns", {})}
+    if chat:  # a multi-turn episode is its messages, as TRL passes a conversation
+        episodes = context.get("episodes") or [[{"role": "assistant", "content": c}] for c in completions]
     return {
         "prompts": [prompt if prompt is not None else context["question"]] * n,
-        "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat else list(completions),
+        "completions": episodes if chat else list(completions),
         "completion_ids": [list(ids) for ids in completion_ids],
         **{name: [value] * n for name, value in columns.items()},
+        **{name: list(context[name]) for name in ("episodes", "env_rewards") if name in context},
     }
 
 
@@ -471,16 +486,30 @@ class Group:
     completion_ids: Sequence[Sequence[int]] = ()
     prompt: str | list[dict[str, str]] | None = None  # TRL's format (see the module docstring)
     columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Multi-turn: each episode's reward from the environment, and its turns as chat messages.
+    env_rewards: Sequence[float | None] = ()
+    episodes: Sequence[Sequence[Mapping[str, str]]] = ()
 
     def only(self, i: int) -> Group:
         """The same group reduced to completion `i`."""
-        ids = [self.completion_ids[i]] if self.completion_ids else []
-        return dataclasses.replace(self, num_tokens=[self.num_tokens[i]], completion_ids=ids)
+        def one(values: Sequence) -> list:
+            return [values[i]] if values else []
+
+        return dataclasses.replace(
+            self,
+            num_tokens=[self.num_tokens[i]],
+            completion_ids=one(self.completion_ids),
+            env_rewards=one(self.env_rewards),
+            episodes=one(self.episodes),
+        )
 
 
 def _call(name: str, completions: list[str], group: Group, timeout_s: float) -> list[float | None]:
     """One reward call in the worker, within the time limit; its scores checked."""
     context = {"question": group.question, "answer": group.answer, "max_new_tokens": group.max_new_tokens}
+    if group.episodes:
+        context["env_rewards"] = list(group.env_rewards)
+        context["episodes"] = [[dict(m) for m in e] for e in group.episodes]
     row = {"prompt": group.prompt, "columns": dict(group.columns)}
     ids = [list(x) for x in group.completion_ids] or [[] for _ in completions]
     args = (name, list(completions), list(group.num_tokens), ids, context, row)

@@ -9,23 +9,31 @@ per-token sampling log-probs, so the trainer never re-tokenizes text.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from flyte.io import Dir
 
 from grpo_flyte import engines
-from grpo_flyte.config import EngineConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.envs import rollout_env
+from grpo_flyte.errors import GrpoFlyteError, not_retried
 from grpo_flyte.models import resolve_dtype
 from grpo_flyte.storage import replica_cache
-from grpo_flyte.types import AdapterRef, Example, RolloutGroup
+from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 
 _model_dirs = replica_cache("models", capacity=1)
 _adapter_dirs = replica_cache("adapters", capacity=8)
 
 
 async def _engine_inputs(
-    model: ModelConfig, engine: EngineConfig, prompt: PromptConfig, sampling: SamplingConfig, base_model: Dir, adapter: AdapterRef
+    model: ModelConfig,
+    engine: EngineConfig,
+    prompt: PromptConfig,
+    sampling: SamplingConfig,
+    episode: EpisodeConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
 ) -> tuple[engines.EngineKey, str]:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
@@ -35,10 +43,36 @@ async def _engine_inputs(
         engine.backend,
         engine.adapter_cache_size,
         adapter_path,
-        max_model_len=prompt.max_prompt_tokens + sampling.max_new_tokens,
+        max_model_len=prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens),
         memory_fraction=engine.vllm_memory_fraction,
     )
     return key, adapter_path
+
+
+async def _sample(
+    key: engines.EngineKey,
+    adapter_path: str,
+    examples: list[Example],
+    prompts: list[list[int]],
+    requests: list[engines.SamplingRequest],
+    episode: EpisodeConfig,
+    prompt: PromptConfig,
+) -> list[list[Rollout]]:
+    """Each request's rollouts: completions, or with an environment, episodes (all played at once).
+    A broken environment fails the same way on every attempt: not retried."""
+    if not episode.multi_turn:
+        return await engines.generate_groups(key, adapter_path, requests)
+    try:
+        return list(
+            await asyncio.gather(
+                *(
+                    engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
+                    for example, ids, request in zip(examples, prompts, requests, strict=True)
+                )
+            )
+        )
+    except GrpoFlyteError as exc:
+        raise not_retried(exc) from exc
 
 
 @rollout_env.task(retries=2)
@@ -47,17 +81,19 @@ async def generate(
     engine: EngineConfig,
     prompt: PromptConfig,
     sampling: SamplingConfig,
+    episode: EpisodeConfig,
     base_model: Dir,
     adapter: AdapterRef,
     example: Example,
     index: int,
     seed: int,
 ) -> RolloutGroup:
-    """Sample `sampling.group_size` completions of one prompt with the given adapter."""
+    """Sample `sampling.group_size` completions of one prompt with the given adapter (with an
+    environment: that many episodes, see grpo_flyte.multiturn)."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, base_model, adapter)
+    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, episode, base_model, adapter)
     [prompt_ids] = await engines.tokenize(key, [example], prompt)
-    [rollouts] = await engines.generate_groups(key, adapter_path, [engines.sampling_request(sampling, prompt_ids, seed)])
+    [rollouts] = await _sample(key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt)
     return RolloutGroup(
         index=index,
         example=example,
@@ -74,17 +110,19 @@ async def generate_eval(
     engine: EngineConfig,
     prompt: PromptConfig,
     sampling: SamplingConfig,
+    episode: EpisodeConfig,
     base_model: Dir,
     adapter: AdapterRef,
     examples: list[Example],
     first_index: int,
 ) -> list[RolloutGroup]:
-    """Greedy completions of held-out questions, one single-rollout group each, on the warm pool."""
+    """Greedy completions of held-out questions (or greedy episodes), one single-rollout group
+    each, on the warm pool."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, base_model, adapter)
+    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, episode, base_model, adapter)
     prompts = await engines.tokenize(key, examples, prompt)
     requests = [engines.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
-    answered = await engines.generate_groups(key, adapter_path, requests)
+    answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
     return [
         RolloutGroup(

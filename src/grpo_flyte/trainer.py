@@ -214,10 +214,14 @@ def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list
         advantages = grpo.group_advantages(rewards, train.advantage_eps, scale_by_std, train.advantage_std)
         for rollout, adv, cut in zip(sg.group.rollouts, advantages, sg.truncated, strict=True):
             total += 1
-            if rollout.completion_ids:
+            if rollout.num_model_tokens:
                 masked = train.truncated == "mask" and cut
+                mask = None if rollout.model_mask is None else tuple(rollout.model_mask)
+                sampled = rollout.sampling_logprobs
+                if mask is not None:  # the trainer asks log-probs of the model's tokens only
+                    sampled = [lp for lp, own in zip(sampled, mask, strict=True) if own]
                 sequences.append(
-                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, rollout.sampling_logprobs, masked)
+                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, sampled, masked, mask)
                 )
     return sequences, total
 
@@ -327,7 +331,7 @@ def _reference_pass(
                     continue
                 with model.disable_adapter() if adapter_off else contextlib.nullcontext():
                     lp, _, _ = _completion_logprobs(model, [sequences[i] for i in chosen], sampling)
-                for i, x in zip(chosen, lp.split([len(sequences[i].completion_ids) for i in chosen]), strict=True):
+                for i, x in zip(chosen, lp.split([sequences[i].num_trained for i in chosen]), strict=True):
                     out[i] = x
     return ref, old
 
@@ -368,8 +372,8 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
     kl = None
     if any(r is not None for r in ref):
-        has_ref = torch.cat([torch.full((len(s.completion_ids),), r is not None) for r, s in zip(ref, seqs, strict=True)]).to(device)
-        ref_lp = torch.cat([r if r is not None else torch.zeros(len(s.completion_ids), device=device) for r, s in zip(ref, seqs, strict=True)])
+        has_ref = torch.cat([torch.full((s.num_trained,), r is not None) for r, s in zip(ref, seqs, strict=True)]).to(device)
+        ref_lp = torch.cat([r if r is not None else torch.zeros(s.num_trained, device=device) for r, s in zip(ref, seqs, strict=True)])
         kl = grpo.kl_k3(logprobs, ref_lp) * has_ref
         totals.kl += float(kl.detach().sum())
         totals.kl_tokens += int(has_ref.sum())
@@ -385,7 +389,7 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
     token_loss, clipped = grpo.grpo_token_loss(
         logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta
     )
-    lengths = torch.tensor([len(s.completion_ids) for s in seqs], device=device)
+    lengths = torch.tensor([s.num_trained for s in seqs], device=device)
     loss = grpo.aggregate_loss(token_loss, rows, lengths, train.loss_type, norm)
     totals.entropy += float(entropy.sum())
     totals.clipped += int(clipped.sum())
@@ -424,7 +428,7 @@ def grpo_step(
         optimizer.zero_grad(set_to_none=True)
         norm = grpo.LossNormalizer(
             num_sequences=len(minibatch),
-            num_tokens=sum(len(sequences[i].completion_ids) for i in minibatch if not sequences[i].masked),
+            num_tokens=sum(sequences[i].num_trained for i in minibatch if not sequences[i].masked),
             max_completion_tokens=sampling.max_new_tokens,
         )
         for local in grpo.plan_micro_batches([sequences[i].length for i in forward], train.micro_batch_tokens):

@@ -11,7 +11,7 @@ import json
 from typing import Any, Literal
 
 from flyte.io import Dir
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 # The report's file name: in a local run folder, and inside `RunResult.report`.
 REPORT_FILE = "report.html"
@@ -58,11 +58,73 @@ class AdapterRef(BaseModel):
     dir: Dir
 
 
+class EpisodeTurn(BaseModel):
+    """One turn of a multi-turn episode: the model's ('model') or the environment's (its role)."""
+
+    role: str
+    text: str
+    num_tokens: int
+
+
+class Episode(BaseModel):
+    """How a multi-turn episode went (see grpo_flyte.multiturn).
+
+    `end`: 'done' (the environment ended it), or the budget that ran out: 'turns', 'turn_tokens'
+    (a model turn hit max_new_tokens), 'episode_tokens'. `reward`: the environment's own reward
+    (None: scored by the configured rewards only).
+    """
+
+    turns: list[EpisodeTurn]
+    tool_calls: int = 0
+    tool_errors: int = 0
+    end: Literal["done", "turns", "turn_tokens", "episode_tokens"] = "done"
+    reward: float | None = None
+
+    @property
+    def final_text(self) -> str:
+        """The model's last turn: what the answer rewards read."""
+        return next((t.text for t in reversed(self.turns) if t.role == "model"), "")
+
+    def messages(self) -> list[dict[str, str]]:
+        """The episode as chat messages (TRL's multi-turn `completions`)."""
+        return [{"role": "assistant" if t.role == "model" else t.role, "content": t.text} for t in self.turns]
+
+
 class Rollout(BaseModel):
+    """One completion, or one multi-turn episode: every token after the prompt, in order.
+
+    `sampling_logprobs` has one entry per token of `completion_ids`: log softmax(logits /
+    temperature) of each sampled token. In an episode, `model_mask` marks the model's tokens (True)
+    and the environment's (False: in the context, out of the loss; their log-prob entries are 0
+    and never read); None means every token is the model's. `text` is the completion, or the
+    episode's transcript to read (`multiturn.transcript`); rewards read `answer_text`.
+    """
+
     completion_ids: list[int]
-    sampling_logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
+    sampling_logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     text: str
+    model_mask: list[bool] | None = None
+    episode: Episode | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Rollout:
+        n = len(self.completion_ids)
+        if len(self.sampling_logprobs) != n or (self.model_mask is not None and len(self.model_mask) != n):
+            raise ValueError(
+                f"{n} completion tokens but {len(self.sampling_logprobs)} log-probs"
+                + (f" and {len(self.model_mask)} mask entries" if self.model_mask is not None else "")
+            )
+        return self
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.completion_ids) if self.model_mask is None else sum(self.model_mask)
+
+    @property
+    def answer_text(self) -> str:
+        """What the answer rewards read: the completion, or an episode's last model turn."""
+        return self.text if self.episode is None else self.episode.final_text
 
 
 class RolloutGroup(BaseModel):
@@ -163,6 +225,15 @@ class TrainMetrics(BaseModel):
     generate_tokens_per_s: float
     score_tokens_per_s: float
     train_tokens_per_s: float
+    # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
+    # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
+    turns_mean: float | None = None
+    tool_calls_mean: float | None = None
+    tool_call_rate: float | None = None
+    tool_errors: int | None = None
+    model_tokens_mean: float | None = None
+    env_tokens_mean: float | None = None
+    episode_ends: dict[str, int] = {}
 
 
 class EvalMetrics(BaseModel):
@@ -177,6 +248,9 @@ class EvalMetrics(BaseModel):
     eval_reward_errors: int
     eval_size: int
     eval_s: float
+    eval_tool_call_rate: float | None = None  # multi-turn: share of held-out episodes with a tool call
+    eval_tool_call_rate_ci95: float | None = None
+    eval_turns_mean: float | None = None
 
 
 class MetricsRow(BaseModel):
@@ -189,21 +263,24 @@ class MetricsRow(BaseModel):
     eval: EvalMetrics | None = None
 
     def flat(self) -> dict[str, Any]:
-        """The row as flat keys (`reward/<name>`, `eval_reward/<name>`): metrics.jsonl, the report, W&B."""
+        """The row as flat keys (`reward/<name>`, `eval_reward/<name>`, `ended/<reason>`): metrics.jsonl,
+        the report, W&B. Multi-turn metrics appear in multi-turn runs only."""
         row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
-        for part, means_key, prefix in ((self.train, "reward_means", "reward/"), (self.eval, "eval_reward_means", "eval_reward/")):
+        nested = {"reward_means": "reward/", "eval_reward_means": "eval_reward/", "episode_ends": "ended/"}
+        for part in (self.train, self.eval):
             if part is None:
                 continue
             for key, value in part.model_dump().items():
-                if key == means_key:
-                    row.update({f"{prefix}{name}": mean for name, mean in value.items()})
-                else:
+                if key in nested:
+                    row.update({f"{nested[key]}{name}": v for name, v in value.items()})
+                elif value is not None or key == "kl":
                     row[key] = value
         return row
 
 
 class EvalAnswer(BaseModel):
-    """One held-out question, the model's greedy answer and its scores."""
+    """One held-out question, the model's greedy answer and its scores (a multi-turn episode: its
+    turns and tool calls too)."""
 
     question: str
     answer: str
@@ -212,6 +289,8 @@ class EvalAnswer(BaseModel):
     correct: bool
     format: bool
     scores: dict[str, float]
+    tool_calls: int | None = None
+    turns: list[EpisodeTurn] | None = None
 
 
 class BestCompletion(BaseModel):
@@ -219,6 +298,7 @@ class BestCompletion(BaseModel):
     answer: str
     completion: str
     reward: float
+    turns: list[EpisodeTurn] | None = None  # a multi-turn episode, turn by turn
 
 
 class RunResult(BaseModel):

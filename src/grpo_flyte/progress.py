@@ -1,0 +1,154 @@
+"""Progress bars for a local run on a terminal: one for the run's iterations, one for each held-out
+evaluation, each with an ETA, below the run's log lines.
+
+`RunProgress` is a driver observer (`driver.observe`), fed by the same events as the run folder's
+writer. The bars are drawn only when stderr is a terminal; in a pipe, a file or CI the log lines
+are all there is, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
+
+from grpo_flyte.types import MetricsRow
+
+
+class Checkpointed(Protocol):
+    """What the bars read of the driver's loop state (`driver.LoopState`)."""
+
+    iterations_done: int
+    history: list[MetricsRow]
+
+
+def clock(seconds: float) -> str:
+    """'1m32s', '2h05m': the ETA as the log lines write it."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class EtaColumn(ProgressColumn):
+    """The time a bar still needs: its own estimate when it has one (`eta_s` seconds as of
+    `eta_at`, counted down since), else rich's from the rate so far; blank once finished."""
+
+    def __init__(self, now: Callable[[], float]):
+        super().__init__()
+        self._now = now
+
+    def render(self, task: Task) -> Text:
+        if task.finished:
+            return Text("")
+        eta_s = task.fields.get("eta_s")
+        left = max(0.0, eta_s - (self._now() - task.fields["eta_at"])) if eta_s is not None else task.time_remaining
+        return Text(f"ETA {clock(left)}" if left is not None else "ETA --", style="progress.remaining")
+
+
+class RunProgress:
+    """The bars of one local run. `eta(history, iterations_done)` is the run's time left
+    (`driver.eta_seconds`); an evaluation's is the time the previous one took."""
+
+    def __init__(
+        self,
+        iterations: int,
+        done: int,
+        eta: Callable[[list[MetricsRow], int], float | None],
+        console: Console | None = None,
+        now: Callable[[], float] = time.monotonic,
+    ):
+        self.console = console or Console(stderr=True)
+        self._eta = eta
+        self._now = now
+        self._eval_s: float | None = None
+        self._eval: TaskID | None = None
+        self.bars = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            EtaColumn(now),
+            console=self.console,
+            get_time=now,
+            transient=True,  # gone at the end: the log lines are the record
+            disable=not self.console.is_terminal,
+        )
+        self._run = self.bars.add_task("iterations", total=iterations, completed=done, eta_s=None, eta_at=now())
+
+    @contextlib.contextmanager
+    def shown(self) -> Iterator[RunProgress]:
+        """Draw the bars while the block runs, with log records printed above them."""
+        if self.bars.disable:  # not a terminal: the log lines alone
+            yield self
+            return
+        with self.bars, _logs_above_bars(self.console):
+            yield self
+
+    def recorded(self, state: Checkpointed, row: MetricsRow, answers: Any) -> None:
+        self.bars.update(
+            self._run, completed=state.iterations_done, eta_s=self._eta(state.history, state.iterations_done), eta_at=self._now()
+        )
+        # the latest evaluation's time: the first one also loaded the model
+        self._eval_s = next((r.eval.eval_s for r in reversed(state.history) if r.eval), None)
+
+    def report(self, html: str) -> None:
+        """The report is the run folder's business."""
+
+    def evaluating(self, iteration: int, answered: int, total: int) -> None:
+        if self._eval is None:
+            what = "before training" if iteration == 0 else f"after iteration {iteration}"
+            self._eval = self.bars.add_task(f"held-out eval {what}", total=total, eta_s=self._eval_s, eta_at=self._now())
+        self.bars.update(self._eval, completed=answered)
+        if answered >= total:  # its result is the next log line
+            self.bars.remove_task(self._eval)
+            self._eval = None
+
+
+class _AboveBars(io.TextIOBase):
+    """A log handler's stream while the bars show: each whole line is printed above them, not
+    wrapped (the terminal wraps it, as it did before)."""
+
+    def __init__(self, console: Console):
+        self._console = console
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._console.print(Text(line), soft_wrap=True)
+        return len(text)
+
+
+@contextlib.contextmanager
+def _logs_above_bars(console: Console) -> Iterator[None]:
+    """Log handlers writing to the terminal (logging.basicConfig's, flyte's) would write over the
+    bars: they write above them meanwhile."""
+    terminal = {id(s) for s in (sys.__stderr__, sys.__stdout__, getattr(sys.stderr, "rich_proxied_file", sys.stderr))}
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger))]
+    moved = {h: h.stream for lg in loggers for h in lg.handlers if type(h) is logging.StreamHandler and id(h.stream) in terminal}
+    for handler in moved:
+        handler.setStream(_AboveBars(console))
+    try:
+        yield
+    finally:
+        for handler, stream in moved.items():
+            handler.setStream(stream)
