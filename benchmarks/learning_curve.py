@@ -84,13 +84,17 @@ def report(result: dict) -> str:
             f"paired gain on the same {n} questions: reward {result['reward_gain']:+.3f} +- {result['reward_gain_ci95']:.3f}, "
             f"accuracy {result['accuracy_gain']:+.1%} +- {result['accuracy_gain_ci95']:.1%}"
         ),
-        (
-            f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
-            f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
-            f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all"
-        ),
+        timing_line(result),
     ]
     return "\n".join(lines)
+
+
+def timing_line(result: dict) -> str:
+    return (
+        f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
+        f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
+        f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

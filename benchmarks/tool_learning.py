@@ -21,15 +21,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from learning_curve import read_jsonl, summarize
+from learning_curve import read_jsonl, summarize, timing_line
 
 from grpo_flyte.cli import EVAL_DIR, METRICS_FILE
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.driver import mean_ci95
 
 # The budget: fits the 30 minutes on this 2-core CPU with room to spare (see the JSON).
-ITERATIONS = 12
-EVAL_EVERY = 4
+ITERATIONS = 6
+EVAL_EVERY = 2
 EVAL_SIZE = 100
 SETTINGS = ["--env", "calculator", "--max-new-tokens", "48", "--max-turns", "3", "--max-episode-tokens", "160",
             "--prompts-per-iter", "8", "--group-size", "6", "--min-informative-groups", "0"]  # fmt: skip
@@ -70,11 +70,7 @@ def report(result: dict) -> str:
         f"paired gains on the same {n} questions: calls the calculator {result['tool_use_gain']:+.1%} +- "
         f"{result['tool_use_gain_ci95']:.1%}, accuracy {result['accuracy_gain']:+.1%} +- {result['accuracy_gain_ci95']:.1%}",
         "training episodes that call the calculator, per iteration: " + " ".join(f"{x:.0%}" for x in result["train_tool_call_rate"]),
-        (
-            f"{result['iterations']} iterations, {result['seconds_per_iteration']:.1f} s per iteration "
-            f"(generate {result['generate_s_mean']:.1f} s, train {result['train_s_mean']:.1f} s), "
-            f"{result['eval_s_mean']:.1f} s per evaluation, {result['wall_s'] / 60:.1f} min in all"
-        ),
+        timing_line(result),
     ]
     return "\n".join(lines)
 

@@ -330,7 +330,7 @@ def test_a_multi_turn_run_writes_every_file_and_resumes_after_a_kill(tmp_path, t
         assert (run_dir / name).is_file(), name
     report = (run_dir / "report.html").read_text()
     assert "Best episode of the last iteration" in report and '<div class="turn env">' in report
-    assert "turn 1: go on" in report and "Multi-turn: turns and tokens per episode" in report
+    assert "turn 1: go on" in report and "Turns and tokens per episode (multi-turn)" in report
     assert json.loads((run_dir / "config.json").read_text())["episode"]["env"] == "chatty_env:Chatty"
 
 
@@ -367,3 +367,55 @@ def test_an_environment_returning_the_wrong_type_fails_its_task_with_the_episode
     assert cli_main(args) != 0
     shown = capsys.readouterr().err + caplog.text
     assert "_ReturnsText.step returned str 'oops'; expected a grpo_flyte.Reply" in shown and "episode so far: 'model: " in shown
+
+
+# --------------------------------------------------------------------------- batching across episodes
+
+
+class _SlowFirstEpisode:
+    """Two replies then done; the first episode created waits 1 s on its first step (a slow tool)."""
+
+    created = 0
+
+    def __init__(self):
+        type(self).created += 1
+        self.slow = type(self).created == 1
+        self.steps = 0
+
+    def step(self, text):
+        self.steps += 1
+        if self.slow and self.steps == 1:
+            time.sleep(1.0)
+        return Reply(done=True, reward=1.0) if self.steps == 3 else Reply("more")
+
+
+def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer, monkeypatch):
+    """Three episodes of one group: their first turns decode in one engine batch; while the first
+    episode's tool is busy, the other two play their next turns together without it."""
+    from grpo_flyte import engines
+
+    class Engine:
+        def __init__(self):
+            self.tokenizer = tokenizer
+            self.batches: list[list[int]] = []
+
+        def generate_many(self, requests, adapter_path):
+            self.batches.append([len(r.prompt_ids) for r in requests])
+            ids = _ids(tokenizer, "7<|im_end|>")
+            return [[Rollout(completion_ids=ids, sampling_logprobs=[-0.1] * len(ids), finish_reason="stop", text="7")] for _ in requests]
+
+    engine = Engine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(engines.multiturn, "load_environment", lambda name: _SlowFirstEpisode)
+    _SlowFirstEpisode.created = 0
+    config = make_config(env="calculator", group_size=3)
+    request = engines.sampling_request(config.sampling, [1, 2, 3], seed=5)
+    example = Example(question="q", answer="1", prompt=[])
+    key = engines.EngineKey("hf", "/m", "float32", 2, 0, 0)
+    played = asyncio.run(engines.play_episodes(key, "/adapter", "x:Y", example, [1, 2, 3], request, config.episode, config.prompt))
+    assert [r.episode.reward for r in played] == [1.0, 1.0, 1.0] and all(r.episode.end == "done" for r in played)
+    turn = len(_ids(tokenizer, "7<|im_end|>"))
+    reply = len(Splicer(tokenizer, chat=True).reply_ids(Reply("more"), _ids(tokenizer, "7<|im_end|>")))
+    second, third = 3 + turn + reply, 3 + 2 * (turn + reply)
+    # one batch of first turns; the two fast episodes finish together; the slow one follows alone
+    assert engine.batches == [[3, 3, 3], [second, second], [third, third], [second], [third]]

@@ -97,6 +97,15 @@ def _iteration_row(i: int) -> dict[str, object]:
         "train_s": 24.1 + i,
         "train_tokens_per_s": 75.0,
         "iteration_s": 82.3,
+        # a multi-turn run's (--env): every chart of the report is drawn by this history
+        "turns_mean": 1.4 + 0.1 * i,
+        "tool_calls_mean": 0.5 + 0.1 * i,
+        "tool_call_rate": 0.45 + 0.1 * i,
+        "tool_errors": i % 2,
+        "model_tokens_mean": 40.0 + i,
+        "env_tokens_mean": 12.0 + i,
+        "ended/done": 60 - i,
+        "ended/turn_tokens": 4 + i,
     }
 
 
@@ -113,6 +122,9 @@ def _eval_metrics(i: int) -> dict[str, object]:
         "eval_reward_errors": 0,
         "eval_size": 20,
         "eval_s": 15.5,
+        "eval_tool_call_rate": 0.4 + 0.12 * i,
+        "eval_tool_call_rate_ci95": 0.2,
+        "eval_turns_mean": 1.5,
     }
 
 
@@ -128,13 +140,13 @@ def _history() -> list[dict[str, object]]:
 ALL_CHARTS = (*METRIC_CHARTS, *reward_charts(_history()))
 
 
-def _report(tmp_path: Path, extra_head: str = "", strip_marks: bool = False) -> Path:
+def _report(tmp_path: Path, extra_head: str = "", strip_marks: bool = False, turns: list | None = None) -> Path:
     document = render_report(
         title="grpo_flyte: GRPO + LoRA <browser test>",
         status="running",
         config={"model": "embedded", "dataset": "arithmetic", "note": "</td><b>not bold</b>"},
         history=_history(),
-        best_completion={"question": "What is 12 + 15?", "answer": "27", "completion": EVIL_COMPLETION, "reward": 1.0},
+        best_completion={"question": "What is 12 + 15?", "answer": "27", "completion": EVIL_COMPLETION, "reward": 1.0, "turns": turns},
     )
     if strip_marks:
         document = re.sub(r"<polyline [^>]*/>|<circle .*?</circle>", "", document)
@@ -232,6 +244,27 @@ def test_report_fits_the_window_width(browser, tmp_path, width):
     assert browser.evaluate("document.documentElement.scrollWidth") <= width
     figure_widths = browser.evaluate("[...document.querySelectorAll('figure')].map(f => f.getBoundingClientRect().right)")
     assert max(figure_widths) <= width
+
+
+EPISODE = [
+    {"role": "model", "text": "<calc>12+15</calc>", "num_tokens": 9},
+    {"role": "tool", "text": EVIL_COMPLETION, "num_tokens": 30},
+    {"role": "model", "text": "#### 27", "num_tokens": 6},
+]
+
+
+def test_an_episode_shows_the_environments_turns_apart_and_as_text(browser, tmp_path):
+    page = browser.load(_report(tmp_path, turns=EPISODE), width=1100)
+    assert page.errors == [] and browser.evaluate("document.scripts.length + document.images.length") == 0
+    turns = browser.evaluate(
+        "[...document.querySelectorAll('.episode .turn')].map(t => ({cls: t.className, who: t.querySelector('.who').textContent,"
+        " text: t.querySelector('pre').textContent, left: t.getBoundingClientRect().left,"
+        " border: getComputedStyle(t).borderLeftColor}))"
+    )
+    assert [t["cls"] for t in turns] == ["turn model", "turn env", "turn model"]
+    assert turns[1]["text"] == EVIL_COMPLETION and turns[1]["who"].startswith("environment (tool)")
+    # set apart: indented, and another colour than the model's turns
+    assert turns[1]["left"] > turns[0]["left"] and turns[1]["border"] != turns[0]["border"] == turns[2]["border"]
 
 
 # ----------------------------------------------------------------------------- negative controls

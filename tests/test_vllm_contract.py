@@ -86,5 +86,6 @@ def test_multi_turn_episodes_on_vllm_train_on_exactly_the_models_tokens(contract
     episodes = contract["episodes"]
     assert episodes["count"] == 4 and all(1 <= n <= 3 for n in episodes["turns"])
     assert any(n > 0 for n in episodes["env_tokens"]) and episodes["mask_matches_turns"]
+    assert episodes["prefix_caching"]  # the earlier turns of an episode are reused, not recomputed
     ratio = episodes["ratio"]
     assert ratio["tokens"] > 0 and abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01

@@ -111,6 +111,8 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
     samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
     ratio = torch.exp(logprobs - samp)
     return {
+        # each turn's prompt is the episode so far: vLLM's prefix cache serves the earlier turns
+        "prefix_caching": bool(gen.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
         "count": len(played),
         "turns": [sum(t.role == "model" for t in r.episode.turns) for r in played],
         "env_tokens": [len(r.completion_ids) - r.num_model_tokens for r in played],

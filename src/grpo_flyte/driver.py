@@ -172,7 +172,7 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         completion_len_max=max(lengths),
         truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),
         **timings,
-        generate_tokens_per_s=_per_second(sum(lengths), timings["generate_s"]),
+        generate_tokens_per_s=_per_second(sum(r.num_model_tokens for r in rollouts), timings["generate_s"]),
         score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
         train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
         **episode_metrics(rollouts),

@@ -6,6 +6,10 @@ the field to its flag when it prints the message, and a user of the Python API r
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from typing import Any
+
 
 class GrpoFlyteError(Exception):
     """Bad input from the user: a one-line message saying what was given and what was expected.
@@ -56,6 +60,23 @@ class EnvironmentSpecError(GrpoFlyteError, ValueError):
 
 class EpisodeError(GrpoFlyteError, RuntimeError):
     """An environment that broke its contract (a step returned no Reply); the message shows the episode."""
+
+
+def import_user_attribute(name: str, error: Callable[[str], GrpoFlyteError]) -> Any:
+    """The attribute `name` ('module:attribute', user code) names, or None when the module lacks it.
+
+    A module that does not import is `error(message)`, naming the module and why: user code fails
+    to import in many ways, and each is the user's to fix where the task runs.
+    """
+    module_name, attr = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- any import-time failure of user code is reported alike
+        raise error(
+            f"{name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
+            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)"
+        ) from None
+    return getattr(module, attr, None)
 
 
 NOT_RETRIED = "NonRecoverableError"  # the code Flyte gives a failure it must not retry

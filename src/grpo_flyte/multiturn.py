@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import hashlib
-import importlib
 import inspect
 import math
 import operator
@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_flyte.errors import EnvironmentSpecError, EpisodeError
+from grpo_flyte.errors import EnvironmentSpecError, EpisodeError, import_user_attribute
 from grpo_flyte.types import Episode, EpisodeTurn, Example, Message, Rollout
 
 NO_ENV = "none"
@@ -235,19 +235,16 @@ BUILTIN_DATASETS = tuple(_DATASETS)
 
 def builtin_split(dataset: str, split: str) -> list[Example]:
     """The 'train' or 'eval' rows of a built-in environment's dataset (disjoint, the same every run)."""
-    parts = _cached_split(dataset)
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: expected 'train' or 'eval'")
+    parts = _split_of(dataset)
     return list(parts.train if split == "train" else parts.eval)
 
 
-_splits: dict[str, _Split] = {}
-
-
-def _cached_split(dataset: str) -> _Split:
-    if dataset not in _splits:
-        _splits[dataset] = _DATASETS[dataset]()
-    return _splits[dataset]
+@functools.cache
+def _split_of(dataset: str) -> _Split:
+    # built once per process (the CLI checks the split, then the driver uses it); Example is frozen
+    return _DATASETS[dataset]()
 
 
 # --------------------------------------------------------------------------- loading an environment
@@ -271,21 +268,13 @@ def load_environment(name: str) -> type:
     if name == NO_ENV:
         raise EnvironmentSpecError(f"{name!r} is single-turn generation, not an environment class")
     module_name, attr = name.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any import-time failure of user code is reported alike
-        raise EnvironmentSpecError(
-            f"{name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)"
-        ) from None
-    cls = getattr(module, attr, None)
+    cls = import_user_attribute(name, EnvironmentSpecError)
     if not inspect.isclass(cls):
         raise EnvironmentSpecError(f"{name!r}: module {module_name!r} has no class {attr!r}")
-    for method in ("step", "reset"):
-        if method == "step" and not callable(getattr(cls, "step", None)):
-            raise EnvironmentSpecError(f"{name!r}: class {attr} has no step(self, text) method; expected one returning a Reply")
-        if method == "reset" and hasattr(cls, "reset") and not callable(cls.reset):
-            raise EnvironmentSpecError(f"{name!r}: {attr}.reset is not a method")
+    if not callable(getattr(cls, "step", None)):
+        raise EnvironmentSpecError(f"{name!r}: class {attr} has no step(self, text) method; expected one returning a Reply")
+    if hasattr(cls, "reset") and not callable(cls.reset):
+        raise EnvironmentSpecError(f"{name!r}: {attr}.reset is not a method; expected reset(self, example)")
     stop = getattr(cls, "stop", ())
     if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
         raise EnvironmentSpecError(f"{name!r}: {attr}.stop is {stop!r}; expected a tuple of non-empty strings")

@@ -31,8 +31,8 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Clipped tokens, zero-variance groups, truncated completions", ("clip_fraction", "frac_zero_std_groups", "truncated_fraction")),
     ("Importance ratio (trainer / generator)", ("is_ratio_mean", "is_ratio_max")),
     ("Completion length", ("completion_len_mean", "completion_len_max")),
-    ("Multi-turn: tool use", ("tool_call_rate", "eval_tool_call_rate")),
-    ("Multi-turn: turns and tokens per episode", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
+    ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
+    ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
     ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s")),
 )
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.

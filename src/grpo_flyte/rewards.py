@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 import math
@@ -47,7 +46,7 @@ from decimal import Decimal
 from typing import Any
 
 from grpo_flyte.config import BUILTIN_REWARDS, check_reward_name
-from grpo_flyte.errors import RewardError, RewardSpecError
+from grpo_flyte.errors import RewardError, RewardSpecError, import_user_attribute
 from grpo_flyte.types import RewardParts
 
 MARKER = "####"
@@ -225,15 +224,7 @@ def resolve_reward(name: str) -> RewardFn:
     except ValueError as exc:
         raise RewardSpecError(str(exc), field="rewards") from None
     module_name, attr = name.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any import-time failure of user code is reported alike
-        raise RewardSpecError(
-            f"{name!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); "
-            "expected a module importable here (on PYTHONPATH, or in the task image on a cluster)",
-            field="rewards",
-        ) from None
-    fn = getattr(module, attr, None)
+    fn = import_user_attribute(name, lambda message: RewardSpecError(message, field="rewards"))
     if not callable(fn):
         raise RewardSpecError(f"{name!r}: module {module_name!r} has no function {attr!r}", field="rewards")
     return fn
