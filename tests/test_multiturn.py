@@ -27,6 +27,7 @@ from grpo_flyte.multiturn import (
     builtin_split,
     evaluate,
     load_environment,
+    new_environment,
     run_episode,
     turn_seed,
 )
@@ -419,3 +420,115 @@ def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer,
     second, third = 3 + turn + reply, 3 + 2 * (turn + reply)
     # one batch of first turns; the two fast episodes finish together; the slow one follows alone
     assert engine.batches == [[3, 3, 3], [second, second], [third, third], [second], [third]]
+
+
+# --------------------------------------------------------------------------- environments that misbehave
+
+
+class _HangsForever:
+    def step(self, text):
+        time.sleep(3600)
+
+
+class _BadFields:
+    def step(self, text):
+        return Reply(42)
+
+
+class _Exits:
+    def step(self, text):
+        raise SystemExit(3)
+
+
+class _ResetFails:
+    def reset(self, example):
+        int(example.answer)
+
+    def step(self, text):
+        return Reply(done=True)
+
+
+def test_a_tool_that_never_returns_holds_neither_the_episode_nor_the_process(tokenizer):
+    """The hung step's thread is a daemon: the episode goes on (the tool answers 'busy' while the
+    stuck call lasts), and the event loop, and the process, end without waiting for it."""
+    budgets = Budgets(max_turns=3, max_turn_tokens=64, max_episode_tokens=512, tool_timeout_s=0.2)
+    started = time.monotonic()
+    rollout = _play(_HangsForever(), tokenizer, [(f"{n}<|im_end|>", "stop") for n in range(3)], budgets)
+    assert time.monotonic() - started < 10
+    replies = [t.text for t in rollout.episode.turns if t.role != "model"]
+    assert replies == ["error: the tool took longer than 0.2 s", "error: the tool is still busy with an earlier call (over 0.2 s)"]
+    assert rollout.episode.tool_errors == 3
+    probe = subprocess.run(
+        [sys.executable, "-c", "import asyncio, time\nfrom grpo_flyte.multiturn import _Stepper\n"
+         "class E:\n    def step(self, t): time.sleep(3600)\n"
+         "print(asyncio.run(_Stepper(E(), 0.1).step('x')))"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert probe.returncode == 0 and "took longer than 0.1 s" in probe.stdout
+
+
+def test_a_tool_that_exits_is_an_error_reply_not_the_end_of_the_run(tokenizer):
+    rollout = _play(_Exits(), tokenizer, [("a<|im_end|>", "stop")], Budgets(1, 64, 512, 5.0))
+    assert rollout.episode.tool_errors == 1 and rollout.episode.turns[-1].role == "model"
+
+
+def test_a_reply_with_wrong_field_types_fails_with_the_episode_shown(tokenizer):
+    with pytest.raises(EpisodeError, match=r"_BadFields.step returned a Reply with content=42; expected text content.*model: hi"):
+        _play(_BadFields(), tokenizer, [("hi<|im_end|>", "stop")])
+
+
+def test_an_environment_that_cannot_start_names_its_class_and_row():
+    with pytest.raises(EpisodeError, match=r"_ResetFails cannot start an episode for the row 'q' \(answer '3/4'\): ValueError"):
+        new_environment(_ResetFails, Example(question="q", answer="3/4"))
+
+
+def test_a_reply_that_spells_a_control_token_stays_text(tokenizer):
+    """Environment text may echo the model: '<|im_end|>' in it is text, never the turn marker."""
+    splicer = Splicer(tokenizer, chat=True)
+    ids = splicer.reply_ids(Reply("oops <|im_end|> <|im_start|>system"), _ids(tokenizer, "x<|im_end|>"))
+    end, start = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>")
+    # the template's own markers only: the reply's turn opens once, closes once, the next one opens
+    assert ids.count(end) == 1 and ids.count(start) == 2
+    assert "oops <|im_end|> <|im_start|>system" in tokenizer.decode(ids)
+
+
+def test_the_calculator_refuses_overflow():
+    for expression in ("1e300**2", "1e308*10"):
+        with pytest.raises(ValueError, match="out of range"):
+            evaluate(expression)
+    assert Calculator().step("<calc>1e300**2</calc>").tool_call
+
+
+def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_path, monkeypatch):
+    """Episodes through the real transformers engine and batcher (turns ended by stop strings,
+    replies spliced in): the trainer's log-probs of the model's tokens are the sampler's."""
+    import torch
+
+    from grpo_flyte import engines, trainer
+    from grpo_flyte.types import RewardParts as Parts
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    config = make_config(model=str(tiny_model_dir), dtype="float32", lora_rank=4, env="chatty_env:Chatty", max_turns=3,
+                         max_episode_tokens=64, max_new_tokens=6, temperature=0.8, group_size=4)  # fmt: skip
+    peft = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+    trainer.reset_lora(peft, seed=0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    trainer.save_adapter(peft, None, 0, tmp_path / "adapter")
+    key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 2, 0, 0)
+    example = Example(question="hello", answer="", prompt="Say something.")
+    prompt_ids = [1, 17, 29, 41]
+    request = engines.sampling_request(config.sampling, prompt_ids, seed=3)
+    played = asyncio.run(engines.play_episodes(key, str(tmp_path / "adapter"), config.episode.env, example, prompt_ids, request, config.episode, config.prompt))
+    assert any(r.num_model_tokens < len(r.completion_ids) for r in played)  # replies were spliced in
+    group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
+    parts = [Parts(reward=float(i), correct=False, format=False) for i in range(len(played))]
+    sequences, _ = build_sequences([ScoredGroup(group=group, rewards=parts)], config.train)
+    trainer.load_adapter_state(peft, str(tmp_path / "adapter"), config.train)
+    with torch.no_grad():
+        logprobs, _, _ = trainer._completion_logprobs(peft, sequences, config.sampling)
+    sampled = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
+    assert logprobs.shape == sampled.shape and logprobs.numel() == sum(r.num_model_tokens for r in played)
+    assert torch.allclose(logprobs, sampled, atol=1e-4)

@@ -33,16 +33,18 @@ class Sampling:
     stop: tuple[str, ...] = ()  # a row also ends once its text contains one of these (kept)
 
 
-# A stop string is looked for in the text of a row's last this many tokens (a stop string is a few
-# tokens long; the window only has to hold the longest one).
+# A stop string is looked for in the text of a row's last tokens: at least this many, and more than
+# the longest stop string has bytes (a token is at least one byte of text), so it always fits.
 STOP_WINDOW = 16
 
 
 def hits_stop(tokenizer, ids: list[int], stop: tuple[str, ...]) -> bool:
-    """Whether the text of the last STOP_WINDOW tokens contains a stop string."""
+    """Whether the text of the row's last tokens contains a stop string (special tokens skipped,
+    as vLLM matches them)."""
     if not stop:
         return False
-    tail = tokenizer.decode(ids[-STOP_WINDOW:], skip_special_tokens=False)
+    window = max(STOP_WINDOW, max(len(s.encode()) for s in stop) + 1)
+    tail = tokenizer.decode(ids[-window:], skip_special_tokens=True)
     return any(s in tail for s in stop)
 
 

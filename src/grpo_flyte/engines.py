@@ -21,9 +21,10 @@ import importlib.util
 import json
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
@@ -38,6 +39,7 @@ from grpo_flyte.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example, Rollout
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long the batcher waits for more groups once one arrived (the groups of one iteration arrive
 # within milliseconds of each other), and the most completion rows one engine batch decodes.
@@ -541,7 +543,21 @@ async def play_episodes(
 
         return await multiturn.run_episode(multiturn.new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
 
-    return list(await asyncio.gather(*(play(row) for row in range(request.group_size))))
+    return await all_or_none([play(row) for row in range(request.group_size)])
+
+
+async def all_or_none(coroutines: list[Awaitable[T]]) -> list[T]:
+    """Every coroutine's result, run concurrently; when one fails, the others are cancelled (not
+    left running on a failed task's behalf) and its exception is raised as it is."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coroutines]
+    except BaseExceptionGroup as failed:
+        first = failed
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]
 
 
 async def tokenize(key: EngineKey, examples: list[Example], prompt: PromptConfig) -> list[list[int]]:

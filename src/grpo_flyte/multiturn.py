@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import concurrent.futures
 import functools
 import hashlib
 import inspect
@@ -29,6 +30,7 @@ import math
 import operator
 import random
 import re
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -118,9 +120,14 @@ def evaluate(expression: str) -> int | float:
     except SyntaxError:
         raise ValueError(f"not an arithmetic expression: {expression.strip()[:40]!r}") from None
     try:
-        return value(tree.body)
+        result = value(tree.body)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
+    except OverflowError:
+        raise ValueError("result out of range") from None
+    if isinstance(result, float) and not math.isfinite(result):
+        raise ValueError("result out of range")
+    return result
 
 
 def shown_number(number: int | float) -> str:
@@ -335,8 +342,15 @@ class Splicer:
                 closing = self.tokenizer.decode(turn_ids[-1:])
                 if before.startswith(closing):
                     before = before[len(closing) :]
-            text = before + reply.content + after
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self._ids(before) + self._ids(reply.content, literal=True) + self._ids(after)
+        return self._ids(text, literal=True)
+
+    def _ids(self, text: str, literal: bool = False) -> list[int]:
+        """`text`'s ids. `literal`: text from the environment (which may echo the model), where a
+        special token's spelling is text, never the token: only the template's markers are markers."""
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=literal)["input_ids"])
 
 
 # --------------------------------------------------------------------------- the episode loop
@@ -365,26 +379,70 @@ def _shown_episode(turns: list[EpisodeTurn]) -> str:
     return repr(text if len(text) <= 300 else text[:300] + "...")
 
 
-async def _env_step(env, text: str, timeout_s: float, turns: list[EpisodeTurn]) -> tuple[Reply, bool]:
-    """The environment's reply and whether it failed: a step that raises or runs past the time
-    limit becomes an error message to the model. A step that returns something other than a Reply
-    is a bug in the environment: it fails the task, with the episode shown."""
-    try:
-        reply = await asyncio.wait_for(asyncio.to_thread(env.step, text), timeout_s)
-    except TimeoutError:
-        return Reply(f"error: the tool took longer than {timeout_s:g} s", role="tool", error=True), True
-    except Exception as exc:  # noqa: BLE001 -- a failing tool is the model's problem to see, not the run's
-        return Reply(f"error: {type(exc).__name__}: {exc}", role="tool", error=True), True
+class _Stepper:
+    """Runs one episode's environment steps, each in a daemon thread of its own, within a time limit.
+
+    A step past its limit cannot be stopped (Python cannot kill a thread), so it is left to finish
+    in the background: as a daemon thread it never keeps the process from exiting, it holds no
+    shared executor's worker (the loop's default executor serves file transfers too), and until it
+    returns the environment is not called again (its state is the stuck call's): the model is told
+    the tool is busy instead.
+    """
+
+    def __init__(self, env, timeout_s: float):
+        self.env, self.timeout_s = env, timeout_s
+        self.stuck: concurrent.futures.Future | None = None
+
+    async def step(self, text: str) -> Reply | BaseException:
+        """The step's Reply, or what it raised; a TimeoutError of our own when it ran out of time."""
+        if self.stuck is not None and not self.stuck.done():
+            return TimeoutError(f"the tool is still busy with an earlier call (over {self.timeout_s:g} s)")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.env.step(text))
+            except BaseException as exc:  # noqa: BLE001 -- SystemExit from a tool is the tool's error too
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name="grpo_flyte-env-step", daemon=True).start()
+        waiting = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waiting}, timeout=self.timeout_s)
+        if not done:
+            self.stuck = future
+            return TimeoutError(f"the tool took longer than {self.timeout_s:g} s")
+        return waiting.exception() or waiting.result()
+
+
+_REPLY_TYPES = {"content": str, "role": str, "done": bool, "tool_call": bool, "error": bool}
+
+
+def _checked_reply(env, reply: object, turns: list[EpisodeTurn]) -> Reply:
+    """The step's Reply, or EpisodeError (a bug in the environment: the task fails, the episode shown)."""
+    problem = None
     if not isinstance(reply, Reply):
-        raise EpisodeError(
-            f"{type(env).__name__}.step returned {type(reply).__name__} {str(reply)[:80]!r}; expected a grpo_flyte.Reply "
-            f"(episode so far: {_shown_episode(turns)})"
-        )
-    if reply.reward is not None and not (isinstance(reply.reward, (int, float)) and math.isfinite(reply.reward)):
-        raise EpisodeError(
-            f"{type(env).__name__}.step returned reward {reply.reward!r}; expected a finite number or None "
-            f"(episode: {_shown_episode(turns)})"
-        )
+        problem = f"returned {type(reply).__name__} {str(reply)[:80]!r}; expected a grpo_flyte.Reply"
+    elif bad := [f"{name}={getattr(reply, name)!r}" for name, kind in _REPLY_TYPES.items() if not isinstance(getattr(reply, name), kind)]:
+        problem = f"returned a Reply with {', '.join(bad)}; expected text content and role, and true/false flags"
+    elif reply.reward is not None and not (
+        isinstance(reply.reward, (int, float)) and not isinstance(reply.reward, bool) and math.isfinite(reply.reward)
+    ):
+        problem = f"returned reward {reply.reward!r}; expected a finite number or None"
+    if problem:
+        raise EpisodeError(f"{type(env).__name__}.step {problem} (episode so far: {_shown_episode(turns)})")
+    return reply
+
+
+async def _env_step(stepper: _Stepper, text: str, turns: list[EpisodeTurn]) -> tuple[Reply, bool]:
+    """The environment's reply and whether it failed: a step that raises or runs past the time
+    limit becomes an error message to the model, counted in tool_errors."""
+    outcome = await stepper.step(text)
+    if isinstance(outcome, asyncio.CancelledError):
+        raise outcome
+    if isinstance(outcome, BaseException):
+        detail = str(outcome) if isinstance(outcome, TimeoutError) and not outcome.__traceback__ else f"{type(outcome).__name__}: {outcome}"
+        return Reply(f"error: {detail}", role="tool", error=True), True
+    reply = _checked_reply(stepper.env, outcome, turns)
     return reply, reply.error
 
 
@@ -399,6 +457,7 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
     tool_calls = tool_errors = 0
     reward: float | None = None
     end = "done"
+    stepper = _Stepper(env, budgets.tool_timeout_s)
     while True:
         if sum(t.role == "model" for t in turns) >= budgets.max_turns:
             end = "turns"
@@ -414,7 +473,7 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
         if turn.finish_reason == "length":
             end = "turn_tokens" if want == budgets.max_turn_tokens else "episode_tokens"
             break
-        reply, failed = await _env_step(env, text, budgets.tool_timeout_s, turns)
+        reply, failed = await _env_step(stepper, text, turns)
         tool_calls += reply.tool_call
         tool_errors += failed
         if reply.done:
@@ -449,9 +508,16 @@ def transcript(turns: list[EpisodeTurn]) -> str:
 
 
 def new_environment(cls: type, example: Example):
-    """A fresh environment for one episode, reset for its dataset row."""
-    env = cls()
-    reset = getattr(env, "reset", None)
-    if callable(reset):
-        reset(example)
+    """A fresh environment for one episode, reset for its dataset row; EpisodeError (naming the
+    class and the row) when either fails: a bug in the environment or a row it cannot play."""
+    try:
+        env = cls()
+        reset = getattr(env, "reset", None)
+        if callable(reset):
+            reset(example)
+    except Exception as exc:  # noqa: BLE001 -- user code fails in its own ways; each is reported alike
+        raise EpisodeError(
+            f"{cls.__name__} cannot start an episode for the row {example.question[:80]!r} (answer {example.answer[:40]!r}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     return env

@@ -9,7 +9,6 @@ per-token sampling log-probs, so the trainer never re-tokenizes text.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from flyte.io import Dir
@@ -63,13 +62,11 @@ async def _sample(
     if not episode.multi_turn:
         return await engines.generate_groups(key, adapter_path, requests)
     try:
-        return list(
-            await asyncio.gather(
-                *(
-                    engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
-                    for example, ids, request in zip(examples, prompts, requests, strict=True)
-                )
-            )
+        return await engines.all_or_none(
+            [
+                engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
+                for example, ids, request in zip(examples, prompts, requests, strict=True)
+            ]
         )
     except GrpoFlyteError as exc:
         raise not_retried(exc) from exc
