@@ -229,7 +229,7 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
         resolve_reward(name)
     if config.episode.multi_turn:
         load_environment(config.episode.env)
-    if config.wandb_project and importlib.util.find_spec("wandb") is None:
+    if config.wandb_project and not _installed("wandb"):
         raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
     if config.wandb_project and not local and not _installed("flyteplugins.wandb"):
         raise UserError(

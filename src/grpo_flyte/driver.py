@@ -185,7 +185,7 @@ def episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
     if not episodes:
         return {}
     return {
-        "turns_mean": statistics.fmean(sum(t.role == "model" for t in e.turns) for _, e in episodes),
+        "turns_mean": statistics.fmean(e.model_turns for _, e in episodes),
         "tool_calls_mean": statistics.fmean(e.tool_calls for _, e in episodes),
         "tool_call_rate": statistics.fmean(e.tool_calls > 0 for _, e in episodes),
         "tool_errors": sum(e.tool_errors for _, e in episodes),
@@ -203,11 +203,11 @@ def _episode_fields(rollout: Rollout) -> dict[str, Any]:
 def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
     """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval)
     and the mean number of model turns ({} for single-turn answers)."""
-    found = episode_metrics(rollouts)
-    if not found:
+    episodes = [r.episode for r in rollouts if r.episode is not None]
+    if not episodes:
         return {}
-    rate, ci = mean_ci95([float(r.episode.tool_calls > 0) for r in rollouts if r.episode is not None])
-    return {"eval_tool_call_rate": rate, "eval_tool_call_rate_ci95": ci, "eval_turns_mean": found["turns_mean"]}
+    rate, ci = mean_ci95([float(e.tool_calls > 0) for e in episodes])
+    return {"eval_tool_call_rate": rate, "eval_tool_call_rate_ci95": ci, "eval_turns_mean": statistics.fmean(e.model_turns for e in episodes)}
 
 
 def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
@@ -419,11 +419,11 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     # accuracy and format rate are shown anyway; other rewards and failed scores are added
     others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
     errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
-    if t.turns_mean is not None:  # multi-turn: turns per episode and the share that used a tool
-        errors += f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}"
+    # multi-turn: turns per episode and the share that used a tool
+    episodes = f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}" if t.turns_mean is not None else ""
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
-        f"format {t.format_rate:.1%}{others}{errors}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
+        f"format {t.format_rate:.1%}{others}{errors}{episodes}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
         f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
         f"total {t.iteration_s:.1f}s" + (f"  | ETA {_clock(eta_s)}" if eta_s is not None and row.iteration < total else "")
         + (f"\n  {held_out}" if held_out else "")

@@ -344,17 +344,20 @@ def get_engine(key: EngineKey) -> Generator:
     return _slot.get(key)
 
 
+def is_chat(example: Example, prompt: PromptConfig) -> bool:
+    """Whether the example's prompt went through the chat template (so replies are chat turns)."""
+    return prompt.prompt_format == "chat" if example.prompt is None else not isinstance(example.prompt, str)
+
+
 def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
     if example.prompt is None:
         text = render_prompt(
             example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
         )
-        templated = prompt.prompt_format == "chat"
     else:  # TRL's format: text as it is, chat messages through the chat template
         text = render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking)
-        templated = not isinstance(example.prompt, str)
     # The chat template already wrote the special tokens; other text gets the tokenizer's.
-    ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=not is_chat(example, prompt))["input_ids"]
     if len(ids) > prompt.max_prompt_tokens:
         if prompt.overlong_prompts == "truncate":
             return list(ids[-prompt.max_prompt_tokens :])  # the end holds the question and the turn's start
@@ -497,11 +500,6 @@ async def generate_groups(key: EngineKey, adapter_path: str, requests: list[Samp
         if isinstance(result, BaseException):
             raise result
     return results
-
-
-def is_chat(example: Example, prompt: PromptConfig) -> bool:
-    """Whether the example's prompt went through the chat template (so replies are chat turns)."""
-    return prompt.prompt_format == "chat" if example.prompt is None else not isinstance(example.prompt, str)
 
 
 async def play_episodes(

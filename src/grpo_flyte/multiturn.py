@@ -458,8 +458,9 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
     reward: float | None = None
     end = "done"
     stepper = _Stepper(env, budgets.tool_timeout_s)
+    model_turns = 0
     while True:
-        if sum(t.role == "model" for t in turns) >= budgets.max_turns:
+        if model_turns >= budgets.max_turns:
             end = "turns"
             break
         room = budgets.max_episode_tokens - len(ids)
@@ -470,6 +471,7 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
         mask += [True] * len(turn.completion_ids)
         text = tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
         turns.append(EpisodeTurn(role="model", text=text, num_tokens=len(turn.completion_ids)))
+        model_turns += 1
         if turn.finish_reason == "length":
             end = "turn_tokens" if want == budgets.max_turn_tokens else "episode_tokens"
             break
@@ -479,7 +481,7 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
         if reply.done:
             reward = float(reply.reward) if reply.reward is not None else None
             break
-        if sum(t.role == "model" for t in turns) >= budgets.max_turns:
+        if model_turns >= budgets.max_turns:
             end = "turns"  # no model turn would read the reply
             break
         reply_ids = splicer.reply_ids(reply, turn.completion_ids)

@@ -81,6 +81,10 @@ class Episode(BaseModel):
     reward: float | None = None
 
     @property
+    def model_turns(self) -> int:
+        return sum(t.role == "model" for t in self.turns)
+
+    @property
     def final_text(self) -> str:
         """The model's last turn: what the answer rewards read."""
         return next((t.text for t in reversed(self.turns) if t.role == "model"), "")
