@@ -25,15 +25,12 @@ _model_dirs = replica_cache("models", capacity=1)
 _adapter_dirs = replica_cache("adapters", capacity=8)
 
 
-async def _engine_inputs(
-    model: ModelConfig,
-    engine: EngineConfig,
-    prompt: PromptConfig,
-    sampling: SamplingConfig,
-    episode: EpisodeConfig,
-    base_model: Dir,
-    adapter: AdapterRef,
-) -> tuple[engines.EngineKey, str]:
+def _context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:
+    """The longest sequence a request can reach: the prompt and a completion, or a whole episode."""
+    return prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens)
+
+
+async def _engine_inputs(model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef) -> tuple[engines.EngineKey, str]:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
     key = engines.engine_key(
@@ -42,7 +39,7 @@ async def _engine_inputs(
         engine.backend,
         engine.adapter_cache_size,
         adapter_path,
-        max_model_len=prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens),
+        max_model_len=max_model_len,
         memory_fraction=engine.vllm_memory_fraction,
     )
     return key, adapter_path
@@ -88,7 +85,7 @@ async def generate(
     """Sample `sampling.group_size` completions of one prompt with the given adapter (with an
     environment: that many episodes, see grpo_flyte.multiturn)."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, episode, base_model, adapter)
+    key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
     [prompt_ids] = await engines.tokenize(key, [example], prompt)
     [rollouts] = await _sample(key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt)
     return RolloutGroup(
@@ -116,7 +113,7 @@ async def generate_eval(
     """Greedy completions of held-out questions (or greedy episodes), one single-rollout group
     each, on the warm pool."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, prompt, sampling, episode, base_model, adapter)
+    key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
     prompts = await engines.tokenize(key, examples, prompt)
     requests = [engines.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
     answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
