@@ -40,6 +40,7 @@ demo: setup
 
 test: setup chromium
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest
 
 clean:

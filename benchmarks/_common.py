@@ -42,7 +42,9 @@ def quiet_logs() -> None:
         pass
 
 
-def alternate(sides: dict[str, Callable[[], dict[str, Any]]], rounds: int, log: Callable[[str], None] = print) -> dict[str, list[dict[str, Any]]]:
+def alternate(
+    sides: dict[str, Callable[[], dict[str, Any]]], rounds: int, log: Callable[[str], None] = print
+) -> dict[str, list[dict[str, Any]]]:
     """Run each side once per round, the order rotated every round; each call returns a dict with
     at least "s" (its seconds). Returns every side's results in the order they ran."""
     names = list(sides)
@@ -107,7 +109,7 @@ def flush() -> None:
 def arithmetic_reward(completion: str, answer: str) -> float:
     """The default reward (correct=1.0, format=0.2) of one completion, as the score_group task gives it."""
     from grpo_flyte.config import DEFAULT_REWARDS
-    from grpo_flyte.rewards import Group, score_completions
+    from grpo_flyte.reward_fns import Group, score_completions
 
     parts = score_completions([completion], Group(question="", answer=answer, max_new_tokens=1, num_tokens=[0]), weights=DEFAULT_REWARDS)
     return parts[0].reward

@@ -18,8 +18,10 @@ from typing import Any
 from grpo_flyte import engines, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
-from grpo_flyte.driver import informative_group, rollout_seed
+from grpo_flyte.decoding import sub_seed as rollout_seed
+from grpo_flyte.metrics import informative_group
 from grpo_flyte.models import resolve_dtype
+from grpo_flyte.prompts import tokenize_prompt
 from grpo_flyte.reward import score
 from grpo_flyte.types import RolloutGroup, ScoredGroup, StepStats
 
@@ -59,7 +61,7 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
         first = len(scored)
         requests = [
             engines.sampling_request(
-                config.sampling, engines.tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, iteration, first + i)
+                config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, iteration, first + i)
             )
             for i, ex in enumerate(prompts)
         ]

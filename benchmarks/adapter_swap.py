@@ -36,6 +36,7 @@ from grpo_flyte import engines, rollout, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import arithmetic_split
 from grpo_flyte.models import embedded_model_dir, resolve_dtype
+from grpo_flyte.prompts import tokenize_prompt
 from grpo_flyte.torch_thread import on_torch_thread
 from grpo_flyte.types import AdapterRef
 
@@ -70,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [on_torch_thread(make_adapter, k) for k in range(config.engine.adapter_cache_size + 3 * trials + 1)]
         adapter_bytes = sum(f.stat().st_size for f in Path(dirs[0]).iterdir())
 
-        engine = on_torch_thread(engines.get_engine, engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
-        prompt_ids = engines.tokenize_prompt(engine.tokenizer, example, config.prompt)
+        engine = on_torch_thread(
+            engines.get_engine,
+            engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0),
+        )
+        prompt_ids = tokenize_prompt(engine.tokenizer, example, config.prompt)
         short = engines.SamplingRequest(
             prompt_ids=prompt_ids, group_size=1, temperature=config.sampling.temperature, top_p=config.sampling.top_p,
             max_new_tokens=SHORT_COMPLETION_TOKENS, seed=0,

@@ -88,9 +88,7 @@ def main() -> int:
             decode(generator, rows[:8], seeds[:8], Sampling(0.7, top_p, 4), set(), 2)  # warm-up
             out, decode_s = timed(decode, generator, rows, seeds, sampling, {2}, 2)
         new_tokens = sum(len(ids) for ids, _ in out)
-        sequences = [
-            grpo.TrainSequence(rows[i], ids, 1.0 if i % 2 else -1.0, lps) for i, (ids, lps) in enumerate(out)
-        ]
+        sequences = [grpo.TrainSequence(rows[i], ids, 1.0 if i % 2 else -1.0, lps) for i, (ids, lps) in enumerate(out)]
         model = trainer.peft_model(config.base, config.lora, str(model_dir))
         trainer.reset_lora(model, seed=0)  # B = 0: the trainer's policy is the generator's model
         head_direct = trainer.head_is_the_forward(model)

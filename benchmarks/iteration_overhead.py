@@ -50,9 +50,7 @@ def record_grpo_steps() -> list[dict]:
         try:
             return original(*args, **kwargs)
         finally:
-            calls.append(
-                {"s": time.perf_counter() - started, "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
-            )
+            calls.append({"s": time.perf_counter() - started, "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
 
     trainer.grpo_step = recorded
     return calls
@@ -78,11 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of (flyte, bare), order alternating")
     args = p.parse_args(argv)
     _common.quiet_logs()
-    sizes = (
-        {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 16, "min_informative_groups": 0}
-        if args.quick
-        else {}
-    )
+    sizes = {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 16, "min_informative_groups": 0} if args.quick else {}
     rounds = 2 if args.quick else args.rounds
     config = RunConfig(iterations=1, eval_size=0, **sizes)
     # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.

@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_flyte.cli import EVAL_DIR, METRICS_FILE
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import EvalConfig, flatten
-from grpo_flyte.driver import mean_ci95
+from grpo_flyte.metrics import mean_ci95
+from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
 
 # The budget the README reports: 20 iterations and 5 evaluations took 25 minutes on a 2-core CPU.
 ITERATIONS = 20

@@ -61,10 +61,30 @@ def main() -> int:
     model = build_tiny_model(work / "tiny-model", embedded_model_dir())
     run_dir = work / "run"
     cmd = [
-        sys.executable, "-m", "grpo_flyte.driver", "--local", "--model", str(model), "--run-dir", str(run_dir),
-        "--iterations", str(args.iterations), "--prompts-per-iter", "2", "--group-size", "3",
-        "--max-new-tokens", "8", "--min-informative-groups", "0", "--eval-every", "10", "--eval-size", "4",
-        "--adapters-to-keep", "3",
+        sys.executable,
+        "-m",
+        "grpo_flyte.driver",
+        "--local",
+        "--model",
+        str(model),
+        "--run-dir",
+        str(run_dir),
+        "--iterations",
+        str(args.iterations),
+        "--prompts-per-iter",
+        "2",
+        "--group-size",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--min-informative-groups",
+        "0",
+        "--eval-every",
+        "10",
+        "--eval-size",
+        "4",
+        "--adapters-to-keep",
+        "3",
     ]
     print(f"soak: {args.iterations} iterations in {run_dir}", flush=True)
     started = time.monotonic()

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from learning_curve import read_jsonl, summarize, timing_line
 
-from grpo_flyte.cli import EVAL_DIR, METRICS_FILE
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.driver import mean_ci95
+from grpo_flyte.metrics import mean_ci95
+from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
 
 # The budget: fits the 30 minutes on this 2-core CPU with room to spare (see the JSON).
 ITERATIONS = 6
@@ -46,7 +46,11 @@ def tool_summary(run_dir: Path) -> dict:
     gain, gain_ci = mean_ci95([float(a["tool_calls"] > 0) - float(b["tool_calls"] > 0) for a, b in zip(after, before, strict=True)])
     return {
         "eval_tool_curve": [
-            {"iteration": r["iteration"], "eval_tool_call_rate": r["eval_tool_call_rate"], "eval_tool_call_rate_ci95": r["eval_tool_call_rate_ci95"]}
+            {
+                "iteration": r["iteration"],
+                "eval_tool_call_rate": r["eval_tool_call_rate"],
+                "eval_tool_call_rate_ci95": r["eval_tool_call_rate_ci95"],
+            }
             for r in evals
         ],
         "tool_use_gain": gain,

@@ -34,19 +34,22 @@ import _common
 from grpo_flyte import engines, grpo, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
-from grpo_flyte.driver import rollout_seed
+from grpo_flyte.decoding import sub_seed as rollout_seed
 from grpo_flyte.models import embedded_model_dir, resolve_dtype
+from grpo_flyte.prompts import tokenize_prompt
 
 TARGET = 0.9
 
 
 def realistic_sequences(config: RunConfig, model_path: str, adapter_dir: Path) -> list[grpo.TrainSequence]:
     """Iteration 0's rollouts of a default run, all of them, as training sequences."""
-    engine = engines.get_engine(engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
+    engine = engines.get_engine(
+        engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
+    )
     dataset, _ = train_eval_split(config)
     prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
     requests = [
-        engines.sampling_request(config.sampling, engines.tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
+        engines.sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
         for i, ex in enumerate(prompts)
     ]
     sequences = []

@@ -42,13 +42,8 @@ from _loops import flyte_iteration
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from grpo_flyte.config import RunConfig
-from grpo_flyte.data import (
-    ANSWER_INSTRUCTION,
-    SYSTEM_PROMPT,
-    sample_prompts,
-    train_eval_split,
-)
+from grpo_flyte.config import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
+from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.models import embedded_model_dir
 from grpo_flyte.torch_thread import on_torch_thread
 
@@ -221,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps = 1 if args.quick else args.steps
     fixed = args.lengths == "fixed"
-    config = RunConfig(
-        iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes
-    )
+    config = RunConfig(iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes)
     model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-vs-trl-"))
     counter = iter(range(10_000))
@@ -277,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {name: _common.median_s(r) for name, r in runs.items()}
     tokens = {name: statistics.median(x["completion_len_mean"] for x in r) for name, r in runs.items()}
     print(
-        f"\ngrpo_flyte / TRL fastest = {ratio:.3f}x (per step {', '.join(f'{r:.3f}' for r in vs_fast)}); "
-        f"{_common.verdict(ratio, TARGET)}"
+        f"\ngrpo_flyte / TRL fastest = {ratio:.3f}x (per step {', '.join(f'{r:.3f}' for r in vs_fast)}); {_common.verdict(ratio, TARGET)}"
     )
     if ratio_default is not None:
         print(f"grpo_flyte / TRL default = {ratio_default:.3f}x")
@@ -331,7 +323,9 @@ def explore(config: RunConfig, model_dir: Path, root: Path, fixed: bool, out: Pa
         del trainer
     best = min(found, key=lambda k: found[k]["s"])
     print(f"fastest: {best}")
-    _common.write_result(out.with_name(out.stem + "_explore.json"), {"benchmark": "vs_trl --explore", "machine": _common.machine(), "candidates": found})
+    _common.write_result(
+        out.with_name(out.stem + "_explore.json"), {"benchmark": "vs_trl --explore", "machine": _common.machine(), "candidates": found}
+    )
     return 0
 
 

@@ -1,10 +1,10 @@
 """A custom environment for the tests (`--env chatty_env:Chatty`): it answers every model turn
 until the third, whatever the model says, so a random tiny model still plays multi-turn episodes."""
 
-from grpo_flyte import Environment, Reply
+from grpo_flyte import MultiTurnEnv, Reply
 
 
-class Chatty(Environment):
+class Chatty(MultiTurnEnv):
     stop = tuple(" etaoinsr")  # the random tiny model's turns end within a token or two
 
     def reset(self, example):

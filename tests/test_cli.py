@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.cli import UserError, parse_args
+from grpo_flyte.cli import parse_args
 from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
+from grpo_flyte.errors import UserError
+from grpo_flyte.prompts import tokenize_prompt
 
 # --------------------------------------------------------------------------- parse_args
 
@@ -66,8 +68,18 @@ def test_objective_flags_map_to_fields():
             "--min-informative-groups", "3", "--max-topup-rounds", "1", "--eval-every", "5", "--eval-size", "50",
         ]
     )  # fmt: skip
-    assert (config.flat()["loss_type"], config.flat()["epsilon"], config.flat()["epsilon_high"], config.flat()["updates_per_iter"]) == ("dapo", 0.1, 0.28, 2)
-    assert (config.flat()["beta"], config.flat()["is_correction"], config.flat()["is_cap"], config.flat()["truncated"]) == (0.04, False, 3.0, "mask")
+    assert (config.flat()["loss_type"], config.flat()["epsilon"], config.flat()["epsilon_high"], config.flat()["updates_per_iter"]) == (
+        "dapo",
+        0.1,
+        0.28,
+        2,
+    )
+    assert (config.flat()["beta"], config.flat()["is_correction"], config.flat()["is_cap"], config.flat()["truncated"]) == (
+        0.04,
+        False,
+        3.0,
+        "mask",
+    )
     assert (config.min_informative_groups, config.max_topup_rounds) == (3, 1)
     assert (config.flat()["eval_every"], config.flat()["eval_size"]) == (5, 50)
     assert "is_correction" in explicit and "truncated" in explicit
@@ -97,9 +109,7 @@ def test_config_file_values_overridden_by_flags(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("seed: 5\ngroup_size: 3\nlearning_rate: 0.01\nprompt_format: plain\n")
     default_seed = RunConfig().seed
-    options, config, explicit = parse_args(
-        ["--config", str(cfg), "--group-size", "8", "--seed", str(default_seed)]
-    )
+    options, config, explicit = parse_args(["--config", str(cfg), "--group-size", "8", "--seed", str(default_seed)])
     assert options["config"] == cfg
     assert config.flat()["group_size"] == 8  # flag beats the file
     assert config.seed == default_seed  # a flag equal to the default still beats the file
@@ -295,30 +305,50 @@ BAD_INPUT_IN_PROCESS = [
     ("resume-changed-config", ["--local", "--resume", "--run-dir", "D", "--seed", "99"], _make_existing_run, ["--seed"]),
     ("dataset-csv", ["--local", "--dataset", "x.csv", "--run-dir", "D"], None, ["--dataset 'x.csv'"]),
     ("eval-size-above-held-out", ["--local", "--eval-size", "501", "--run-dir", "D"], None, ["--eval-size 501", "500"]),
-    ("eval-size-vs-small-file", ["--local", "--dataset", "small.jsonl", "--eval-size", "3", "--run-dir", "D"],
-     _make_small_jsonl, ["--eval-size 3", "small.jsonl", "3 examples"]),
+    (
+        "eval-size-vs-small-file",
+        ["--local", "--dataset", "small.jsonl", "--eval-size", "3", "--run-dir", "D"],
+        _make_small_jsonl,
+        ["--eval-size 3", "small.jsonl", "3 examples"],
+    ),
     ("loss-type", ["--local", "--loss-type", "ppo", "--run-dir", "D"], None, ["--loss-type", "ppo"]),
     ("epsilon-zero", ["--local", "--epsilon", "0", "--run-dir", "D"], None, ["--epsilon=0.0"]),
-    ("gsm8k-row-without-answer", ["--local", "--dataset", "gsm.jsonl", "--eval-size", "0", "--run-dir", "D"],
-     _make_bad_gsm8k, ["--dataset 'gsm.jsonl' line 3", "no usable answer in 'answer'"]),
-    ("csv-missing-column", ["--local", "--dataset", "cols.csv", "--run-dir", "D"], _make_csvs,
-     ["--dataset 'cols.csv'", "no column 'question' (columns: q, a)", "question_column"]),
-    ("csv-row-without-answer", ["--local", "--dataset", "rows.csv", "--run-dir", "D"], _make_csvs,
-     ["--dataset 'rows.csv' row 2", "no usable answer"]),
-    ("reward-unknown-name", ["--local", "--rewards", "corect=1", "--run-dir", "D"], None,
-     ["--rewards", "unknown reward 'corect'", "module:function"]),
-    ("reward-module-missing", ["--local", "--rewards", "correct=1,no_such_mod:judge=0.5", "--run-dir", "D"], None,
-     ["--rewards 'no_such_mod:judge'", "cannot import module 'no_such_mod'"]),
-    ("reward-weight-not-a-number", ["--local", "--rewards", "correct=high", "--run-dir", "D"], None,
-     ["--rewards", "high"]),
+    (
+        "gsm8k-row-without-answer",
+        ["--local", "--dataset", "gsm.jsonl", "--eval-size", "0", "--run-dir", "D"],
+        _make_bad_gsm8k,
+        ["--dataset 'gsm.jsonl' line 3", "no usable answer in 'answer'"],
+    ),
+    (
+        "csv-missing-column",
+        ["--local", "--dataset", "cols.csv", "--run-dir", "D"],
+        _make_csvs,
+        ["--dataset 'cols.csv'", "no column 'question' (columns: q, a)", "question_column"],
+    ),
+    (
+        "csv-row-without-answer",
+        ["--local", "--dataset", "rows.csv", "--run-dir", "D"],
+        _make_csvs,
+        ["--dataset 'rows.csv' row 2", "no usable answer"],
+    ),
+    (
+        "reward-unknown-name",
+        ["--local", "--rewards", "corect=1", "--run-dir", "D"],
+        None,
+        ["--rewards", "unknown reward 'corect'", "module:function"],
+    ),
+    (
+        "reward-module-missing",
+        ["--local", "--rewards", "correct=1,no_such_mod:judge=0.5", "--run-dir", "D"],
+        None,
+        ["--rewards 'no_such_mod:judge'", "cannot import module 'no_such_mod'"],
+    ),
+    ("reward-weight-not-a-number", ["--local", "--rewards", "correct=high", "--run-dir", "D"], None, ["--rewards", "high"]),
 ]
 
 
 def _snapshot(root: Path) -> dict[str, bytes | None]:
-    return {
-        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
-        for p in sorted(root.rglob("*"))
-    }
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -378,9 +408,7 @@ def _main_in(tmp_path, monkeypatch, capsys, argv, setup):
     return rc, captured.out, captured.err, tmp_path, before
 
 
-@pytest.mark.parametrize(
-    ("case_id", "argv", "setup", "words"), BAD_INPUT_IN_PROCESS, ids=[c[0] for c in BAD_INPUT_IN_PROCESS]
-)
+@pytest.mark.parametrize(("case_id", "argv", "setup", "words"), BAD_INPUT_IN_PROCESS, ids=[c[0] for c in BAD_INPUT_IN_PROCESS])
 def test_bad_input_in_process(tmp_path, monkeypatch, capsys, case_id, argv, setup, words):
     _check_bad_input(_main_in(tmp_path, monkeypatch, capsys, argv, setup), words)
 
@@ -454,14 +482,20 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
     # with a config naming an endpoint, the check passes (a fresh interpreter: flyte caches the config it read)
     (tmp_path / ".flyte").mkdir()
     (tmp_path / ".flyte" / "config.yaml").write_text("admin:\n  endpoint: dns:///example.union.ai\n")
-    check = subprocess.run([sys.executable, "-c", "from grpo_flyte.cli import require_cluster; require_cluster()"],
-                           cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, text=True, check=False)
+    check = subprocess.run(
+        [sys.executable, "-c", "from grpo_flyte.submit import require_cluster; require_cluster()"],
+        cwd=tmp_path,
+        env={**os.environ, "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert check.returncode == 0, check.stderr
 
 
 @pytest.mark.parametrize("case", ["run_dir_under_a_file", "read_only_run_dir", "cache_is_a_file"])
 def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, case):
-    from grpo_flyte import cli, models
+    from grpo_flyte import cli, files, models
 
     monkeypatch.setattr(models, "resolve_local_model", lambda model: pytest.fail("no work may start"))
     args = ["--local", "--iterations", "1", "--eval-size", "2"]
@@ -473,7 +507,7 @@ def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, ca
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o555)
         if os.geteuid() == 0:  # root may write anywhere: say the folder is read-only for this user
-            monkeypatch.setattr(cli, "_writable", lambda folder: folder != ro)
+            monkeypatch.setattr(files, "_can_write", lambda folder: folder != ro)
         args += ["--run-dir", str(ro / "run")]
         expected = "is read-only for this user"
     else:
@@ -498,9 +532,9 @@ def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, ca
     ],
 )
 def test_resume_run_refuses_what_it_cannot_honour(args, expected, monkeypatch, capsys):
-    from grpo_flyte import cli
+    from grpo_flyte import cli, submit
 
-    monkeypatch.setattr(cli, "_connect", lambda: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(submit, "_connect", lambda: pytest.fail("nothing may be submitted"))
     assert cli.main(args) == 2
     assert capsys.readouterr().err.strip() == f"error: {expected}"
 
@@ -517,15 +551,15 @@ class _Runner:
 
 
 def test_resume_run_reruns_the_named_run_with_recovery(monkeypatch, capsys):
-    from grpo_flyte import cli
+    from grpo_flyte import cli, submit
 
     runner = _Runner()
-    monkeypatch.setattr(cli, "_connect", lambda: runner)
+    monkeypatch.setattr(submit, "_connect", lambda: runner)
     assert cli.main(["--resume-run", "r1"]) == 0
     assert runner.calls == [("r1", {"recover": True})]
     assert capsys.readouterr().out.strip() == "https://cluster/runs/r1-2"
 
-    monkeypatch.setattr(cli, "_connect", lambda: _Runner(NotImplementedError("no RunSpec.relation")))
+    monkeypatch.setattr(submit, "_connect", lambda: _Runner(NotImplementedError("no RunSpec.relation")))
     assert cli.main(["--resume-run", "r1"]) == 2
     err = capsys.readouterr().err
     assert "--resume-run 'r1': this cluster cannot recover runs (no RunSpec.relation)" in err and len(err.splitlines()) == 1
@@ -539,12 +573,12 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
     import flyte
     from flyte.io import Dir
 
-    from grpo_flyte import cli, driver, storage
+    from grpo_flyte import driver, storage, submit
     from grpo_flyte.storage import payload_key
     from grpo_flyte.types import Example
 
     rows = [Example(question=f"What is {i} + 1?", answer=str(i + 1)) for i in range(12)]
-    assert cli.examples_inputs(rows, lambda folder, key: pytest.fail("small: inline")) == {"examples": rows}
+    assert submit.examples_inputs(rows, lambda folder, key: pytest.fail("small: inline")) == {"examples": rows}
     monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
     uploads = []
 
@@ -552,7 +586,7 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
         uploads.append(key)
         return Dir(path=str(shutil.copytree(folder, tmp_path / "remote")), hash=key)
 
-    inputs = cli.examples_inputs(rows, upload)
+    inputs = submit.examples_inputs(rows, upload)
     text = (tmp_path / "remote" / storage.PAYLOAD_FILE).read_text()
     assert uploads == [payload_key(text)] and inputs["examples"] == []
 
@@ -587,7 +621,7 @@ def test_num_iterations_is_refused_with_both_meanings(arg, capsys):
 
 
 def test_a_run_folder_saved_before_the_rename_resumes_with_its_length():
-    from grpo_flyte.cli import saved_run_config
+    from grpo_flyte.run_folder import saved_run_config
 
     old = RunConfig(iterations=7).model_dump(mode="json")
     old["num_iterations"] = old.pop("iterations")
@@ -613,10 +647,10 @@ def test_help_speaks_in_words_with_one_default_per_flag():
 
 
 def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from grpo_flyte import cli, models
+    from grpo_flyte import cli, models, run_folder
 
     args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
-    monkeypatch.setattr(cli, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
+    monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
     assert cli.main([*args, "--lora-target-modules", "q_proj,query_key_value"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --lora-target-modules 'query_key_value' names no linear layer of")
@@ -639,7 +673,7 @@ def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_di
 
 
 def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
-    from grpo_flyte import cli
+    from grpo_flyte import cli, run_folder
 
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
@@ -647,7 +681,7 @@ def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, mon
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), "--eval-size", "2", "--iterations", "1",
             "--max-prompt-tokens", "100", "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    monkeypatch.setattr(cli, "_run_locked", lambda *a, **k: 0)
+    monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: 0)
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --max-prompt-tokens 100: 1 of 10 prompts are longer than 100 tokens (the longest, ")
@@ -660,16 +694,15 @@ def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, mon
 def test_truncate_keeps_the_end_of_an_overlong_prompt(embedded_dir):
     from transformers import AutoTokenizer
 
-    from grpo_flyte import engines
     from grpo_flyte.types import Example
 
     tok = AutoTokenizer.from_pretrained(str(embedded_dir))
     example = Example(question="word " * 200 + "What is 2 + 2?", answer="4")
-    full = engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=4096).prompt)
-    cut = engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64, overlong_prompts="truncate").prompt)
+    full = tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=4096).prompt)
+    cut = tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64, overlong_prompts="truncate").prompt)
     assert len(full) > 200 and cut == full[-64:]
     with pytest.raises(ValueError, match="exceeds max_prompt_tokens=64"):
-        engines.tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64).prompt)
+        tokenize_prompt(tok, example, RunConfig(max_prompt_tokens=64).prompt)
 
 
 # --------------------------------------------------------------------------- cluster runs: the W&B link
@@ -679,7 +712,7 @@ import json, sys
 from pathlib import Path
 import flyte
 from flyte.io import Dir
-from grpo_flyte import cli
+from grpo_flyte import cli, submit
 
 flyte.init(root_dir=Path(sys.argv[1]))
 submitted = []
@@ -696,8 +729,8 @@ class DryRun:
         return type("Run", (), {"url": "https://cluster/runs/r1"})()
 
 
-cli._connect = lambda custom_context=None: DryRun(custom_context)
-cli.resolve_remote_model = lambda model: Dir(path="s3://bucket/model")
+submit._connect = lambda custom_context=None: DryRun(custom_context)
+submit.resolve_remote_model = lambda model: Dir(path="s3://bucket/model")
 common = ["--model", sys.argv[2], "--iterations", "1", "--eval-size", "2"]
 for argv in ([*common, "--wandb-project", "grpo-test"], common):
     assert cli.main(argv) == 0
@@ -733,10 +766,10 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
 
 
 def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, capsys):
-    from grpo_flyte import cli
+    from grpo_flyte import cli, preflight, submit
 
-    monkeypatch.setattr(cli, "_installed", lambda module: module != "flyteplugins.wandb")
-    monkeypatch.setattr(cli, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(preflight, "_installed", lambda module: module != "flyteplugins.wandb")
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
     assert cli.main(["--wandb-project", "grpo-test", "--iterations", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: --wandb-project 'grpo-test' on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): " \

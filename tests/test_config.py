@@ -200,8 +200,17 @@ def test_objective_literals_reject_other_values(field):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("epsilon", 0.0), ("epsilon", 1.0), ("epsilon_high", 0.0), ("updates_per_iter", 0), ("beta", -0.1),
-     ("is_cap", 0.5), ("eval_size", -1), ("eval_every", -1), ("min_informative_groups", -1)],
+    [
+        ("epsilon", 0.0),
+        ("epsilon", 1.0),
+        ("epsilon_high", 0.0),
+        ("updates_per_iter", 0),
+        ("beta", -0.1),
+        ("is_cap", 0.5),
+        ("eval_size", -1),
+        ("eval_every", -1),
+        ("min_informative_groups", -1),
+    ],
 )
 def test_objective_bounds_name_flag_and_value(field, value):
     with pytest.raises(ConfigError) as info:
@@ -248,7 +257,12 @@ def _invalid_values(name: str) -> list:
     return values
 
 
-CUSTOM_CHECKS = {"dataset": ["data.json", "rows.tsv"], "model": [], "env": ["calc", "my_env.Class", "a:b:c"], "push_to_hub": ["no-slash", "a/b/c"]}
+CUSTOM_CHECKS = {
+    "dataset": ["data.json", "rows.tsv"],
+    "model": [],
+    "env": ["calc", "my_env.Class", "a:b:c"],
+    "push_to_hub": ["no-slash", "a/b/c"],
+}
 
 
 @pytest.mark.parametrize("name", [name for name, _ in leaf_fields()])
@@ -486,7 +500,13 @@ def test_a_trl_style_config_file(tmp_path):
     path = tmp_path / "grpo.yaml"
     path.write_text("num_generations: 6\nmax_completion_length: 48\nlearning_rate: 1.0e-5\nbeta: 0.04\nloss_type: dr_grpo\n")
     flat = make_config(**load_config_file(path)).flat()
-    assert (flat["group_size"], flat["max_new_tokens"], flat["learning_rate"], flat["beta"], flat["loss_type"]) == (6, 48, 1e-5, 0.04, "dr_grpo")
+    assert (flat["group_size"], flat["max_new_tokens"], flat["learning_rate"], flat["beta"], flat["loss_type"]) == (
+        6,
+        48,
+        1e-5,
+        0.04,
+        "dr_grpo",
+    )
     path.write_text("num_generations: 6\nnum_iterations: 2\n")
     with pytest.raises(ConfigError, match=r"grpo.yaml': 'num_iterations' is ambiguous"):
         load_config_file(path)

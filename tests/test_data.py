@@ -13,27 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
 from grpo_flyte.data import (
-    ANSWER_INSTRUCTION,
     ARITHMETIC_EVAL_SIZE,
-    PLAIN_TEMPLATE,
-    SYSTEM_PROMPT,
     DatasetError,
     Example,
-    arithmetic_problems,
+    _arithmetic_problems,
     arithmetic_split,
     gold_answer,
     load_file,
     load_gsm8k,
     load_jsonl,
     load_rows,
-    load_train_examples,
-    render_prompt,
     sample_prompts,
     topup_prompts,
     train_eval_split,
 )
+from grpo_flyte.prompts import PLAIN_TEMPLATE, render_prompt
 
 _QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
@@ -78,10 +74,10 @@ def test_arithmetic_answers_are_correct(splits):
 def test_arithmetic_split_is_deterministic_and_shuffled(splits):
     assert arithmetic_split("eval") == splits[1]
     assert arithmetic_split("train") == splits[0]
-    assert load_train_examples("arithmetic") == splits[0]
+    assert arithmetic_split("train") == splits[0]
     # shuffled: the eval split is not just the first 500 generated problems (all "1 + b"/"1 - b")
     assert {_QUESTION.fullmatch(e.question).group(2) for e in splits[1]} == {"+", "-", "*"}
-    assert arithmetic_problems()[:500] == splits[1]
+    assert list(_arithmetic_problems())[:500] == splits[1]
 
 
 def test_arithmetic_split_is_the_same_in_another_process(splits):
@@ -181,7 +177,7 @@ def test_load_jsonl_ok_with_blank_lines_and_integer_answers(tmp_path):
         Example(question="What is 3 - 5?", answer="-2"),
         Example(question="Big?", answer="1000", columns={"extra": "ignored"}),  # other columns go to the rewards
     ]
-    assert load_train_examples(str(p)) == examples
+    assert load_file(str(p)) == examples
 
 
 def test_load_jsonl_missing_file(tmp_path):
@@ -342,7 +338,9 @@ def _tables(tmp_path, rows: list[dict]) -> list[Path]:
 
 
 def test_parquet_and_csv_read_through_datasets_with_configured_columns(tmp_path):
-    rows = [{"id": i, "problem": f"What is {i} + {i}?", "solution": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"} for i in range(1, 6)]
+    rows = [
+        {"id": i, "problem": f"What is {i} + {i}?", "solution": f"{i}+{i}=<<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"} for i in range(1, 6)
+    ]
     for path in _tables(tmp_path, rows):
         examples = load_file(path, question_column="problem", answer_column="solution")
         assert examples == [Example(question=f"What is {i} + {i}?", answer=str(2 * i), columns={"id": i}) for i in range(1, 6)]
@@ -446,7 +444,12 @@ def test_trl_prompt_rows_text_and_chat_keep_every_other_column(tmp_path):
         json.dumps({"prompt": chat, "solution": "2", "tags": ["math"]}),
     ])  # fmt: skip
     first, second = load_jsonl(p, need_answers=False)
-    assert (first.question, first.prompt, first.answer, first.columns) == ("Write a haiku about rain.", "Write a haiku about rain.", "", {"level": 1})
+    assert (first.question, first.prompt, first.answer, first.columns) == (
+        "Write a haiku about rain.",
+        "Write a haiku about rain.",
+        "",
+        {"level": 1},
+    )
     assert [m.model_dump() for m in second.prompt] == chat
     assert second.question == "Name a prime."  # shown in reports: the last user turn
     assert second.columns == {"solution": "2", "tags": ["math"]}

@@ -39,7 +39,8 @@ def test_the_readme_custom_environment_is_complete_short_and_plays(tmp_path, mon
 
     from transformers import AutoTokenizer
 
-    from grpo_flyte.multiturn import Budgets, Splicer, load_environment, new_environment, run_episode
+    from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
+    from grpo_flyte.multiturn import load_environment
     from grpo_flyte.types import Example, Rollout
 
     text = (ROOT / "README.md").read_text()
@@ -58,5 +59,21 @@ def test_the_readme_custom_environment_is_complete_short_and_plays(tmp_path, mon
     env = new_environment(cls, Example(question="How many words?", answer="3"))
     budgets = Budgets(max_turns=4, max_turn_tokens=32, max_episode_tokens=256, tool_timeout_s=5.0)
     rollout = asyncio.run(run_episode(env, [1], sample_turn, Splicer(tokenizer, chat=True), budgets))
-    assert [(t.role, t.text) for t in rollout.episode.turns] == [("model", "<count>one two three</count>"), ("tool", "3"), ("model", "#### 3")]
+    assert [(t.role, t.text) for t in rollout.episode.turns] == [
+        ("model", "<count>one two three</count>"),
+        ("tool", "3"),
+        ("model", "#### 3"),
+    ]
     assert rollout.episode.tool_calls == 1 and rollout.episode.end == "done"
+
+
+def test_the_readme_module_map_names_every_module_once_at_its_layer():
+    """'How it works' has one line per module of the package, at the layer tests/test_layers.py gives it."""
+    from test_layers import LAYERS
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("layer  module            its job\n", 1)[1].split("```", 1)[0]
+    rows = [line.split(maxsplit=2) for line in block.strip().splitlines()]
+    assert all(len(row) == 3 for row in rows)  # a layer, a module, its job
+    assert sorted(module for _, module, _ in rows) == sorted(m for m in LAYERS if m != "__init__")
+    assert {module: int(layer) for layer, module, _ in rows} == {m: n for m, n in LAYERS.items() if m != "__init__"}

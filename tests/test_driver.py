@@ -7,14 +7,9 @@ import math
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config import RunConfig
-from grpo_flyte.driver import (
-    eval_due,
-    iteration_metrics,
-    mean_ci95,
-    progress_line,
-    reward_means,
-)
+from grpo_flyte.config import RunConfig, eval_due
+from grpo_flyte.metrics import iteration_metrics, mean_ci95, reward_means
+from grpo_flyte.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
     EvalMetrics,
@@ -58,11 +53,13 @@ def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list
         Rollout(completion_ids=list(range(n)), sampling_logprobs=[-1.0] * n, finish_reason=f, text="t")
         for n, f in zip(lengths, finishes, strict=False)
     ]
-    group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
-                         prompt_ids=[1], rollouts=rollouts, generate_s=1.0)
+    group = RolloutGroup(
+        index=index, example=Example(question="q", answer="1"), adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=1.0
+    )
     parts = [
-        RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2),
-                    scores={"correct": float(r >= 1.0), "format": float(r in (0.2, 1.2))})
+        RewardParts(
+            reward=r, correct=r >= 1.0, format=r in (0.2, 1.2), scores={"correct": float(r >= 1.0), "format": float(r in (0.2, 1.2))}
+        )
         for r in rewards
     ]
     return ScoredGroup(group=group, rewards=parts, score_s=0.5)
@@ -78,8 +75,17 @@ def test_iteration_metrics_hand_computed():
         adapter=AdapterRef(version=3, dir=Dir(path="/tmp/none")),
         num_rollouts=4,
         num_contributing=2,
-        stats=StepStats(loss=0.5, grad_norm=2.0, num_updates=1, num_tokens=12, kl=0.01, clip_fraction=0.25,
-                        entropy=1.5, is_ratio_mean=1.01, is_ratio_max=1.9),
+        stats=StepStats(
+            loss=0.5,
+            grad_norm=2.0,
+            num_updates=1,
+            num_tokens=12,
+            kl=0.01,
+            clip_fraction=0.25,
+            entropy=1.5,
+            is_ratio_mean=1.01,
+            is_ratio_max=1.9,
+        ),
         train_s=3.0,
     )
     timings = {"generate_s": 10.0, "score_s": 0.5, "train_s": 3.0, "iteration_s": 14.0}
@@ -110,8 +116,9 @@ def test_reward_means_per_named_reward_and_failures():
 def test_iteration_metrics_count_zero_std_after_truncation_policy():
     # the only nonzero reward is a truncated completion's: floored to 0 the group is uninformative
     scored = [_scored(0, [0.2, 0.0], ["length", "stop"], [8, 2])]
-    result = TrainStepResult(adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2,
-                             num_contributing=0, stats=StepStats(), train_s=0.0)
+    result = TrainStepResult(
+        adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")), num_rollouts=2, num_contributing=0, stats=StepStats(), train_s=0.0
+    )
     timings = {"generate_s": 1.0, "score_s": 0.0, "train_s": 0.0, "iteration_s": 1.0}
     assert iteration_metrics(RunConfig(truncated="min_reward", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 1.0
     assert iteration_metrics(RunConfig(truncated="keep", prompts_per_iter=1), scored, result, timings).frac_zero_std_groups == 0.0
@@ -124,12 +131,30 @@ def _train_metrics(**values) -> TrainMetrics:
 
 
 def test_progress_lines_for_evaluation_and_iteration_rows():
-    evaluated = EvalMetrics(eval_reward=0.25, eval_reward_ci95=0.05, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
-                            eval_format_rate=0.5, eval_reward_means={}, eval_reward_errors=0, eval_size=100, eval_s=12.0)
+    evaluated = EvalMetrics(
+        eval_reward=0.25,
+        eval_reward_ci95=0.05,
+        eval_accuracy=0.2,
+        eval_accuracy_ci95=0.1,
+        eval_format_rate=0.5,
+        eval_reward_means={},
+        eval_reward_errors=0,
+        eval_size=100,
+        eval_s=12.0,
+    )
     line = progress_line(MetricsRow(iteration=0, adapter_version=0, eval=evaluated), 20)
     assert line.startswith("iter 0/20") and "held-out reward 0.250 +- 0.050" in line and "n=100" in line
-    trained = _train_metrics(mean_reward=0.5, accuracy=0.25, format_rate=1.0, loss=-0.01, completion_len_mean=12.0,
-                             generate_s=1.0, score_s=0.1, train_s=2.0, iteration_s=3.5)
+    trained = _train_metrics(
+        mean_reward=0.5,
+        accuracy=0.25,
+        format_rate=1.0,
+        loss=-0.01,
+        completion_len_mean=12.0,
+        generate_s=1.0,
+        score_s=0.1,
+        train_s=2.0,
+        iteration_s=3.5,
+    )
     row = MetricsRow(iteration=3, adapter_version=3, train=trained)
     assert "held-out" not in progress_line(row, 20)
     both = progress_line(row.model_copy(update={"eval": evaluated}), 20)
@@ -141,18 +166,30 @@ def test_progress_lines_for_evaluation_and_iteration_rows():
 
 
 def test_a_metrics_row_flattens_to_the_metrics_file_keys():
-    evaluated = EvalMetrics(eval_reward=0.25, eval_reward_ci95=0.05, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
-                            eval_format_rate=0.5, eval_reward_means={"correct": 0.2}, eval_reward_errors=1, eval_size=100, eval_s=12.0)
+    evaluated = EvalMetrics(
+        eval_reward=0.25,
+        eval_reward_ci95=0.05,
+        eval_accuracy=0.2,
+        eval_accuracy_ci95=0.1,
+        eval_format_rate=0.5,
+        eval_reward_means={"correct": 0.2},
+        eval_reward_errors=1,
+        eval_size=100,
+        eval_s=12.0,
+    )
     row = MetricsRow(iteration=2, adapter_version=2, train=_train_metrics(reward_means={"correct": 0.5, "m:f": 0.1}), eval=evaluated)
     flat = row.flat()
     assert (flat["iteration"], flat["adapter_version"]) == (2, 2)
     assert (flat["reward/correct"], flat["reward/m:f"], flat["eval_reward/correct"], flat["eval_reward_errors"]) == (0.5, 0.1, 0.2, 1)
     assert "reward_means" not in flat and "eval_reward_means" not in flat
-    assert set(MetricsRow(iteration=0, adapter_version=0, eval=evaluated).flat()) == set(flat) - set(TrainMetrics.model_fields) - {"reward/correct", "reward/m:f"}
+    assert set(MetricsRow(iteration=0, adapter_version=0, eval=evaluated).flat()) == set(flat) - set(TrainMetrics.model_fields) - {
+        "reward/correct",
+        "reward/m:f",
+    }
 
 
 def test_the_eta_counts_iterations_and_evaluations_still_due():
-    from grpo_flyte.driver import eta_seconds
+    from grpo_flyte.progress import eta_seconds
 
     config = RunConfig(iterations=10, eval_every=5)
     held_out = EvalMetrics(eval_reward=0.2, eval_reward_ci95=0.1, eval_accuracy=0.2, eval_accuracy_ci95=0.1,

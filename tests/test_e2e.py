@@ -45,10 +45,28 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the held-out evaluation before training
     assert [r["adapter_version"] for r in rows] == [0, 1, 2]
     required = {
-        "mean_reward", "accuracy", "format_rate", "loss", "num_rollouts", "generate_s", "score_s", "train_s",
-        "iteration_s", "kl", "clip_fraction", "is_ratio_mean", "is_ratio_max", "entropy", "grad_norm",
-        "frac_zero_std_groups", "completion_len_mean", "completion_len_max", "truncated_fraction",
-        "generate_tokens_per_s", "score_tokens_per_s", "train_tokens_per_s",
+        "mean_reward",
+        "accuracy",
+        "format_rate",
+        "loss",
+        "num_rollouts",
+        "generate_s",
+        "score_s",
+        "train_s",
+        "iteration_s",
+        "kl",
+        "clip_fraction",
+        "is_ratio_mean",
+        "is_ratio_max",
+        "entropy",
+        "grad_norm",
+        "frac_zero_std_groups",
+        "completion_len_mean",
+        "completion_len_max",
+        "truncated_fraction",
+        "generate_tokens_per_s",
+        "score_tokens_per_s",
+        "train_tokens_per_s",
     }
     evaluated = {"eval_reward", "eval_accuracy", "eval_format_rate", "eval_size", "eval_reward_ci95", "eval_s"}
     assert evaluated <= rows[0].keys() and "mean_reward" not in rows[0]
@@ -103,8 +121,14 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
             Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a"),
             Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b"),
         ]
-        group = RolloutGroup(index=index, example=Example(question="q", answer="1"), adapter_version=0,
-                             prompt_ids=[1, 5, 6, 7], rollouts=rollouts, generate_s=0.0)
+        group = RolloutGroup(
+            index=index,
+            example=Example(question="q", answer="1"),
+            adapter_version=0,
+            prompt_ids=[1, 5, 6, 7],
+            rollouts=rollouts,
+            generate_s=0.0,
+        )
         parts = [RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
         return ScoredGroup(group=group, rewards=parts)
 
@@ -136,8 +160,14 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
 
 def test_several_updates_per_iteration_clip_and_drift_from_the_reference(tmp_path, tiny_model_dir):
     config = RunConfig(
-        model=str(tiny_model_dir), group_size=3, learning_rate=5e-2, dtype="float32", updates_per_iter=2,
-        beta=0.1, epsilon=1e-4, epsilon_high=1e-4,
+        model=str(tiny_model_dir),
+        group_size=3,
+        learning_rate=5e-2,
+        dtype="float32",
+        updates_per_iter=2,
+        beta=0.1,
+        epsilon=1e-4,
+        epsilon_high=1e-4,
     )
     a = Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a")
     b = Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b")
@@ -145,8 +175,14 @@ def test_several_updates_per_iteration_clip_and_drift_from_the_reference(tmp_pat
     wrong = RewardParts(reward=0.0, correct=False, format=False)
     groups = [
         ScoredGroup(
-            group=RolloutGroup(index=i, example=Example(question="q", answer="1"), adapter_version=0,
-                               prompt_ids=[1, 5, 6, 7], rollouts=[a, b, a], generate_s=0.0),
+            group=RolloutGroup(
+                index=i,
+                example=Example(question="q", answer="1"),
+                adapter_version=0,
+                prompt_ids=[1, 5, 6, 7],
+                rollouts=[a, b, a],
+                generate_s=0.0,
+            ),
             rewards=[right, wrong, right],
         )
         for i in range(2)
@@ -230,8 +266,21 @@ def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--learning-rate", "0.05",
-            "--dtype", "float32", "--export-merged", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--iterations",
+        "2",
+        "--learning-rate",
+        "0.05",
+        "--dtype",
+        "float32",
+        "--export-merged",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     merged_dir = run_dir / "merged"
     assert (merged_dir / "config.json").is_file() and not (merged_dir / "adapter_config.json").exists()
@@ -290,16 +339,17 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_flyte import engines
-    from grpo_flyte.data import render_prompt
     from grpo_flyte.grpo import pad_batch
+    from grpo_flyte.prompts import render_prompt
     from grpo_flyte.trainer import build_sequences
 
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir),
         LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
     ).save_pretrained(tmp_path / "adapter")
-    config = RunConfig(model=str(tiny_model_dir), group_size=3, max_new_tokens=6, prompt_format=prompt_format,
-                       dtype="float32", truncated="keep")  # 6 tokens: most completions are cut off
+    config = RunConfig(
+        model=str(tiny_model_dir), group_size=3, max_new_tokens=6, prompt_format=prompt_format, dtype="float32", truncated="keep"
+    )  # 6 tokens: most completions are cut off
     example = Example(question="What is 12 + 30?", answer="42")
     key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
 
@@ -333,8 +383,22 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
 
 def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--eval-size", "0",
-            "--min-informative-groups", "2", "--max-topup-rounds", "1", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--iterations",
+        "1",
+        "--eval-size",
+        "0",
+        "--min-informative-groups",
+        "2",
+        "--max-topup-rounds",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     (row,) = read_metrics(run_dir)  # --eval-size 0: no evaluation rows
     assert row["num_groups"] == 2 + row["topup_groups"] and row["num_rollouts"] == 3 * row["num_groups"]
@@ -349,8 +413,19 @@ def test_top_up_adds_bounded_fresh_groups(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_embedded_model_short_run(tmp_path, embedded_dir):
     run_dir = tmp_path / "run"
-    args = ["--local", "--iterations", "1", "--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "24",
-            "--min-informative-groups", "0"]
+    args = [
+        "--local",
+        "--iterations",
+        "1",
+        "--prompts-per-iter",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--min-informative-groups",
+        "0",
+    ]
     assert cli_main([*args, "--eval-size", "4", "--run-dir", str(run_dir)]) == 0
     before, row = read_metrics(run_dir)
     assert row["num_rollouts"] == 4 and row["adapter_version"] == 1
@@ -373,9 +448,25 @@ def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tm
 
     monkeypatch.syspath_prepend(str(REPO))  # examples.custom_reward imports from the repository root
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(GSM8K_SAMPLE), "--prompt-format", "chat",
-            "--rewards", f"correct=1.0,format=0.2,{CUSTOM}=0.3", *TINY, "--eval-size", "4", "--iterations", "2",
-            "--export-merged", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(GSM8K_SAMPLE),
+        "--prompt-format",
+        "chat",
+        "--rewards",
+        f"correct=1.0,format=0.2,{CUSTOM}=0.3",
+        *TINY,
+        "--eval-size",
+        "4",
+        "--iterations",
+        "2",
+        "--export-merged",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     rows = read_metrics(run_dir)
     names = ("correct", "format", CUSTOM)
@@ -395,7 +486,9 @@ def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tm
 
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
     tok = AutoTokenizer.from_pretrained(run_dir / "merged")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 2?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     out = merged.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == prompt["input_ids"].shape[1] + 5 or tok.eos_token_id in out[0].tolist()
 
@@ -414,8 +507,20 @@ def _failing_reward_module(tmp_path: Path, monkeypatch) -> str:
 def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, tiny_model_dir, monkeypatch, caplog):
     name = _failing_reward_module(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
-            "--rewards", f"correct=1,{name}=1", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--eval-size",
+        "2",
+        "--iterations",
+        "1",
+        "--rewards",
+        f"correct=1,{name}=1",
+        "--run-dir",
+        str(run_dir),
+    ]
     with caplog.at_level("ERROR", logger="grpo_flyte"):
         assert cli_main(args) == 1
     failure = "\n".join(r.getMessage() for r in caplog.records)
@@ -430,8 +535,22 @@ def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, t
 def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_model_dir, monkeypatch):
     name = _failing_reward_module(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
-            "--rewards", f"correct=1,{name}=1", "--on-reward-error", "zero", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--eval-size",
+        "2",
+        "--iterations",
+        "1",
+        "--rewards",
+        f"correct=1,{name}=1",
+        "--on-reward-error",
+        "zero",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     rows = read_metrics(run_dir)
     assert rows[0]["eval_reward_errors"] == 2  # both held-out answers, scored alone, failed
@@ -478,15 +597,26 @@ def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monk
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--wandb-project", "grpo-test",
-            "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--iterations",
+        "2",
+        "--wandb-project",
+        "grpo-test",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     run_id, logged = _wandb_history(run_dir)
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in logged] == [r["iteration"] for r in rows] == [0, 1, 2]
     for got, want in zip(logged, rows, strict=True):
         assert got["mean_reward" if "mean_reward" in want else "eval_reward"] == pytest.approx(
-            want["mean_reward" if "mean_reward" in want else "eval_reward"])
+            want["mean_reward" if "mean_reward" in want else "eval_reward"]
+        )
         assert got["_step"] == want["iteration"]
     assert len(run_id) == 12
     # each held-out evaluation also logs its answers as a table, at the same step
@@ -549,8 +679,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     monkeypatch.setattr(engines, "generate_groups", flaky_generate_groups)
     monkeypatch.setattr(trainer, "save_adapter", flaky_save_adapter)
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "2",
-            "--run-dir", str(run_dir)]
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "2", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     assert (generate_failures, train_failures) == (["generate_groups"], [1])  # each fired, once
     rows = read_metrics(run_dir)
@@ -565,8 +694,7 @@ def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_pa
     from grpo_flyte.trainer import OPTIMIZER_FILE
 
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "1",
-            "--run-dir", str(run_dir)]
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "1", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
     name = OPTIMIZER_FILE if damaged == "optimizer.pt" else damaged
     latest = run_dir / "flyte" / "adapters" / "v0001"

@@ -20,6 +20,7 @@ from grpo_flyte.engines import (
     vllm_max_lora_rank,
 )
 from grpo_flyte.errors import AdapterError
+from grpo_flyte.prompts import tokenize_prompt
 from grpo_flyte.types import Rollout
 
 # --------------------------------------------------------------------------- cut_at_eos
@@ -298,7 +299,7 @@ def test_concurrent_groups_decode_in_one_engine_batch_in_seed_order(monkeypatch)
 
     async def run_all():
         groups = await asyncio.gather(*[engines.generate_groups(KEY, "/adapters/v1", [_request(s)]) for s in seeds])
-        return groups, await engines.batcher_stats()
+        return groups, (await engines.replica_batcher()).stats
 
     groups, stats = asyncio.run(run_all())
     assert engine.batches == [sorted(seeds)]
@@ -366,11 +367,11 @@ def test_trl_prompts_tokenize_as_trl_would(embedded_dir):
     tok = AutoTokenizer.from_pretrained(str(embedded_dir))
     config = PromptConfig()
     text = Example(question="Write a haiku.", answer="", prompt="Write a haiku.")
-    assert engines.tokenize_prompt(tok, text, config) == tok("Write a haiku.")["input_ids"]
+    assert tokenize_prompt(tok, text, config) == tok("Write a haiku.")["input_ids"]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
     chat = Example(question="Name a prime.", answer="", prompt=[Message(**m) for m in messages])
-    ids = engines.tokenize_prompt(tok, chat, config)
+    ids = tokenize_prompt(tok, chat, config)
     assert ids == tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert config.system_prompt not in tok.decode(ids)
     # the question form still gets the run's system prompt and instruction
-    assert config.system_prompt in tok.decode(engines.tokenize_prompt(tok, Example(question="Name a prime.", answer="2"), config))
+    assert config.system_prompt in tok.decode(tokenize_prompt(tok, Example(question="Name a prime.", answer="2"), config))

@@ -15,18 +15,18 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 
 # Bottom to top: a module may import only modules of a lower layer.
 LAYERS = {
-    # 0: no grpo_flyte imports (shared types, pure helpers and math)
+    # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math); the reward
+    # sandbox, the reward functions and the multi-turn environments, each owning its registry of names
     "errors": 0, "types": 0, "files": 0, "torch_thread": 0, "decoding": 0, "grpo": 0, "tracking": 0,
-    # 1: the multi-turn environments and episode loop (pure: the model is passed in)
-    "multiturn": 1,
-    # 2: the run's config; the report renderer
-    "config": 2, "report_helpers": 2, "__init__": 3,
-    # 3-5: models, rewards, data, storage, engines, the task environments
-    "models": 3, "rewards": 3, "data": 4, "storage": 4, "hub": 4, "engines": 5, "envs": 5,
-    # 6: the task modules, side by side
-    "rollout": 6, "reward": 6, "trainer": 6,
-    # 7-9: the driver and a local run's progress bars, the command line, `python -m grpo_flyte`
-    "driver": 7, "progress": 7, "cli": 8, "__main__": 9,
+    "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2,
+    # 3: the run's config (it checks reward and environment names with their registries); the report renderer
+    "config": 3, "report_helpers": 3, "__init__": 4,
+    # 4-5: models, prompts, data, metrics, progress text, storage, engines, the task environments
+    "models": 4, "prompts": 4, "data": 4, "metrics": 4, "progress": 4, "storage": 5, "hub": 5, "engines": 5, "envs": 5,
+    # 6: the task modules, side by side; the loop's checkpointed state; the checks before start
+    "rollout": 6, "reward": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
+    # 7-10: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
+    "driver": 7, "run_folder": 8, "submit": 8, "cli": 9, "__main__": 10,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "trainer"}
 
@@ -73,9 +73,9 @@ def test_task_modules_do_not_import_each_other():
         assert graph[module] & TASK_MODULES == set(), module
 
 
-def test_only_the_cli_imports_the_driver_and_nothing_imports_the_cli():
+def test_only_the_launchers_import_the_driver_and_nothing_imports_the_cli():
     graph = _graph()
-    assert {m for m, deps in graph.items() if "driver" in deps} == {"cli"}
+    assert {m for m, deps in graph.items() if "driver" in deps} == {"run_folder", "submit"}
     assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__"}
 
 

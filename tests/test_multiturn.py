@@ -17,21 +17,18 @@ import pytest
 from grpo_flyte import grpo
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig, make_config
+from grpo_flyte.decoding import sub_seed as turn_seed
+from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError
 from grpo_flyte.multiturn import (
-    Budgets,
     Calculator,
     GuessNumber,
     Reply,
-    Splicer,
     builtin_split,
     evaluate,
     load_environment,
-    new_environment,
-    run_episode,
-    turn_seed,
 )
-from grpo_flyte.rewards import is_correct
+from grpo_flyte.reward_fns import is_correct
 from grpo_flyte.trainer import build_sequences
 from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
@@ -88,7 +85,13 @@ def test_the_calculator_evaluates_arithmetic(expression, value):
 
 @pytest.mark.parametrize(
     ("expression", "problem"),
-    [("__import__('os')", "unsupported"), ("abc", "unsupported"), ("1/0", "division by zero"), ("2**999", "too large"), ("1 +", "not an arithmetic")],
+    [
+        ("__import__('os')", "unsupported"),
+        ("abc", "unsupported"),
+        ("1/0", "division by zero"),
+        ("2**999", "too large"),
+        ("1 +", "not an arithmetic"),
+    ],
 )
 def test_the_calculator_refuses_anything_else_with_a_message(expression, problem):
     with pytest.raises(ValueError, match=problem):
@@ -143,12 +146,14 @@ def test_an_episode_is_the_generators_tokens_with_the_reply_spliced_in_the_chat_
     assert rollout.sampling_logprobs[len(turn1) : len(turn1) + len(reply)] == [0.0] * len(reply)
     episode = rollout.episode
     assert (episode.end, episode.tool_calls, episode.tool_errors, episode.reward) == ("done", 1, 0, None)
-    assert [(t.role, t.text) for t in episode.turns] == [("model", "Let me compute. <calc>12*3</calc>"), ("tool", "36"), ("model", "#### 36")]
+    assert [(t.role, t.text) for t in episode.turns] == [
+        ("model", "Let me compute. <calc>12*3</calc>"),
+        ("tool", "36"),
+        ("model", "#### 36"),
+    ]
     assert rollout.answer_text == "#### 36" and rollout.num_model_tokens == len(turn1) + len(turn2)
     # the text the template renders for this conversation is what the tokens say
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "q"}, *episode.messages()], tokenize=False
-    )
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, *episode.messages()], tokenize=False)
     assert tokenizer.decode(rollout.completion_ids) in rendered
 
 
@@ -166,8 +171,12 @@ def test_the_trainer_trains_on_the_generators_tokens_and_only_the_models(tokeniz
     rollout = _play(Calculator(), tokenizer, [("<calc>12*3</calc>", "stop"), ("#### 36<|im_end|>", "stop")])
     other = _play(Calculator(), tokenizer, [("#### 35<|im_end|>", "stop")])
     prompt = [1, 2, 3]
-    group = RolloutGroup(index=0, example=Example(question="q", answer="36"), adapter_version=0, prompt_ids=prompt, rollouts=[rollout, other], generate_s=0.0)
-    scored = ScoredGroup(group=group, rewards=[RewardParts(reward=1.0, correct=True, format=True), RewardParts(reward=0.0, correct=False, format=True)])
+    group = RolloutGroup(
+        index=0, example=Example(question="q", answer="36"), adapter_version=0, prompt_ids=prompt, rollouts=[rollout, other], generate_s=0.0
+    )
+    scored = ScoredGroup(
+        group=group, rewards=[RewardParts(reward=1.0, correct=True, format=True), RewardParts(reward=0.0, correct=False, format=True)]
+    )
     sequences, total = build_sequences([scored], RunConfig().train)
     assert total == 2
     seq = sequences[0]
@@ -338,7 +347,20 @@ def test_a_multi_turn_run_writes_every_file_and_resumes_after_a_kill(tmp_path, t
 @pytest.mark.parametrize("env", ["calculator", "guess"])
 def test_the_built_in_environments_run_locally(tmp_path, tiny_model_dir, env):
     run_dir = tmp_path / env
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--env", env, "--max-turns", "2", "--iterations", "1", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--env",
+        env,
+        "--max-turns",
+        "2",
+        "--iterations",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) == 0
     rows = _rows(run_dir)
     config = json.loads((run_dir / "config.json").read_text())
@@ -364,7 +386,18 @@ class _ReturnsText:
 
 def test_an_environment_returning_the_wrong_type_fails_its_task_with_the_episode(tmp_path, tiny_model_dir, capsys, caplog):
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--env", "test_multiturn:_ReturnsText", "--iterations", "1", "--run-dir", str(run_dir)]
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--env",
+        "test_multiturn:_ReturnsText",
+        "--iterations",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert cli_main(args) != 0
     shown = capsys.readouterr().err + caplog.text
     assert "_ReturnsText.step returned str 'oops'; expected a grpo_flyte.Reply" in shown and "episode so far: 'model: " in shown
@@ -459,7 +492,7 @@ def test_a_tool_that_never_returns_holds_neither_the_episode_nor_the_process(tok
     assert replies == ["error: the tool took longer than 0.2 s", "error: the tool is still busy with an earlier call (over 0.2 s)"]
     assert rollout.episode.tool_errors == 3
     probe = subprocess.run(
-        [sys.executable, "-c", "import asyncio, time\nfrom grpo_flyte.multiturn import _Stepper\n"
+        [sys.executable, "-c", "import asyncio, time\nfrom grpo_flyte.episodes import _Stepper\n"
          "class E:\n    def step(self, t): time.sleep(3600)\n"
          "print(asyncio.run(_Stepper(E(), 0.1).step('x')))"],
         capture_output=True, text=True, timeout=60, check=False,
@@ -521,7 +554,11 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
     request = engines.sampling_request(config.sampling, prompt_ids, seed=3)
-    played = asyncio.run(engines.play_episodes(key, str(tmp_path / "adapter"), config.episode.env, example, prompt_ids, request, config.episode, config.prompt))
+    played = asyncio.run(
+        engines.play_episodes(
+            key, str(tmp_path / "adapter"), config.episode.env, example, prompt_ids, request, config.episode, config.prompt
+        )
+    )
     assert any(r.num_model_tokens < len(r.completion_ids) for r in played)  # replies were spliced in
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
     parts = [Parts(reward=float(i), correct=False, format=False) for i in range(len(played))]

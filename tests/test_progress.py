@@ -18,8 +18,7 @@ from rich.console import Console
 
 from grpo_flyte import progress
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
-from grpo_flyte.driver import eval_due
+from grpo_flyte.config import RunConfig, eval_due
 from grpo_flyte.progress import RunProgress
 from grpo_flyte.types import EvalMetrics, MetricsRow
 
@@ -58,7 +57,10 @@ def test_the_bars_show_iterations_and_each_evaluation_with_an_eta():
     bars.evaluating(0, 100, 100)
     assert "held-out eval" not in _screen(bars)  # gone: its log line says how it went
 
-    history = [MetricsRow(iteration=0, adapter_version=0, eval=_held_out(12.0)), MetricsRow(iteration=2, adapter_version=2, eval=_held_out(10.0))]
+    history = [
+        MetricsRow(iteration=0, adapter_version=0, eval=_held_out(12.0)),
+        MetricsRow(iteration=2, adapter_version=2, eval=_held_out(10.0)),
+    ]
     bars.recorded(SimpleNamespace(iterations_done=2, history=history), history[-1], None)
     assert etas == [(2, 2)]
     now[0] += 4  # the ETA counts down between iterations
@@ -127,7 +129,10 @@ def test_a_local_run_feeds_the_bars_every_iteration_and_evaluation(tmp_path, tin
 
     monkeypatch.setattr(progress, "RunProgress", Spy)
     run_dir = tmp_path / "run"
-    assert cli_main(["--local", "--model", str(tiny_model_dir), *TINY, "--eval-every", "2", "--iterations", "3", "--run-dir", str(run_dir)]) == 0
+    assert (
+        cli_main(["--local", "--model", str(tiny_model_dir), *TINY, "--eval-every", "2", "--iterations", "3", "--run-dir", str(run_dir)])
+        == 0
+    )
     assert seen["start"] == (3, 0)
     assert seen["recorded"] == [0, 1, 2, 3]  # iteration 0: the evaluation before training
     assert seen["etas"][0] is None and all(eta is not None and eta >= 0 for eta in seen["etas"][1:])

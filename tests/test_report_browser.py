@@ -187,11 +187,7 @@ def _rgb(css: str) -> tuple[int, int, int]:
 
 
 def _pixels_of(colours: dict[tuple[int, ...], int], target: tuple[int, int, int]) -> int:
-    return sum(
-        count
-        for rgb, count in colours.items()
-        if all(abs(a - b) <= COLOUR_TOLERANCE for a, b in zip(rgb, target, strict=False))
-    )
+    return sum(count for rgb, count in colours.items() if all(abs(a - b) <= COLOUR_TOLERANCE for a, b in zip(rgb, target, strict=False)))
 
 
 def _chart_problems(browser: Chromium, png: bytes) -> list[str]:
@@ -205,9 +201,7 @@ def _chart_problems(browser: Chromium, png: bytes) -> list[str]:
         for series in chart["series"]:
             pixels = _pixels_of(colours, _rgb(series["colour"]))
             if series["marks"] == 0 or pixels < MIN_SERIES_PIXELS:
-                problems.append(
-                    f"{chart['title']}: {series['key']} has {series['marks']} marks and {pixels} pixels of {series['colour']}"
-                )
+                problems.append(f"{chart['title']}: {series['key']} has {series['marks']} marks and {pixels} pixels of {series['colour']}")
     return problems
 
 

@@ -10,7 +10,8 @@ from html.parser import HTMLParser
 import pytest
 
 from grpo_flyte import files
-from grpo_flyte.report_helpers import METRIC_CHARTS, nice_ticks, render_report, render_report_fragment, write_report_atomic
+from grpo_flyte.files import write_text_atomic as write_report_atomic
+from grpo_flyte.report_helpers import METRIC_CHARTS, nice_ticks, render_report, render_report_fragment
 
 MINUS = "\u2212"
 
@@ -82,7 +83,7 @@ def test_empty_history_shows_placeholder_and_no_charts():
     assert "No iterations finished yet" in document
     assert "<polyline" not in document
     assert "<svg" not in document
-    assert "<table class=\"iterations\"" not in document
+    assert '<table class="iterations"' not in document
     assert 'class="cards"' not in document
     assert "tiny" in document  # config card still shown
 
@@ -246,7 +247,7 @@ def test_metric_charts_shape():
 def test_best_completion_is_shown():
     best = {"question": "2+2?", "answer": "4", "completion": "<answer>4</answer>", "reward": 0.875}
     document = _render([_row(1)], best_completion=best)
-    assert "<pre class=\"completion\">&lt;answer&gt;4&lt;/answer&gt;</pre>" in document
+    assert '<pre class="completion">&lt;answer&gt;4&lt;/answer&gt;</pre>' in document
     assert "<dd>2+2?</dd>" in document and "<dd>4</dd>" in document and "<dd>0.875</dd>" in document
 
 
@@ -302,8 +303,16 @@ def test_each_named_reward_has_its_own_chart_with_held_out_on_the_same_axes():
     history = [
         {"iteration": 0, "eval_reward": 0.1, "eval_reward/correct": 0.1, "eval_reward/<b>mod:fn": 0.0},
         _row(1, **{"reward/correct": 0.2, "reward/<b>mod:fn": 0.5, "reward_errors": 0}),
-        _row(2, **{"reward/correct": 0.4, "reward/<b>mod:fn": 0.7, "reward_errors": 0,
-                   "eval_reward/correct": 0.3, "eval_reward/<b>mod:fn": 0.6}),
+        _row(
+            2,
+            **{
+                "reward/correct": 0.4,
+                "reward/<b>mod:fn": 0.7,
+                "reward_errors": 0,
+                "eval_reward/correct": 0.3,
+                "eval_reward/<b>mod:fn": 0.6,
+            },
+        ),
     ]
     svgs = _svgs(_render(history))
     correct = svgs["Reward &#x27;correct&#x27; (mean score)"]
@@ -362,7 +371,9 @@ def test_nice_ticks_hand_computed(lo, hi, ticks):
 
 
 def test_held_out_curves_carry_their_95_percent_band_and_round_ticks():
-    history = [_row(i, eval_reward=0.1 * i, eval_reward_ci95=0.05, eval_accuracy=0.2 * i, eval_accuracy_ci95=float("inf")) for i in range(1, 4)]
+    history = [
+        _row(i, eval_reward=0.1 * i, eval_reward_ci95=0.05, eval_accuracy=0.2 * i, eval_accuracy_ci95=float("inf")) for i in range(1, 4)
+    ]
     held_out = _svgs(_render(history))["Held-out evaluation"]
     bands = re.findall(r'<polygon class="band"[^>]*points="([^"]+)"', held_out)
     assert len(bands) == 1  # eval_reward's; an infinite interval (one question) draws none

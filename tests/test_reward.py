@@ -47,8 +47,7 @@ def test_score_group_called_directly_outside_flyte():
 
 def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypatch):
     (tmp_path / "grader_for_task.py").write_text(
-        "def picky(completions, **kwargs):\n"
-        "    return [1 / (0 if 'boom' in c else 1) for c in completions]\n"
+        "def picky(completions, **kwargs):\n    return [1 / (0 if 'boom' in c else 1) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     group = RolloutGroup(
@@ -61,7 +60,9 @@ def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypa
     )
     weights = {"correct": 2.0, "grader_for_task:picky": 0.5}
     # a reward that fails on these completions would fail again: Flyte must not retry it
-    with pytest.raises(flyte.errors.NonRecoverableError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'") as info:
+    with pytest.raises(
+        flyte.errors.NonRecoverableError, match=r"'grader_for_task:picky' raised ZeroDivisionError.*completion 2 of 2.*'boom #### 9'"
+    ) as info:
         asyncio.run(score_group(*_parts(RunConfig(rewards=weights)), group))
     assert isinstance(info.value.__cause__, RewardError)
     scored = asyncio.run(score_group(*_parts(RunConfig(rewards=weights, on_reward_error="zero")), group))
@@ -86,8 +87,9 @@ def test_score_group_empty_group():
 
 def _group(finishes: list[str], rewards: list[float]) -> ScoredGroup:
     rollouts = [Rollout(completion_ids=[1], sampling_logprobs=[-0.1], finish_reason=f, text="x") for f in finishes]
-    group = RolloutGroup(index=0, example=Example(question="q", answer="1"), adapter_version=0,
-                         prompt_ids=[5], rollouts=rollouts, generate_s=0.0)
+    group = RolloutGroup(
+        index=0, example=Example(question="q", answer="1"), adapter_version=0, prompt_ids=[5], rollouts=rollouts, generate_s=0.0
+    )
     parts = [RewardParts(reward=r, correct=r >= 1.0, format=r in (0.2, 1.2)) for r in rewards]
     return ScoredGroup(group=group, rewards=parts)
 

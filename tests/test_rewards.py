@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from grpo_flyte import config, rewards
+from grpo_flyte import reward_fns as rewards
 from grpo_flyte.config import DEFAULT_REWARDS, ConfigError, make_config
-from grpo_flyte.rewards import (
+from grpo_flyte.reward_fns import (
     Group,
     RewardError,
     RewardSpecError,
@@ -188,15 +188,22 @@ def test_weighted_mix_with_a_custom_reward_keeps_each_score(custom_module):
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ("_oops() if any('bad' in c for c in completions) else [1.0] * len(completions)",
-         r"raised KeyError: 'oops' on completion 2 of 3, which starts 'bad answer #### 12"),
+        (
+            "_oops() if any('bad' in c for c in completions) else [1.0] * len(completions)",
+            r"raised KeyError: 'oops' on completion 2 of 3, which starts 'bad answer #### 12",
+        ),
         ("[float('nan') if 'bad' in c else 1.0 for c in completions]", r"returned nan; expected a finite number on completion 2 of 3"),
         ("['high' if 'bad' in c else 1.0 for c in completions]", r"returned 'high'; expected a number"),
         # what user code may raise that is not an Exception, and an int too large for a float
-        ("_interrupt() if any('bad' in c for c in completions) else [1.0] * len(completions)",
-         r"raised KeyboardInterrupt: .* on completion 2 of 3"),
+        (
+            "_interrupt() if any('bad' in c for c in completions) else [1.0] * len(completions)",
+            r"raised KeyboardInterrupt: .* on completion 2 of 3",
+        ),
         ("_exit() if any('bad' in c for c in completions) else [1.0] * len(completions)", r"raised SystemExit: 3 on completion 2 of 3"),
-        ("[10 ** 400 if 'bad' in c else 1 for c in completions]", r"returned 1000000.*\.\.\.; expected a number that fits a float, or None on completion 2"),
+        (
+            "[10 ** 400 if 'bad' in c else 1 for c in completions]",
+            r"returned 1000000.*\.\.\.; expected a number that fits a float, or None on completion 2",
+        ),
     ],
 )
 def test_a_failing_reward_names_itself_and_the_completion(custom_module, body, message):
@@ -240,20 +247,22 @@ def test_resolve_reward_errors(custom_module):
     assert resolve_reward("tags") is tags_reward
 
 
-def test_config_names_exactly_the_builtin_reward_functions():
-    # config (which cannot import rewards) validates names against BUILTIN_REWARDS; rewards implements them
-    assert tuple(rewards.REWARD_FUNCTIONS) == config.BUILTIN_REWARDS
+def test_config_accepts_exactly_the_builtin_reward_functions():
+    # the registry names its rewards; config checks a run's names with it
     for name, fn in rewards.REWARD_FUNCTIONS.items():
         assert resolve_reward(name) is fn
-        config.check_reward_name(name)  # accepted without raising
-    every = dict.fromkeys(config.BUILTIN_REWARDS, 1.0)
+        rewards.check_reward_name(name)  # accepted without raising
+    every = dict.fromkeys(rewards.BUILTIN_REWARDS, 1.0)
     assert make_config(rewards=every).scoring.rewards == every
 
 
 @pytest.mark.parametrize(
     ("rewards", "message"),
     [
-        ({"corect": 1.0}, r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env or 'module:function'"),
+        (
+            {"corect": 1.0},
+            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env or 'module:function'",
+        ),
         ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
         ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),
         ({"my mod:fn": 1.0}, r"unknown reward 'my mod:fn'"),

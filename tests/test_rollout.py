@@ -41,7 +41,9 @@ def test_eight_concurrent_generate_calls_decode_in_one_engine_batch(tiny_model_d
     monkeypatch.setattr(engines.HFGenerator, "generate_many", spy)
     config = RunConfig(group_size=3, max_new_tokens=4, backend="hf")
     questions = [f"What is {i} + {i}?" for i in range(8)]
-    run = flyte.with_runcontext(mode="local").run(one_iteration, config=config, base_model=Dir(path=str(tiny_model_dir)), questions=questions)
+    run = flyte.with_runcontext(mode="local").run(
+        one_iteration, config=config, base_model=Dir(path=str(tiny_model_dir)), questions=questions
+    )
     groups = run.outputs()[0]
     assert batches == [[100 + i for i in range(8)]]
     assert [g.index for g in groups] == list(range(8))

@@ -68,5 +68,3 @@ def test_remote_dirs_are_downloaded_once_and_evicted(tmp_path):
     assert not Path(b).exists()
     assert Path(a1).exists() and Path(c).exists()
     assert list(cache.entries) == ["s3://b/a", "s3://b/c"]
-
-

@@ -100,6 +100,14 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
     assert cli_main([*argv, "--backend", "hf", "--export-merged", "--run-dir", str(tmp_path / "run")]) == 0
     engines._slot.clear()
 
-    assert set(seen) == {"get_engine", "HFGenerator", "generate_many", "peft_model", "load_adapter_state", "save_adapter", "merge_into_base"}
+    assert set(seen) == {
+        "get_engine",
+        "HFGenerator",
+        "generate_many",
+        "peft_model",
+        "load_adapter_state",
+        "save_adapter",
+        "merge_into_base",
+    }
     threads = set().union(*seen.values())
     assert len(threads) == 1 and next(iter(threads)).startswith(THREAD_NAME), seen

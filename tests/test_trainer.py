@@ -116,8 +116,15 @@ def _base(kind: str):
     """A one-layer random model of an architecture that post-processes its logits (or Llama)."""
     import transformers
 
-    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     if kind == "gemma2":  # final logit soft-capping: cap * tanh(logits / cap)
         config, cls = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5), transformers.Gemma2ForCausalLM
     elif kind == "granite":  # logits / logits_scaling
@@ -229,6 +236,7 @@ def test_each_optimizer_step_takes_its_scheduled_learning_rate(fresh, monkeypatc
 
 def test_gradient_checkpointing_gives_the_same_step(fresh):
     """Recomputing activations changes memory, not the result: the same loss and gradient norm."""
+
     def layer_calls(model, run) -> tuple:
         calls = []
         # inside the layer: the recompute calls the layer's forward, not its hooks, but the attention's
@@ -244,12 +252,12 @@ def test_gradient_checkpointing_gives_the_same_step(fresh):
     plain, plain_calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
     model, optimizer, config = fresh(gradient_checkpointing=True)
     checkpointed, calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
-    assert trainer.checkpointing_on(model)
+    assert trainer._checkpointing_api(model)[0]
     assert calls == 2 * plain_calls  # each layer's forward runs again in the backward pass
     assert checkpointed.loss == pytest.approx(plain.loss, abs=1e-6)
     assert checkpointed.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
     trainer.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
-    assert not trainer.checkpointing_on(model)  # the cached model follows each step's config
+    assert not trainer._checkpointing_api(model)[0]  # the cached model follows each step's config
 
 
 def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):

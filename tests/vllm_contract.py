@@ -64,8 +64,12 @@ def main() -> None:
     out["other_seed_differs"] = [r.completion_ids for r in gen.generate_many([request(prompts[0], seed=8)], paths["v0"])[0]] != [
         r.completion_ids for r in sampled[0]
     ]
-    greedy = {name: gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths[name])[0][0].completion_ids for name in ("v0", "a")}
-    out["greedy_repeats"] = gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths["v0"])[0][0].completion_ids == greedy["v0"]
+    greedy = {
+        name: gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths[name])[0][0].completion_ids for name in ("v0", "a")
+    }
+    out["greedy_repeats"] = (
+        gen.generate_many([request(prompts[0], group_size=1, greedy=True)], paths["v0"])[0][0].completion_ids == greedy["v0"]
+    )
     out["adapter_changes_output"] = greedy["a"] != greedy["v0"]
     # three adapters through a cache of two: the oldest is evicted, and comes back when asked for
     for name in ("a", "b", "c", "a"):
@@ -75,14 +79,21 @@ def main() -> None:
     # the trainer's log-probs of vLLM's tokens, at top_p 1 and 0.9, with and without an adapter
     for name, top_p in (("v0", 1.0), ("v0", 0.9), ("a", 1.0), ("a", 0.9)):
         groups = gen.generate_many([request(p, top_p=top_p, temperature=0.8) for p in prompts], paths[name])
-        sequences = [grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g]
+        sequences = [
+            grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g
+        ]
         trainer.load_adapter_state(peft, paths[name], config.train)
         sampling = RunConfig(temperature=0.8, top_p=top_p).sampling
         with torch.no_grad():
             logprobs, _, _ = trainer._completion_logprobs(peft, sequences, sampling)
         samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
         ratio = torch.exp(logprobs - samp)
-        out[f"ratio_{name}_top_p_{top_p}"] = {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()}
+        out[f"ratio_{name}_top_p_{top_p}"] = {
+            "mean": float(ratio.mean()),
+            "min": float(ratio.min()),
+            "max": float(ratio.max()),
+            "tokens": ratio.numel(),
+        }
     out["episodes"] = episodes(key, gen, paths["v0"], peft, config)
     gen.close()
     print(json.dumps(out))
@@ -100,7 +111,9 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
     played = asyncio.run(
-        engines.play_episodes(key, adapter_path, run.episode.env, example, prompt_ids, request(prompt_ids, temperature=0.8), run.episode, run.prompt)
+        engines.play_episodes(
+            key, adapter_path, run.episode.env, example, prompt_ids, request(prompt_ids, temperature=0.8), run.episode, run.prompt
+        )
     )
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
     parts = [RewardParts(reward=float(i), correct=False, format=False) for i in range(len(played))]
@@ -116,9 +129,7 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
         "count": len(played),
         "turns": [sum(t.role == "model" for t in r.episode.turns) for r in played],
         "env_tokens": [len(r.completion_ids) - r.num_model_tokens for r in played],
-        "mask_matches_turns": all(
-            r.num_model_tokens == sum(t.num_tokens for t in r.episode.turns if t.role == "model") for r in played
-        ),
+        "mask_matches_turns": all(r.num_model_tokens == sum(t.num_tokens for t in r.episode.turns if t.role == "model") for r in played),
         "ratio": {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()},
     }
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +24,9 @@ from pydantic.fields import FieldInfo
 
 from grpo_flyte.errors import ConfigError
 from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
+from grpo_flyte.reward_fns import check_reward_name
 
+PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
 GSM8K_DATASET = "gsm8k"
@@ -34,9 +35,6 @@ DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
-# The built-in rewards (grpo_flyte.rewards implements them; a test keeps the two in step).
-BUILTIN_REWARDS = ("correct", "format", "tags", "length", "env")
-_CUSTOM_REWARD = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."
@@ -44,12 +42,6 @@ SYSTEM_PROMPT = (
 # Appended to the question in the user turn: a small model follows an instruction there more
 # often than one in the system prompt (measured: docs/measurements.md, the learning section).
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
-
-
-def check_reward_name(name: str) -> None:
-    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
-    if name not in BUILTIN_REWARDS and not _CUSTOM_REWARD.fullmatch(name):
-        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(BUILTIN_REWARDS)} or 'module:function'")
 
 
 class _Part(BaseModel):
@@ -87,9 +79,7 @@ class EngineConfig(_Part):
     backend: Literal["auto", "vllm", "hf"] = Field(
         "auto", description="Generation backend; 'auto' picks vLLM when it imports and a GPU is visible, else hf."
     )
-    adapter_cache_size: int = Field(
-        4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded."
-    )
+    adapter_cache_size: int = Field(4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded.")
     vllm_memory_fraction: float = Field(
         0.85,
         gt=0.0,
@@ -117,6 +107,7 @@ class DataConfig(_Part):
             "column is passed to the reward functions."
         ),
     )
+
     @field_validator("dataset")
     @classmethod
     def _readable_dataset(cls, dataset: str) -> str:
@@ -130,7 +121,9 @@ class DataConfig(_Part):
         return dataset
 
     dataset_split: str = Field("train", min_length=1, description="Hub ids and dataset folders: the split to read.")
-    question_column: str = Field("question", min_length=1, description="The column holding the question (unless the rows have TRL's 'prompt').")
+    question_column: str = Field(
+        "question", min_length=1, description="The column holding the question (unless the rows have TRL's 'prompt')."
+    )
     answer_column: str = Field(
         "answer",
         min_length=1,
@@ -178,9 +171,7 @@ class PromptConfig(_Part):
 class SamplingConfig(_Part):
     """How completions are sampled (the trainer's log-probs use the same temperature)."""
 
-    group_size: int = Field(
-        8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group."
-    )
+    group_size: int = Field(8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group.")
     max_new_tokens: int = Field(64, ge=1, le=32_768, description="Completion length limit in tokens.")
     temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -311,18 +302,15 @@ class TrainConfig(_Part):
         if value == "batch":
             raise ValueError("'batch' (TRL's batch-level std) is not supported; expected 'group' or 'none'")
         return value
-    epsilon_high: float = Field(
-        0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high."
-    )
+
+    epsilon_high: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high.")
     updates_per_iter: int = Field(
         1,
         ge=1,
         le=1024,
         description="Optimizer steps per iteration, each on one minibatch of the iteration's rollouts (clipping acts when > 1).",
     )
-    beta: float = Field(
-        0.0, ge=0.0, le=100.0, description="KL penalty weight against the base model (the adapter disabled)."
-    )
+    beta: float = Field(0.0, ge=0.0, le=100.0, description="KL penalty weight against the base model (the adapter disabled).")
     kl_monitor_every: int = Field(
         5,
         ge=0,
@@ -350,9 +338,7 @@ class TrainConfig(_Part):
         "sample",
         description="The group std advantages are divided by: 'sample' (n - 1, as TRL and verl) or 'population' (n).",
     )
-    advantage_eps: float = Field(
-        1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages."
-    )
+    advantage_eps: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages.")
     micro_batch_tokens: int = Field(
         4096,
         ge=64,
@@ -388,26 +374,23 @@ class TrainConfig(_Part):
 class EvalConfig(_Part):
     """The held-out evaluation."""
 
-    eval_every: int = Field(
-        10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training)."
-    )
-    eval_size: int = Field(
-        100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation)."
-    )
+    eval_every: int = Field(10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training).")
+    eval_size: int = Field(100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation).")
 
 
 class RunConfig(_Part):
     """Everything that determines what a run computes."""
 
-    iterations: int = Field(10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each.")
+    iterations: int = Field(
+        10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each."
+    )
     prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     min_informative_groups: int = Field(
         4,
         ge=0,
         le=4096,
         description=(
-            "Top the batch up with fresh prompts until it has this many groups whose rewards differ "
-            "(0: off); see --max-topup-rounds."
+            "Top the batch up with fresh prompts until it has this many groups whose rewards differ (0: off); see --max-topup-rounds."
         ),
     )
     max_topup_rounds: int = Field(2, ge=0, le=100, description="Extra generate rounds at most per iteration for the top-up.")
@@ -638,6 +621,8 @@ def _expanded_size(node: Any, memo: dict[int, int]) -> int:
             total += sum(_expanded_size(n, memo) for n in child) if isinstance(child, tuple) else _expanded_size(child, memo)
         memo[id(node)] = total
     return memo[id(node)]
+
+
 SHOWN_VALUE_CHARS = 200  # a value echoed in an error message is cut to this many characters
 
 
@@ -701,3 +686,13 @@ def config_table_markdown() -> str:
         names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
         rows.append(f"| {names} | {part or 'run'} | `{shown_default(default)}` | {field.description} |")
     return "\n".join(rows)
+
+
+def eval_due(config: RunConfig, iterations_done: int) -> bool:
+    """Whether the held-out evaluation runs after this many iterations (0: before training)."""
+    every, size = config.evaluation.eval_every, config.evaluation.eval_size
+    if size == 0:
+        return False
+    if iterations_done in (0, config.iterations):
+        return True
+    return every > 0 and iterations_done % every == 0

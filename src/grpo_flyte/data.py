@@ -13,34 +13,21 @@ import random
 from pathlib import Path
 
 from grpo_flyte.config import (
-    ANSWER_INSTRUCTION,
     ARITHMETIC_DATASET,
     DATASET_FILE_TYPES,
     GSM8K_DATASET,
     REWARD_TIMEOUT_S,
-    SYSTEM_PROMPT,
     RunConfig,
 )
 from grpo_flyte.errors import DatasetError
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
-from grpo_flyte.rewards import MARKER, usable_golds
+from grpo_flyte.reward_fns import MARKER, usable_golds
 from grpo_flyte.types import Example, Message
-
-# The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
-PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
 
 # Size of the held-out split of the arithmetic task; it never overlaps the train split.
 ARITHMETIC_EVAL_SIZE = 500
 # The arithmetic problem space is shuffled with a fixed seed so the split is the same in every run.
 _ARITHMETIC_SPLIT_SEED = 20_241_122
-
-
-
-
-
-def arithmetic_problems() -> list[Example]:
-    """Every problem of the built-in task: a+b and a-b for 1 <= a, b <= 99, a*b for 2 <= a, b <= 20."""
-    return list(_arithmetic_problems())
 
 
 @functools.cache
@@ -120,7 +107,9 @@ def _example(row: dict, where: str, columns: tuple[str, str], need_answer: bool)
     gold = gold_answer(answer) if usable else ""
     if PROMPT_COLUMN in row and question_column not in row:
         prompt = _trl_prompt(row[PROMPT_COLUMN], where)
-        question = prompt if isinstance(prompt, str) else next((m.content for m in reversed(prompt) if m.role == "user"), prompt[-1].content)
+        question = (
+            prompt if isinstance(prompt, str) else next((m.content for m in reversed(prompt) if m.role == "user"), prompt[-1].content)
+        )
         rest = {k: v for k, v in row.items() if k != PROMPT_COLUMN}
         return Example(question=question, answer=gold, prompt=prompt, columns=rest)
     question = row.get(question_column)
@@ -286,16 +275,6 @@ def load_rows(config: RunConfig) -> list[Example]:
     return load_dataset_id(data.dataset, data.dataset_split, data.question_column, data.answer_column, timeout_s, need)
 
 
-def load_train_examples(dataset: str) -> list[Example]:
-    if dataset == ARITHMETIC_DATASET:
-        return arithmetic_split("train")
-    if dataset in BUILTIN_DATASETS:
-        return builtin_split(dataset, "train")
-    if dataset == GSM8K_DATASET:
-        return load_gsm8k("train")
-    return load_file(dataset)
-
-
 # File datasets hold out a seeded sample of their rows for evaluation, the same in every run.
 _HOLDOUT_SEED = "grpo_flyte-holdout"
 
@@ -363,45 +342,3 @@ def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: i
             random.Random(f"{seed}:{epoch}").shuffle(orders[epoch])
         picked.append(examples[orders[epoch][pos]])
     return picked
-
-
-def render_prompt(
-    question: str,
-    prompt_format: str,
-    tokenizer,
-    enable_thinking: str = "auto",
-    system_prompt: str = SYSTEM_PROMPT,
-    instruction: str = ANSWER_INSTRUCTION,
-) -> str:
-    """The prompt text for one question; token ids come from the generator's tokenizer.
-
-    The instruction follows the question; enable_thinking 'on'/'off' is passed to the chat template
-    (Qwen3's switch), 'auto' passes nothing. An empty system prompt or instruction is left out.
-    """
-    user = f"{question} {instruction}".strip()
-    if prompt_format == "plain":
-        return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "prompt_format='chat' but the model's tokenizer has no chat template: use prompt_format='plain'"
-        )
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": user})
-    return _chat(tokenizer, messages, enable_thinking)
-
-
-def _chat(tokenizer, messages: list[dict[str, str]], enable_thinking: str) -> str:
-    """The chat template applied with the assistant's turn opened; enable_thinking 'on'/'off' is
-    passed to it (Qwen3's switch), 'auto' passes nothing."""
-    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-
-
-def render_trl_prompt(prompt: str | list[Message], tokenizer, enable_thinking: str = "auto") -> str:
-    """A prompt in TRL's format: text is used as it is; chat messages go through the chat template
-    with the assistant's turn opened (the run's system prompt and instruction are not added)."""
-    if isinstance(prompt, str):
-        return prompt
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the dataset's prompts are chat messages but the model's tokenizer has no chat template")
-    return _chat(tokenizer, [m.model_dump() for m in prompt], enable_thinking)

@@ -15,12 +15,20 @@ do not depend on which other rows shared its batch or when they finished.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+
+def sub_seed(seed: int, *parts: int) -> int:
+    """A 31-bit seed that is a function of `seed` and `parts` only: one group's (run seed,
+    iteration, prompt), one episode turn's (group seed, row, turn)."""
+    digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
+from async_lru import alru_cache
 from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
-from grpo_flyte import multiturn
+from grpo_flyte import episodes, multiturn
 from grpo_flyte.config import EpisodeConfig, PromptConfig, SamplingConfig
-from grpo_flyte.data import render_prompt, render_trl_prompt
-from grpo_flyte.decoding import Sampling
+from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.prompts import is_chat, tokenize_prompt
 from grpo_flyte.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example, Rollout
 
@@ -175,7 +176,9 @@ class HFGenerator:
 class VLLMGenerator:
     """vLLM generation with the adapter attached per request through LoRARequest."""
 
-    def __init__(self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, memory_fraction: float = 0.85):
+    def __init__(
+        self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, memory_fraction: float = 0.85
+    ):
         try:
             from vllm import LLM
         except ImportError as exc:
@@ -261,7 +264,6 @@ def vllm_completion_to_rollout(completion) -> Rollout:
     return Rollout(completion_ids=ids, sampling_logprobs=logprobs, finish_reason=finish, text=completion.text)
 
 
-
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest rank vLLM accepts as `max_lora_rank` that holds an adapter of rank `rank`."""
     for allowed in VLLM_LORA_RANKS:
@@ -276,7 +278,9 @@ def adapter_rank(adapter_path: str) -> int:
     try:
         return int(json.loads(path.read_text())["r"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise AdapterError(f"adapter {adapter_path!r} has no readable LoRA rank in adapter_config.json ({type(exc).__name__}: {exc})") from None
+        raise AdapterError(
+            f"adapter {adapter_path!r} has no readable LoRA rank in adapter_config.json ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -344,62 +348,6 @@ def get_engine(key: EngineKey) -> Generator:
     return _slot.get(key)
 
 
-def is_chat(example: Example, prompt: PromptConfig) -> bool:
-    """Whether the example's prompt went through the chat template (so replies are chat turns)."""
-    return prompt.prompt_format == "chat" if example.prompt is None else not isinstance(example.prompt, str)
-
-
-def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
-    if example.prompt is None:
-        text = render_prompt(
-            example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
-        )
-    else:  # TRL's format: text as it is, chat messages through the chat template
-        text = render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking)
-    # The chat template already wrote the special tokens; other text gets the tokenizer's.
-    ids = tokenizer(text, add_special_tokens=not is_chat(example, prompt))["input_ids"]
-    if len(ids) > prompt.max_prompt_tokens:
-        if prompt.overlong_prompts == "truncate":
-            return list(ids[-prompt.max_prompt_tokens :])  # the end holds the question and the turn's start
-        raise ValueError(
-            f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={prompt.max_prompt_tokens}: {example.question[:80]!r}"
-        )
-    return list(ids)
-
-
-# A token covers at least one byte of the text it was cut from (byte-level BPE, SentencePiece
-# with byte fallback); the slack covers tokens added outside the text (BOS, a leading-space marker).
-_TOKEN_SLACK = 4
-
-
-def overlong_prompts(tokenizer, examples: list[Example], prompt: PromptConfig) -> dict[int, int]:
-    """{index: length in tokens} of the examples whose prompt is longer than max_prompt_tokens.
-
-    Tokenizing every prompt of a large dataset takes seconds, so a prompt is tokenized only when
-    its UTF-8 size (which no token count exceeds, plus a little slack) is over the limit; for a
-    question that size is that of the prompt rendered around an empty question plus the question's.
-    """
-    limit = prompt.max_prompt_tokens
-    untruncated = prompt.model_copy(update={"max_prompt_tokens": 1 << 30})
-    frame: int | None = None
-    found = {}
-    for i, example in enumerate(examples):
-        if example.prompt is None:
-            if frame is None:
-                empty = render_prompt(
-                    "", prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
-                )
-                frame = len(empty.encode()) + 1  # the space between question and instruction
-            bound = frame + len(example.question.encode())
-        else:
-            bound = len(render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking).encode())
-        if bound + _TOKEN_SLACK > limit:
-            length = len(tokenize_prompt(tokenizer, example, untruncated))
-            if length > limit:
-                found[i] = length
-    return found
-
-
 def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:
     """The generation settings of one prompt: a group of `group_size`, or one greedy answer."""
     return SamplingRequest(
@@ -458,42 +406,24 @@ def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str) 
     return get_engine(key).generate_many(requests, adapter_path)
 
 
-class _ReplicaBatcher:
-    """The replica's DynamicBatcher, started on first use in the running event loop.
-
-    Locally every task shares one loop; a new loop (a test's `asyncio.run`) gets a new batcher.
-    """
-
-    def __init__(self) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.batcher: DynamicBatcher | None = None
-
-    async def get(self) -> DynamicBatcher:
-        loop = asyncio.get_running_loop()
-        if self.batcher is None or self.loop is not loop:
-            batcher = DynamicBatcher(
-                _process,
-                cost_estimator=lambda call: call.request.group_size,
-                target_batch_cost=MAX_BATCH_ROWS,
-                max_batch_size=MAX_BATCH_ROWS,
-                batch_timeout_s=BATCH_WINDOW_S,
-            )
-            await batcher.start()
-            self.loop, self.batcher = loop, batcher
-        return self.batcher
-
-
-_batcher = _ReplicaBatcher()
-
-
-async def batcher_stats():
-    """The replica batcher's `flyte.extras.BatchStats` (batches, records, mean batch size)."""
-    return (await _batcher.get()).stats
+@alru_cache(maxsize=1)
+async def replica_batcher() -> DynamicBatcher:
+    """The replica's one DynamicBatcher, started on first use: every generate call on this replica
+    submits its groups here, and only its consumer drives the engine."""
+    batcher = DynamicBatcher(
+        _process,
+        cost_estimator=lambda call: call.request.group_size,
+        target_batch_cost=MAX_BATCH_ROWS,
+        max_batch_size=MAX_BATCH_ROWS,
+        batch_timeout_s=BATCH_WINDOW_S,
+    )
+    await batcher.start()
+    return batcher
 
 
 async def generate_groups(key: EngineKey, adapter_path: str, requests: list[SamplingRequest]) -> list[list[Rollout]]:
     """Each request's group of rollouts, through the replica's batcher (so they batch with others')."""
-    batcher = await _batcher.get()
+    batcher = await replica_batcher()
     futures = [await batcher.submit(EngineCall(key, adapter_path, r)) for r in requests]
     results = await asyncio.gather(*futures)
     for result in results:
@@ -516,13 +446,13 @@ async def play_episodes(
 
     Every model turn of every episode goes through the replica's batcher on its own, so the turns
     of episodes that are not waiting on their environment decode together, with other groups'.
-    Each turn is sampled with its own seed (`multiturn.turn_seed`): an episode does not depend on
+    Each turn is sampled with its own seed (`decoding.sub_seed`): an episode does not depend on
     which others it was batched with.
     """
     cls = multiturn.load_environment(env)
     engine = await run_on_torch_thread(get_engine, key)
-    splicer = multiturn.Splicer(engine.tokenizer, is_chat(example, prompt), prompt.enable_thinking)
-    budgets = multiturn.Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
+    splicer = episodes.Splicer(engine.tokenizer, is_chat(example, prompt), prompt.enable_thinking)
+    budgets = episodes.Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
     stop = multiturn.stop_strings(cls)
 
     async def play(row: int) -> Rollout:
@@ -532,14 +462,14 @@ async def play_episodes(
                     "prompt_ids": context,
                     "group_size": 1,
                     "max_new_tokens": max_new_tokens,
-                    "seed": multiturn.turn_seed(request.seed, row, turn),
+                    "seed": sub_seed(request.seed, row, turn),
                     "stop": stop,
                 }
             )
             [[rollout]] = await generate_groups(key, adapter_path, [one])
             return rollout
 
-        return await multiturn.run_episode(multiturn.new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
+        return await episodes.run_episode(episodes.new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
 
     return await all_or_none([play(row) for row in range(request.group_size)])
 

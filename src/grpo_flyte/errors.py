@@ -6,8 +6,10 @@ the field to its flag when it prints the message, and a user of the Python API r
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -26,6 +28,10 @@ class GrpoFlyteError(Exception):
 
 class ConfigError(GrpoFlyteError, ValueError):
     """A bad option value or config file."""
+
+
+class UserError(GrpoFlyteError):
+    """Bad command-line input: printed as one line, exit status 2."""
 
 
 class DatasetError(GrpoFlyteError, ValueError):
@@ -47,6 +53,10 @@ class RewardError(GrpoFlyteError, RuntimeError):
     """A reward function raised or returned something other than one finite number per completion."""
 
 
+class RewardTimeout(RewardError):
+    """A reward call ran past its time limit."""
+
+
 class AdapterError(GrpoFlyteError, ValueError):
     """An adapter directory that cannot be used; the message names it."""
 
@@ -60,6 +70,14 @@ class EnvironmentSpecError(GrpoFlyteError, ValueError):
 
 class EpisodeError(GrpoFlyteError, RuntimeError):
     """An environment that broke its contract (a step returned no Reply); the message shows the episode."""
+
+
+_USER_ATTRIBUTE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def is_user_attribute(name: str) -> bool:
+    """Whether `name` has the shape 'module:attribute' (a custom reward or environment)."""
+    return _USER_ATTRIBUTE.fullmatch(name) is not None
 
 
 def import_user_attribute(name: str, error: Callable[[str], GrpoFlyteError]) -> Any:
@@ -97,3 +115,15 @@ def not_retried(exc: BaseException) -> Exception:
 def is_not_retried(exc: BaseException) -> bool:
     """Whether `exc` (as a parent task sees a child's failure) was marked `not_retried`."""
     return isinstance(exc, GrpoFlyteError) or getattr(exc, "code", None) == NOT_RETRIED
+
+
+@contextlib.contextmanager
+def input_errors_not_retried() -> Iterator[None]:
+    """Inside a task: a failure that comes from the run's input (a GrpoFlyteError, or a child
+    task's failure marked so) leaves the block `not_retried`; anything else as it is."""
+    try:
+        yield
+    except Exception as exc:
+        if is_not_retried(exc):
+            raise not_retried(exc) from exc
+        raise

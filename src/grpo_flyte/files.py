@@ -8,10 +8,14 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def build_dir_atomic(final: Path, build: Callable[[Path], object], *, replace: bool = True) -> Path:
-    """Run `build(staging)` in a fresh folder beside `final`, then rename it to `final`.
+def build_dir_atomic(final: Path, build: Callable[[Path], T], *, replace: bool = True) -> T:
+    """Run `build(staging)` in a fresh folder beside `final`, then rename it to `final`; returns
+    what `build` returned.
 
     A crash or an error leaves no half-written `final`. With `replace=False` an existing non-empty
     `final` is kept and the rename raises OSError (e.g. a concurrent builder won the race).
@@ -19,14 +23,14 @@ def build_dir_atomic(final: Path, build: Callable[[Path], object], *, replace: b
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        build(staging)
+        value = build(staging)
         os.chmod(staging, 0o755)  # mkdtemp makes it private; these folders are meant to be read
         if replace:
             shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return value
 
 
 def write_text_atomic(path: os.PathLike[str] | str, text: str) -> None:
@@ -76,7 +80,7 @@ def leftovers(directory: Path) -> list[Path]:
     return [p for p in sorted(directory.glob(".*")) if (p.is_file() and p.name.endswith(".tmp")) or (p.is_dir() and "-" in p.name)]
 
 
-def unwritable(folder: Path, writable: Callable[[Path], bool] | None = None) -> tuple[Path, str] | None:
+def unwritable(folder: Path) -> tuple[Path, str] | None:
     """Why `folder` could not be created or written, found without creating anything: (its nearest
     existing ancestor, "is a file" or "is read-only for this user"); None when it can be."""
     existing = folder.absolute()
@@ -84,7 +88,7 @@ def unwritable(folder: Path, writable: Callable[[Path], bool] | None = None) -> 
         existing = existing.parent
     if not existing.is_dir():
         return existing, "is a file"
-    if not (writable or _can_write)(existing):
+    if not _can_write(existing):
         return existing, "is read-only for this user"
     return None
 

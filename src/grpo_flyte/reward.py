@@ -1,6 +1,6 @@
 """The `score_group` task (one prompt group) and `score_groups` (held-out evaluation), on CPU.
 
-The reward functions themselves are pure and live in `grpo_flyte.rewards`; the run's scoring part
+The reward functions themselves are pure and live in `grpo_flyte.reward_fns`; the run's scoring part
 says which ones are weighted how (`rewards`) and what a failing one does (`on_reward_error`).
 """
 
@@ -10,8 +10,8 @@ import time
 
 from grpo_flyte.config import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
-from grpo_flyte.errors import GrpoFlyteError, not_retried
-from grpo_flyte.rewards import Group, score_completions
+from grpo_flyte.errors import input_errors_not_retried
+from grpo_flyte.reward_fns import Group, score_completions
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
@@ -32,7 +32,11 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
         episodes=[r.episode.messages() for r in group.rollouts] if episodes else (),
     )
     rewards = score_completions(
-        [r.answer_text for r in group.rollouts], about, scoring.rewards, on_error=scoring.on_reward_error, timeout_s=scoring.reward_timeout_s
+        [r.answer_text for r in group.rollouts],
+        about,
+        scoring.rewards,
+        on_error=scoring.on_reward_error,
+        timeout_s=scoring.reward_timeout_s,
     )
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 
@@ -42,16 +46,12 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
     """Score every completion of one prompt group with the configured weighted rewards.
 
     A reward that fails on these completions fails the same way again: not retried."""
-    try:
+    with input_errors_not_retried():
         return score(scoring, sampling, group)
-    except GrpoFlyteError as exc:
-        raise not_retried(exc) from exc
 
 
 @reward_env.task(retries=2)
 async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
-    try:
+    with input_errors_not_retried():
         return [score(scoring, sampling, g) for g in groups]
-    except GrpoFlyteError as exc:
-        raise not_retried(exc) from exc

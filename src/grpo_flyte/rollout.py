@@ -16,7 +16,7 @@ from flyte.io import Dir
 from grpo_flyte import engines
 from grpo_flyte.config import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.envs import rollout_env
-from grpo_flyte.errors import GrpoFlyteError, not_retried
+from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.models import resolve_dtype
 from grpo_flyte.storage import replica_cache
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
@@ -30,7 +30,9 @@ def _context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: Epi
     return prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens)
 
 
-async def _engine_inputs(model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef) -> tuple[engines.EngineKey, str]:
+async def _engine_inputs(
+    model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef
+) -> tuple[engines.EngineKey, str]:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
     key = engines.engine_key(
@@ -58,15 +60,13 @@ async def _sample(
     A broken environment fails the same way on every attempt: not retried."""
     if not episode.multi_turn:
         return await engines.generate_groups(key, adapter_path, requests)
-    try:
+    with input_errors_not_retried():
         return await engines.all_or_none(
             [
                 engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
                 for example, ids, request in zip(examples, prompts, requests, strict=True)
             ]
         )
-    except GrpoFlyteError as exc:
-        raise not_retried(exc) from exc
 
 
 @rollout_env.task(retries=2)
@@ -87,7 +87,9 @@ async def generate(
     started = time.perf_counter()
     key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
     [prompt_ids] = await engines.tokenize(key, [example], prompt)
-    [rollouts] = await _sample(key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt)
+    [rollouts] = await _sample(
+        key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt
+    )
     return RolloutGroup(
         index=index,
         example=example,

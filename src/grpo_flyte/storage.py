@@ -102,8 +102,9 @@ def replica_cache(name: str, capacity: int) -> LocalDirCache:
     return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
 
 
-async def publish_dir(build: Callable[[Path], object], name: str, folder: str = "adapters", key: str | None = None) -> Dir:
-    """Write a directory with `build(path)` and return it as a Dir, never half-written.
+async def publish_dir(build: Callable[[Path], T], name: str, folder: str = "adapters", key: str | None = None) -> tuple[Dir, T]:
+    """Write a directory with `build(path)` and return it as a Dir, never half-written, with what
+    `build` returned.
 
     `key` (a hash of the content) stands for the folder wherever Flyte hashes task inputs, so a
     task given this folder gets the same action name in a rerun of the run, and
@@ -117,11 +118,12 @@ async def publish_dir(build: Callable[[Path], object], name: str, folder: str = 
     raw = _local_raw_data()
     if raw is not None:
         # Replaces a folder left by an attempt that died before the checkpoint.
-        final = await run_on_torch_thread(build_dir_atomic, raw / folder / name, build)
-        return await Dir.from_local(str(final), dir_cache_key=key)
+        final = raw / folder / name
+        value = await run_on_torch_thread(build_dir_atomic, final, build)
+        return await Dir.from_local(str(final), dir_cache_key=key), value
     with tempfile.TemporaryDirectory() as tmp:
-        await run_on_torch_thread(build, Path(tmp))
-        return await Dir.from_local(tmp, dir_cache_key=key)
+        value = await run_on_torch_thread(build, Path(tmp))
+        return await Dir.from_local(tmp, dir_cache_key=key), value
 
 
 # Flyte passes task inputs inline up to 10 MiB. A list that could outgrow that (the token ids and
@@ -130,6 +132,7 @@ async def publish_dir(build: Callable[[Path], object], name: str, folder: str = 
 INLINE_LIMIT_BYTES = 4 * 2**20
 PAYLOAD_FILE = "items.jsonl"
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 def payload_text(items: list[BaseModel]) -> str | None:
@@ -158,7 +161,8 @@ async def as_payload(items: list[M], name: str) -> tuple[list[M], list[Dir]]:
     text = payload_text(items)
     if text is None:
         return items, []
-    return [], [await publish_dir(lambda out: write_payload(out, text), name, folder="payloads", key=payload_key(text))]
+    folder, _ = await publish_dir(lambda out: write_payload(out, text), name, folder="payloads", key=payload_key(text))
+    return [], [folder]
 
 
 async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache: LocalDirCache) -> list[M]:

@@ -71,9 +71,7 @@ class Tracker:
         try:
             import wandb
         except ImportError:
-            raise RuntimeError(
-                f"--wandb-project {project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'"
-            ) from None
+            raise RuntimeError(f"--wandb-project {project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'") from None
         # WANDB_DIR says where wandb keeps its local files (a local run sets it to the run folder).
         # entity None: WANDB_ENTITY, else the key's default entity (wandb's own choice)
         self._run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", config=config)

@@ -14,20 +14,19 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from flyte.io import Dir
 
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_env
-from grpo_flyte.errors import AdapterError, not_retried
+from grpo_flyte.errors import AdapterError, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, resolve_dtype, shareable_base, torch_dtype
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
-
-
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,7 +91,9 @@ def load_adapter_state(model, adapter_path: str, train: TrainConfig):
         try:
             optimizer.load_state_dict(torch.load(opt_file, map_location=best_device(), weights_only=True))
         except Exception as exc:  # noqa: BLE001 -- a truncated or foreign file fails in many ways
-            raise AdapterError(f"adapter {adapter_path!r}: optimizer state {OPTIMIZER_FILE} cannot be loaded ({type(exc).__name__}: {exc})") from None
+            raise AdapterError(
+                f"adapter {adapter_path!r}: optimizer state {OPTIMIZER_FILE} cannot be loaded ({type(exc).__name__}: {exc})"
+            ) from None
         _set_hyperparameters(optimizer, train)  # the config, not the file, sets them
     return optimizer
 
@@ -104,10 +105,6 @@ def _checkpointing_api(model) -> tuple[bool, Callable, Callable]:
     if hasattr(base, "activation_checkpointing_enable"):
         return base.is_activation_checkpointing, base.activation_checkpointing_enable, base.activation_checkpointing_disable
     return base.is_gradient_checkpointing, base.gradient_checkpointing_enable, base.gradient_checkpointing_disable
-
-
-def checkpointing_on(model) -> bool:
-    return _checkpointing_api(model)[0]
 
 
 def _set_checkpointing(model, on: bool) -> None:
@@ -133,7 +130,6 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
     if optimizer is not None:
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
     (out / STATE_FILE).write_text(json.dumps({"version": version}))
-
 
 
 def record_base(out: Path, model: str) -> None:
@@ -196,7 +192,8 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
         save_adapter(peft, None, 0, out)
         record_base(out, model.model)
 
-    return AdapterRef(version=0, dir=await publish_dir(build, "v0000"))
+    folder, _ = await publish_dir(build, "v0000")
+    return AdapterRef(version=0, dir=folder)
 
 
 def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list[grpo.TrainSequence], int]:
@@ -220,9 +217,7 @@ def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list
                 sampled = rollout.sampling_logprobs
                 if mask is not None:  # the trainer asks log-probs of the model's tokens only
                     sampled = [lp for lp, own in zip(sampled, mask, strict=True) if own]
-                sequences.append(
-                    grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, sampled, masked, mask)
-                )
+                sequences.append(grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, sampled, masked, mask))
     return sequences, total
 
 
@@ -301,7 +296,13 @@ def kl_measured(train: TrainConfig, iteration: int) -> bool:
 
 
 def _reference_pass(
-    model, sequences: list[grpo.TrainSequence], trained: list[int], need_old: set[int], train: TrainConfig, sampling: SamplingConfig, iteration: int
+    model,
+    sequences: list[grpo.TrainSequence],
+    trained: list[int],
+    need_old: set[int],
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    iteration: int,
 ):
     """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
     disabled: no second copy of the model) and, for the sequences in `need_old`, the old ones.
@@ -359,7 +360,9 @@ class _Totals:
         )
 
 
-def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, train: TrainConfig, sampling: SamplingConfig, totals: _Totals):
+def _micro_batch_loss(
+    model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, train: TrainConfig, sampling: SamplingConfig, totals: _Totals
+):
     """The loss of one micro-batch (its share of the minibatch loss); adds its metrics to `totals`.
 
     ref/old: per sequence of `seqs`, the reference and old log-probs (ref None where not computed;
@@ -386,9 +389,7 @@ def _micro_batch_loss(model, seqs, ref: list, old: list | None, norm: grpo.LossN
         totals.is_max = max(totals.is_max, float(rho.max()))
         totals.is_tokens += rho.numel()
     advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
-    token_loss, clipped = grpo.grpo_token_loss(
-        logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta
-    )
+    token_loss, clipped = grpo.grpo_token_loss(logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta)
     lengths = torch.tensor([s.num_trained for s in seqs], device=device)
     loss = grpo.aggregate_loss(token_loss, rows, lengths, train.loss_type, norm)
     totals.entropy += float(entropy.sum())
@@ -477,31 +478,26 @@ async def train_step(
     scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
     sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
-    measured: list[StepStats] = []
 
-    def build(out: Path) -> None:
+    def build(out: Path) -> tuple[Any, Any, StepStats, tuple]:
         peft = peft_model(model, lora, model_path)
         optimizer = _warm.take(peft, adapter.dir.path, adapter_path, train)
         if optimizer is None:
             optimizer = load_adapter_state(peft, adapter_path, train)
         steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
-        measured.append(grpo_step(peft, optimizer, sequences, train, sampling, steps))
+        stats = grpo_step(peft, optimizer, sequences, train, sampling, steps)
         save_adapter(peft, optimizer, version, out)
         record_base(out, model.model)
-        trained.append((peft, optimizer, _files_of(str(out))))
+        return peft, optimizer, stats, _files_of(str(out))
 
-    trained: list = []
-    try:
-        new_dir = await publish_dir(build, f"v{version:04d}")
-    except AdapterError as exc:  # a damaged adapter stays damaged: not retried
-        raise not_retried(exc) from exc
-    peft, optimizer, files = trained[0]
+    with input_errors_not_retried():  # e.g. a damaged adapter stays damaged
+        new_dir, (peft, optimizer, stats, files) = await publish_dir(build, f"v{version:04d}")
     _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
     return TrainStepResult(
         adapter=AdapterRef(version=version, dir=new_dir),
         num_rollouts=num_rollouts,
         num_contributing=num_contributing(sequences),
-        stats=measured[0],
+        stats=stats,
         train_s=time.perf_counter() - started,
     )
 
@@ -534,4 +530,5 @@ async def merge_adapter(base_model: Dir, adapter: AdapterRef) -> Dir:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
 
-    return await publish_dir(functools.partial(merge_into_base, model_path, adapter_path), f"merged-v{adapter.version:04d}")
+    merged, _ = await publish_dir(functools.partial(merge_into_base, model_path, adapter_path), f"merged-v{adapter.version:04d}")
+    return merged

@@ -27,26 +27,19 @@ start of the completion that broke it; with `on_reward_error='zero'` it scores 0
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import functools
 import inspect
 import logging
 import math
-import os
-import pickle
 import re
-import select
-import subprocess
-import sys
-import threading
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-from grpo_flyte.config import BUILTIN_REWARDS, check_reward_name
-from grpo_flyte.errors import RewardError, RewardSpecError, import_user_attribute
+from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute
+from grpo_flyte.sandbox import Worker, WorkerRaised
 from grpo_flyte.types import RewardParts
 
 MARKER = "####"
@@ -64,7 +57,6 @@ _TAGGED = re.compile(r"\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*",
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
 
 RewardFn = Callable[..., Sequence[float]]
-
 
 
 # --------------------------------------------------------------------------- answers
@@ -211,7 +203,13 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "length": length_reward,
     "env": env_reward,
 }
-assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS, "config.BUILTIN_REWARDS names the built-in rewards"
+BUILTIN_REWARDS = tuple(REWARD_FUNCTIONS)
+
+
+def check_reward_name(name: str) -> None:
+    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
+    if name not in REWARD_FUNCTIONS and not is_user_attribute(name):
+        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(REWARD_FUNCTIONS)} or 'module:function'")
 
 
 @functools.cache
@@ -230,122 +228,15 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
-# --------------------------------------------------------------------------- the time limit
+# --------------------------------------------------------------------------- calls in the sandbox
 
-# Every reward call, built-in or custom, runs in a worker process with a time limit: a reward
-# that never returns (math-verify on `9^9^9^9`, a custom reward stuck in a loop) is killed with its
-# process, and the limit shows as that reward's error. One worker per process, started on first
-# use with `python -c` and replaced after a timeout. Hand-written rather than a pool library
-# (pebble, concurrent.futures): those start workers through multiprocessing, which forks a
-# threaded process (unsafe) or, with "spawn", runs the parent's __main__ script again in the
-# worker (an unguarded user script would start its training run there).
-
-
-WORKER_START_S = 120
-
-
-class RewardTimeout(RewardError):
-    """A reward call ran past its time limit."""
-
-
-class _WorkerRaised(Exception):
-    """What the function raised in the worker: its type's name and message."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-def _send(stream, message: Any) -> None:
-    data = pickle.dumps(message)
-    stream.write(len(data).to_bytes(8, "little") + data)
-    stream.flush()
-
-
-def _receive(stream) -> Any:
-    size = stream.read(8)
-    if len(size) < 8:
-        raise EOFError("the worker closed its output")
-    return pickle.loads(stream.read(int.from_bytes(size, "little")))
-
-
-class _Worker:
-    """A child Python that runs functions of this module on request, one at a time."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.lock = threading.Lock()
-        atexit.register(self.stop)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def _started(self) -> subprocess.Popen:
-        if self.proc is None or self.proc.poll() is not None:
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from grpo_flyte.rewards import _serve; _serve()"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-            )  # fmt: skip
-            # Start-up (Python, math-verify, sympy: a second or more) is not any reward's time.
-            ready, _, _ = select.select([self.proc.stdout], [], [], WORKER_START_S)
-            if not ready or _receive(self.proc.stdout) != ("ok", "ready"):
-                self.stop()
-                raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
-        return self.proc
-
-    def call(self, fn: str, args: tuple, timeout_s: float, what: str) -> Any:
-        with self.lock:
-            proc = self._started()
-            try:
-                _send(proc.stdin, (list(sys.path), fn, args))
-                ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-                if not ready:
-                    self.stop()
-                    raise RewardTimeout(f"{what} took longer than {timeout_s:g} s (reward_timeout_s) and was stopped")
-                status, value = _receive(proc.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                code = proc.poll()
-                self.stop()
-                raise RewardError(f"{what} ended its worker process (exit code {code})") from None
-        if status == "raised":
-            raise _WorkerRaised(*value)
-        return value
-
-
-def _serve() -> None:
-    """The worker's loop: (import path, function name, args) in; ("ok", value) or ("raised",
-    (type name, message)) out. Anything the function raises is its answer, BaseException too."""
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a print() in user code must not corrupt the replies
-    import math_verify  # noqa: F401 -- loaded before the first timed call
-
-    _send(stdout, ("ok", "ready"))
-    while True:
-        try:
-            path, fn, args = _receive(stdin)
-        except EOFError:
-            return
-        sys.path[:] = path + [p for p in sys.path if p not in path]
-        try:
-            reply = ("ok", globals()[fn](*args))
-        except BaseException as exc:  # noqa: BLE001 -- user code: sys.exit() and KeyboardInterrupt are its errors too
-            reply = ("raised", (type(exc).__name__, str(exc)))
-        try:
-            _send(stdout, reply)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            _send(stdout, ("raised", ("TypeError", f"returned a value that cannot be sent back ({exc})")))
-
-
-_worker = _Worker()
+# This process's reward worker (grpo_flyte.sandbox): math-verify loads before the first timed call.
+_worker = Worker(preload=("math_verify", __name__))
 
 
 def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
-    """`fn(*args)` (a function of this module, by name) in the worker, within `timeout_s` seconds."""
-    return _worker.call(fn, args, timeout_s, what)
+    """`fn(*args)` (a function of this module, by name) in the sandbox, within `timeout_s` seconds."""
+    return _worker.call(f"{__name__}:{fn}", args, timeout_s, what)
 
 
 def trl_style(fn: RewardFn, trl_data: bool) -> bool:
@@ -483,6 +374,7 @@ class Group:
 
     def only(self, i: int) -> Group:
         """The same group reduced to completion `i`."""
+
         def one(values: Sequence) -> list:
             return [values[i]] if values else []
 
@@ -506,13 +398,15 @@ def _call(name: str, completions: list[str], group: Group, timeout_s: float) -> 
     args = (name, list(completions), list(group.num_tokens), ids, context, row)
     try:
         values = limited("_call_reward", args, timeout_s, f"reward {name!r}")
-    except _WorkerRaised as exc:
+    except WorkerRaised as exc:
         detail = str(exc) if len(str(exc)) <= SHOWN_CHARS else str(exc)[:SHOWN_CHARS] + "..."
         raise RewardError(f"reward {name!r} raised {exc.kind}: {detail}") from None
     return _checked(name, values, len(completions))
 
 
-def run_reward(name: str, completions: list[str], group: Group, on_error: str, timeout_s: float = 10.0) -> tuple[list[float | None], list[bool]]:
+def run_reward(
+    name: str, completions: list[str], group: Group, on_error: str, timeout_s: float = 10.0
+) -> tuple[list[float | None], list[bool]]:
     """One reward's scores for a group, and which completions it failed on.
 
     The group is scored in one call. If that fails, each completion is scored alone to find the

@@ -1,0 +1,91 @@
+"""Checks before start: everything a run's config asks of its data, rewards, environment, packages
+and model, checked on the submitting machine before any task starts (a user's error is never a
+failed, retried task). Used by local and cluster runs alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from grpo_flyte.config import (
+    ARITHMETIC_DATASET,
+    GSM8K_DATASET,
+    RunConfig,
+)
+from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
+from grpo_flyte.errors import ConfigError, UserError
+from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
+from grpo_flyte.reward_fns import resolve_reward
+from grpo_flyte.types import Example
+
+logger = logging.getLogger("grpo_flyte")
+
+
+def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, tuple[list[Example], list[Example]] | None]:
+    """Check the dataset and the rewards before any work starts; returns a file dataset's rows and
+    the (training, held-out) split when it was made here.
+
+    Every row must have a usable answer (when the 'correct' reward is weighted) and --eval-size must
+    fit. The rows of a file or a local dataset folder travel to the driver as an input; 'gsm8k' and
+    Hub ids are loaded where the driver runs (here too, in a local run, to check them first). Custom
+    rewards must import, and --wandb-project needs wandb.
+    """
+    examples = split = None
+    data = config.data
+    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET, *BUILTIN_DATASETS) and (
+        is_file_dataset(data.dataset) or Path(data.dataset).exists() or local
+    ):
+        examples = load_rows(config)
+    if examples is not None or local:
+        split = train_eval_split(config, examples)
+    for name in config.scoring.rewards:
+        resolve_reward(name)
+    if config.episode.multi_turn:
+        load_environment(config.episode.env)
+    if config.wandb_project and not _installed("wandb"):
+        raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
+    if config.wandb_project and not local and not _installed("flyteplugins.wandb"):
+        raise UserError(
+            f"--wandb-project {config.wandb_project!r} on a cluster needs flyteplugins-wandb (the run's W&B link in the "
+            "Flyte UI): pip install 'grpo-flyte[wandb]'"
+        )
+    return examples, split
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package too)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What the config asks of the model, checked before any task starts: the LoRA target layers
+    and, when the rows are known here, every prompt's length in the model's tokens."""
+    from grpo_flyte.models import lora_target_problem
+
+    problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
+    if problem:
+        raise ConfigError(problem, field="lora_target_modules")
+    if split is not None:
+        check_prompt_lengths(config, model_dir, [*split[0], *split[1]])
+
+
+def check_prompt_lengths(config: RunConfig, model_dir: Path, rows: list[Example]) -> None:
+    from transformers import AutoTokenizer
+
+    from grpo_flyte.prompts import overlong_prompts
+
+    limit = config.prompt.max_prompt_tokens
+    over = overlong_prompts(AutoTokenizer.from_pretrained(model_dir), rows, config.prompt)
+    if not over:
+        return
+    longest = max(over, key=over.__getitem__)
+    what = f"{len(over)} of {len(rows)} prompts are longer than {limit} tokens (the longest, {over[longest]} tokens: {rows[longest].question[:60]!r})"
+    if config.prompt.overlong_prompts == "truncate":
+        logger.warning("%s; each keeps its last %d tokens (--overlong-prompts truncate)", what, limit)
+        return
+    raise ConfigError(f"{limit}: {what}; expected at most {limit}: raise it, or add --overlong-prompts truncate", field="max_prompt_tokens")

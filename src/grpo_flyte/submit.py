@@ -1,0 +1,140 @@
+"""Submitting to a Flyte cluster: the base model and a file dataset as remote inputs, the code
+bundle, the W&B run's link, and `--resume-run` (a rerun with recovery).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo_flyte.config import (
+    EMBEDDED_MODEL,
+    RunConfig,
+)
+from grpo_flyte.errors import ModelError, UserError
+from grpo_flyte.preflight import check_inputs, check_model_fits
+from grpo_flyte.storage import payload_key, payload_text, write_payload
+from grpo_flyte.types import Example
+
+logger = logging.getLogger("grpo_flyte")
+
+
+def resolve_remote_model(model: str):
+    """The base model as a Dir in remote storage: prefetched from the Hub or uploaded from here."""
+    import flyte
+    import flyte.prefetch
+    from flyte.io import Dir
+
+    from grpo_flyte.envs import settings
+    from grpo_flyte.models import resolve_local_model
+
+    if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
+        return Dir.from_local_sync(str(resolve_local_model(model)))
+    if model.count("/") != 1:
+        raise ModelError(
+            f"{model!r}: expected 'embedded', a local model directory or a Hugging Face repo id like 'Qwen/Qwen3-0.6B'", field="model"
+        )
+    logger.info("prefetching %s into the cluster's storage (cached after the first time)", model)
+    prefetch = flyte.prefetch.hf_model(repo=model, hf_token_key=settings.hf_token_secret)
+    prefetch.wait()
+    return prefetch.outputs()[0]
+
+
+def require_cluster() -> None:
+    """Stop unless a Flyte cluster is configured: without an endpoint, flyte.run would quietly run
+    the whole loop on this machine instead of submitting it."""
+    import flyte.config
+
+    if not flyte.config.auto().platform.endpoint:
+        raise UserError(
+            "no Flyte cluster is configured (no admin endpoint in ./.flyte/config.yaml, ~/.flyte/config.yaml, "
+            "~/.union/config.yaml, $FLYTECTL_CONFIG or $UCTL_CONFIG); create one with "
+            "'flyte create config --endpoint <your-cluster> --project <p> --domain <d>', or add --local to run on this machine"
+        )
+
+
+def examples_inputs(examples: list[Example] | None, upload: Callable[[str, str], Any]) -> dict[str, Any]:
+    """A file dataset's rows as driver inputs: inline, or, past Flyte's inline limit, a folder
+    uploaded with `upload(local folder, content hash)`."""
+    text = payload_text(examples) if examples else None
+    if text is None:
+        return {"examples": examples}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_payload(Path(tmp), text)
+        return {"examples": [], "examples_file": [upload(tmp, payload_key(text))]}
+
+
+def _connect(custom_context: dict[str, str] | None = None):
+    """flyte.init for this package's code; returns the run context to submit with."""
+    import flyte
+
+    from grpo_flyte.envs import from_source_checkout
+
+    require_cluster()
+    # root_dir = src/ (or site-packages), so the modules resolve as grpo_flyte.* on the cluster.
+    flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
+    # A checkout's code travels in the code bundle; an installed wheel is in the image already
+    # (envs._with_package), and bundling site-packages would ship every loaded library.
+    return flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none", custom_context=custom_context)
+
+
+def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
+    """For --wandb-project on a cluster: the run context naming a new W&B run, and the W&B link
+    (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B.
+
+    The run is chosen here, before submitting, because the link is made when the task is
+    submitted; the driver then logs to the run the context names. The link needs the W&B entity
+    (user or team), from WANDB_ENTITY; wandb itself picks the key's default entity without it,
+    which the link cannot know."""
+    from grpo_flyte.tracking import WandbRun, new_run_id
+
+    if not project:
+        return {}, ()
+    chosen = WandbRun(project=project, id=new_run_id(), entity=os.environ.get("WANDB_ENTITY") or None)
+    if chosen.entity is None:
+        logger.warning(
+            "W&B: set WANDB_ENTITY (your W&B user or team) for the Flyte UI's W&B link to open run %s; without it, it opens wandb.ai",
+            chosen.id,
+        )
+    logger.info("W&B run %s in project %s, linked from the driver task in the Flyte UI", chosen.id, project)
+    return chosen.context(), (WandbRun.link(),)
+
+
+def run_remote(config: RunConfig) -> int:
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.models import is_repo_id, resolve_local_model
+
+    examples, split = check_inputs(config, local=False)
+    context, links = wandb_submission(config.wandb_project)
+    runner = _connect(context)
+    if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
+        check_model_fits(config, resolve_local_model(config.base.model), split)
+    base_model = resolve_remote_model(config.base.model)
+    inputs = examples_inputs(examples, lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
+    # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
+    task = train_rl.override(links=links) if links else train_rl
+    run = runner.run(task, config=config, base_model=base_model, **inputs)
+    print(run.url)
+    return 0
+
+
+def resume_remote(run_name: str) -> int:
+    """Rerun a cluster run with recovery. The driver starts again from the same inputs; every task
+    it submits gets the action name it had in the first run (names hash the inputs, and payload
+    folders carry a content hash), so each finished generate, score and train step is reused and
+    the loop is back where it stopped after a replay of its decisions."""
+    runner = _connect()
+    try:
+        run = runner.rerun(run_name, recover=True)
+    except NotImplementedError as exc:
+        raise UserError(f"--resume-run {run_name!r}: this cluster cannot recover runs ({exc}); start a new run") from None
+    except Exception as exc:  # noqa: BLE001 (a run not found, no access, ...: one line naming the run)
+        raise UserError(f"--resume-run {run_name!r}: {type(exc).__name__}: {exc}") from None
+    print(run.url)
+    return 0
