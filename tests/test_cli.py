@@ -578,7 +578,7 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
     from grpo_flyte.types import Example
 
     rows = [Example(question=f"What is {i} + 1?", answer=str(i + 1)) for i in range(12)]
-    assert submit.examples_inputs(rows, lambda folder, key: pytest.fail("small: inline")) == {"examples": rows}
+    assert submit.examples_inputs(rows, tmp_path, lambda folder, key: pytest.fail("small: inline")) == {"examples": rows}
     monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
     uploads = []
 
@@ -586,7 +586,7 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
         uploads.append(key)
         return Dir(path=str(shutil.copytree(folder, tmp_path / "remote")), hash=key)
 
-    inputs = submit.examples_inputs(rows, upload)
+    inputs = submit.examples_inputs(rows, tmp_path, upload)
     text = (tmp_path / "remote" / storage.PAYLOAD_FILE).read_text()
     assert uploads == [payload_key(text)] and inputs["examples"] == []
 
@@ -750,7 +750,7 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
     flyteplugins-wandb writes it, the submitted driver task carries the plugin's link to it, and
     the task still resolves as grpo_flyte.driver.train_rl with its retries; without W&B, neither."""
     src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "WANDB_ENTITY": "my-team"}
+    env = {**os.environ, "WANDB_ENTITY": "my-team", "GRPO_FLYTE_WANDB_SECRET": "wandb-api-key"}
     out = subprocess.run([sys.executable, "-c", _WANDB_DRY_RUN, str(src), str(tiny_model_dir)], capture_output=True, text=True,
                          timeout=180, cwd=tmp_path, env=env, check=False)  # fmt: skip
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

@@ -127,3 +127,41 @@ def test_informative_depends_on_the_truncation_policy():
     sg = _group(["length", "stop"], [0.2, 0.0])
     assert informative(_training(sg, "keep"))
     assert not informative(_training(sg, "min_reward"))
+
+
+_MEETS_THE_OTHER = """
+import os, time
+from pathlib import Path
+
+def meets(completions, *, question, **kwargs):
+    # each group's reward marks that it started, then waits until the other group's has started too
+    folder = Path(os.environ["MEET_DIR"])
+    (folder / question).touch()
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other group never started scoring")
+        time.sleep(0.05)
+    return [1.0 for _ in completions]
+"""
+
+
+def test_two_slow_groups_on_one_replica_score_at_once(tmp_path, monkeypatch):
+    """score_group leaves the event loop free and each group has its own sandbox worker: a group
+    whose reward waits for the other's to start finishes only if both score concurrently."""
+    (tmp_path / "meet_reward.py").write_text(_MEETS_THE_OTHER)
+    (tmp_path / "met").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MEET_DIR", str(tmp_path / "met"))
+    config = RunConfig(rewards={"meet_reward:meets": 1.0}, reward_timeout_s=120)
+
+    def group(question: str) -> RolloutGroup:
+        example = Example(question=question, answer="1")
+        return RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=[1], rollouts=[_rollout("#### 1")] * 2, generate_s=0.0)
+
+    async def both():
+        return await asyncio.gather(score_group(*_parts(config), group("a")), score_group(*_parts(config), group("b")))
+
+    scored = asyncio.run(both())
+    assert [p.scores["meet_reward:meets"] for sg in scored for p in sg.rewards] == [1.0] * 4
+    assert sorted(p.name for p in (tmp_path / "met").iterdir()) == ["a", "b"]

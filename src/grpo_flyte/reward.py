@@ -6,6 +6,7 @@ says which ones are weighted how (`rewards`) and what a failing one does (`on_re
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from grpo_flyte.config import RewardConfig, SamplingConfig
@@ -47,11 +48,12 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
 
     A reward that fails on these completions fails the same way again: not retried."""
     with input_errors_not_retried():
-        return score(scoring, sampling, group)
+        # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
+        return await asyncio.to_thread(score, scoring, sampling, group)
 
 
 @reward_env.task(retries=2)
 async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
     with input_errors_not_retried():
-        return [score(scoring, sampling, g) for g in groups]
+        return await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in groups])

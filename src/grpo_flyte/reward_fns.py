@@ -39,7 +39,7 @@ from decimal import Decimal
 from typing import Any
 
 from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute
-from grpo_flyte.sandbox import Worker, WorkerRaised
+from grpo_flyte.sandbox import WorkerPool, WorkerRaised
 from grpo_flyte.types import RewardParts
 
 MARKER = "####"
@@ -230,13 +230,15 @@ def resolve_reward(name: str) -> RewardFn:
 
 # --------------------------------------------------------------------------- calls in the sandbox
 
-# This process's reward worker (grpo_flyte.sandbox): math-verify loads before the first timed call.
-_worker = Worker(preload=("math_verify", __name__))
+# Groups one process scores at once, each in a worker of its own (grpo_flyte.sandbox); workers
+# start as needed, and math-verify loads before a worker's first timed call.
+MAX_WORKERS = 8
+_workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
 
 
 def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
     """`fn(*args)` (a function of this module, by name) in the sandbox, within `timeout_s` seconds."""
-    return _worker.call(f"{__name__}:{fn}", args, timeout_s, what)
+    return _workers.call(f"{__name__}:{fn}", args, timeout_s, what)
 
 
 def trl_style(fn: RewardFn, trl_data: bool) -> bool:

@@ -3,7 +3,8 @@
 Every reward call, built-in or custom, runs in a worker process: a reward that never returns
 (math-verify on `9^9^9^9`, a custom reward stuck in a loop) is killed with its process, and the limit
 shows as that reward's error. One worker per `Worker`, started on first use with `python -c` and
-replaced after a timeout. Hand-written rather than a pool library (pebble, concurrent.futures):
+replaced after a timeout; a `WorkerPool` lets concurrent callers (the groups a warm scoring
+replica scores at once) each have one, so a slow reward holds up only its own group. Hand-written rather than a pool library (pebble, concurrent.futures):
 those start workers through multiprocessing, which forks a threaded process (unsafe) or, with
 "spawn", runs the parent's __main__ script again in the worker (an unguarded user script would
 start its training run there).
@@ -18,6 +19,7 @@ import atexit
 import importlib
 import os
 import pickle
+import queue
 import select
 import subprocess
 import sys
@@ -129,3 +131,21 @@ def _serve() -> None:
             _send(stdout, reply)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             _send(stdout, ("raised", ("TypeError", f"returned a value that cannot be sent back ({exc})")))
+
+
+class WorkerPool:
+    """Up to `size` workers for concurrent callers, each call on a worker of its own. A worker
+    starts only when every started one is busy, so one caller at a time keeps one process."""
+
+    def __init__(self, size: int, preload: tuple[str, ...] = ()) -> None:
+        self.idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last used first: it is started
+        for _ in range(size):
+            self.idle.put(Worker(preload))
+
+    def call(self, fn: str, args: tuple, timeout_s: float, what: str) -> Any:
+        """`Worker.call` on a free worker (waiting for one when all `size` are busy)."""
+        worker = self.idle.get()
+        try:
+            return worker.call(fn, args, timeout_s, what)
+        finally:
+            self.idle.put(worker)

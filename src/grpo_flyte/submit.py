@@ -1,9 +1,12 @@
-"""Submitting to a Flyte cluster: the base model and a file dataset as remote inputs, the code
-bundle, the W&B run's link, and `--resume-run` (a rerun with recovery).
+"""Submitting to a Flyte cluster: the checks only a cluster run needs, the base model and a file
+dataset as remote inputs, the code bundle (or, for an installed wheel, a version naming the code),
+the W&B run's link, and `--resume-run` (a rerun with recovery).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import tempfile
@@ -15,12 +18,16 @@ from grpo_flyte.config import (
     EMBEDDED_MODEL,
     RunConfig,
 )
-from grpo_flyte.errors import ModelError, UserError
+from grpo_flyte.errors import ModelError, UserError, is_user_attribute
 from grpo_flyte.preflight import check_inputs, check_model_fits
 from grpo_flyte.storage import payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
 
 logger = logging.getLogger("grpo_flyte")
+
+# The folder whose modules travel in a checkout's code bundle (flyte.init's root_dir): src/, so the
+# package resolves as grpo_flyte.* on the cluster.
+BUNDLE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def resolve_remote_model(model: str):
@@ -44,6 +51,74 @@ def resolve_remote_model(model: str):
     return prefetch.outputs()[0]
 
 
+def check_submission(config: RunConfig) -> None:
+    """What only a cluster run needs, checked before anything is submitted: the W&B key as a
+    Flyte secret, a LoRA rank vLLM serves, and custom rewards and environments the pods can import."""
+    from grpo_flyte.engines import VLLM_LORA_RANKS
+    from grpo_flyte.envs import from_source_checkout, settings
+
+    if config.wandb_project and not settings.wandb_secret:
+        raise UserError(
+            f"--wandb-project {config.wandb_project!r} on a cluster needs your W&B API key as a Flyte secret: create it "
+            "(flyte create secret wandb-api-key) and name it in GRPO_FLYTE_WANDB_SECRET=wandb-api-key"
+        )
+    if config.engine.backend != "hf" and config.lora.lora_rank > max(VLLM_LORA_RANKS):
+        raise UserError(
+            f"--lora-rank {config.lora.lora_rank}: vLLM, which generates on a cluster's GPUs, serves LoRA ranks up to "
+            f"{max(VLLM_LORA_RANKS)}; expected at most {max(VLLM_LORA_RANKS)} (or --backend hf)"
+        )
+    names = [name for name in config.scoring.rewards if is_user_attribute(name)]
+    if is_user_attribute(config.episode.env):
+        names.append(config.episode.env)
+    for name in names:
+        problem = _not_shipped(name.split(":")[0], BUNDLE_ROOT if from_source_checkout() else None)
+        if problem:
+            raise UserError(f"{name!r}: {problem}")
+
+
+def _not_shipped(module: str, bundle_root: Path | None) -> str | None:
+    """Why `module` would not import in a pod (None when it would): only files under the bundle
+    root travel with a run (none for an installed wheel), and the task image holds grpo_flyte's
+    own dependencies, not the modules of this machine."""
+    spec = importlib.util.find_spec(module)  # it imported in check_inputs, so it is found
+    origin = Path(spec.origin).resolve() if spec and spec.origin else None
+    if origin is not None and bundle_root is not None and origin.is_relative_to(bundle_root):
+        return None
+    where = f"{str(origin)!r}" if origin else "this machine"
+    if bundle_root is None:
+        return (
+            f"module {module!r} is at {where}, which a run submitted from an installed grpo_flyte does not ship (the code is "
+            "the image's); submit from a source checkout with the module under its src/, or add it to the task image"
+        )
+    return (
+        f"module {module!r} is at {where}, outside the code bundle (only modules under {str(bundle_root)!r} travel with a "
+        f"run): move it there, e.g. {str(bundle_root / (module.replace('.', '/') + '.py'))!r}"
+    )
+
+
+def code_version() -> str:
+    """What names the code of a run submitted from an installed wheel (no bundle to hash): the
+    package version and a hash of its modules, so that changed code gets a new version."""
+    from grpo_flyte import __version__
+
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"{__version__}-{digest.hexdigest()[:12]}"
+
+
+def run_context_options(custom_context: dict[str, str] | None = None) -> dict[str, Any]:
+    """`flyte.with_runcontext` options of a submission: a checkout's code travels in the code
+    bundle; an installed wheel is in the image already (envs._with_package), and bundling
+    site-packages would ship every loaded library, so it names its code with `code_version`."""
+    from grpo_flyte.envs import from_source_checkout
+
+    if from_source_checkout():
+        return {"copy_style": "loaded_modules", "custom_context": custom_context}
+    return {"copy_style": "none", "version": code_version(), "custom_context": custom_context}
+
+
 def require_cluster() -> None:
     """Stop unless a Flyte cluster is configured: without an endpoint, flyte.run would quietly run
     the whole loop on this machine instead of submitting it."""
@@ -57,29 +132,26 @@ def require_cluster() -> None:
         )
 
 
-def examples_inputs(examples: list[Example] | None, upload: Callable[[str, str], Any]) -> dict[str, Any]:
+def examples_inputs(examples: list[Example] | None, staging: Path, upload: Callable[[str, str], Any]) -> dict[str, Any]:
     """A file dataset's rows as driver inputs: inline, or, past Flyte's inline limit, a folder
-    uploaded with `upload(local folder, content hash)`."""
+    written under `staging` and given to `upload(local folder, content hash)`. Outside a task
+    `Dir.from_local_sync` uploads when the run is submitted: `staging` must outlive that."""
     text = payload_text(examples) if examples else None
     if text is None:
         return {"examples": examples}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_payload(Path(tmp), text)
-        return {"examples": [], "examples_file": [upload(tmp, payload_key(text))]}
+    folder = staging / "examples"
+    folder.mkdir()
+    write_payload(folder, text)
+    return {"examples": [], "examples_file": [upload(str(folder), payload_key(text))]}
 
 
 def _connect(custom_context: dict[str, str] | None = None):
     """flyte.init for this package's code; returns the run context to submit with."""
     import flyte
 
-    from grpo_flyte.envs import from_source_checkout
-
     require_cluster()
-    # root_dir = src/ (or site-packages), so the modules resolve as grpo_flyte.* on the cluster.
-    flyte.init_from_config(root_dir=Path(__file__).resolve().parents[1])
-    # A checkout's code travels in the code bundle; an installed wheel is in the image already
-    # (envs._with_package), and bundling site-packages would ship every loaded library.
-    return flyte.with_runcontext(copy_style="loaded_modules" if from_source_checkout() else "none", custom_context=custom_context)
+    flyte.init_from_config(root_dir=BUNDLE_ROOT)
+    return flyte.with_runcontext(**run_context_options(custom_context))
 
 
 def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
@@ -111,15 +183,17 @@ def run_remote(config: RunConfig) -> int:
     from grpo_flyte.models import is_repo_id, resolve_local_model
 
     examples, split = check_inputs(config, local=False)
+    check_submission(config)
     context, links = wandb_submission(config.wandb_project)
     runner = _connect(context)
     if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
         check_model_fits(config, resolve_local_model(config.base.model), split)
     base_model = resolve_remote_model(config.base.model)
-    inputs = examples_inputs(examples, lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
     task = train_rl.override(links=links) if links else train_rl
-    run = runner.run(task, config=config, base_model=base_model, **inputs)
+    with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
+        inputs = examples_inputs(examples, Path(staging), lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
+        run = runner.run(task, config=config, base_model=base_model, **inputs)
     print(run.url)
     return 0
 

@@ -101,7 +101,7 @@ class Rollout(BaseModel):
     temperature) of each sampled token. In an episode, `model_mask` marks the model's tokens (True)
     and the environment's (False: in the context, out of the loss; their log-prob entries are 0
     and never read); None means every token is the model's. `text` is the completion, or the
-    episode's transcript to read (`multiturn.transcript`); rewards read `answer_text`.
+    episode's transcript to read (`episodes.transcript`); rewards read `answer_text`.
     """
 
     completion_ids: list[int]
