@@ -108,18 +108,6 @@ class DataConfig(_Part):
         ),
     )
 
-    @field_validator("dataset")
-    @classmethod
-    def _readable_dataset(cls, dataset: str) -> str:
-        # Anything else may be a Hub id or a dataset folder: read (and checked) before the run starts.
-        if dataset.lower().endswith(UNSUPPORTED_FILE_TYPES):
-            raise ValueError(
-                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}', a path ending in "
-                + ", ".join(DATASET_FILE_TYPES)
-                + ", a dataset folder or a Hub id"
-            )
-        return dataset
-
     dataset_split: str = Field("train", min_length=1, description="Hub ids and dataset folders: the split to read.")
     question_column: str = Field(
         "question", min_length=1, description="The column holding the question (unless the rows have TRL's 'prompt')."
@@ -132,6 +120,18 @@ class DataConfig(_Part):
             "Needed, and must parse as math, only when the 'correct' reward is weighted."
         ),
     )
+
+    @field_validator("dataset")
+    @classmethod
+    def _readable_dataset(cls, dataset: str) -> str:
+        # Anything else may be a Hub id or a dataset folder: read (and checked) before the run starts.
+        if dataset.lower().endswith(UNSUPPORTED_FILE_TYPES):
+            raise ValueError(
+                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}', a path ending in "
+                + ", ".join(DATASET_FILE_TYPES)
+                + ", a dataset folder or a Hub id"
+            )
+        return dataset
 
 
 class PromptConfig(_Part):
@@ -293,16 +293,6 @@ class TrainConfig(_Part):
     )
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range below 1: the ratio is clipped at 1 - epsilon.")
 
-    @field_validator("scale_rewards", mode="before")
-    @classmethod
-    def _trl_scale_rewards(cls, value: Any) -> Any:
-        # TRL also takes booleans (True: 'group', False: 'none'); its 'batch' has no equivalent here
-        if isinstance(value, bool):
-            return "group" if value else "none"
-        if value == "batch":
-            raise ValueError("'batch' (TRL's batch-level std) is not supported; expected 'group' or 'none'")
-        return value
-
     epsilon_high: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high.")
     updates_per_iter: int = Field(
         1,
@@ -362,6 +352,16 @@ class TrainConfig(_Part):
         False,
         description="Recompute activations in the backward pass instead of keeping them: less memory for long sequences, ~30% more time.",
     )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _trl_scale_rewards(cls, value: Any) -> Any:
+        # TRL also takes booleans (True: 'group', False: 'none'); its 'batch' has no equivalent here
+        if isinstance(value, bool):
+            return "group" if value else "none"
+        if value == "batch":
+            raise ValueError("'batch' (TRL's batch-level std) is not supported; expected 'group' or 'none'")
+        return value
 
     @field_validator("truncated", mode="before")
     @classmethod

@@ -6,6 +6,7 @@ the W&B run's link, and `--resume-run` (a rerun with recovery).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -99,13 +100,11 @@ def _not_shipped(module: str, bundle_root: Path | None) -> str | None:
 def code_version() -> str:
     """What names the code of a run submitted from an installed wheel (no bundle to hash): the
     package version and a hash of its modules, so that changed code gets a new version."""
-    from grpo_flyte import __version__
-
     package = Path(__file__).resolve().parent
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
-    return f"{__version__}-{digest.hexdigest()[:12]}"
+    return f"{importlib.metadata.version('grpo-flyte')}-{digest.hexdigest()[:12]}"
 
 
 def run_context_options(custom_context: dict[str, str] | None = None) -> dict[str, Any]:
