@@ -1,0 +1,236 @@
+"""Run one of grpo_flyte's tasks the way a pod on a cluster runs it, with no cluster.
+
+Three parts, each done by Flyte's own code (flyte 2.12.1):
+
+1. **The submission** (`submit`, run as a script in a fresh process): the CLI's cluster path
+   (`grpo_flyte.cli.main`) runs as an offline remote dry run. Only what needs a cluster is replaced:
+   the config check (`require_cluster`), the connection (`flyte.init_from_config` becomes
+   `flyte.init` with the CLI's own `root_dir`), the base model upload, and the submission itself
+   (`flyte.with_runcontext(mode="remote", dry_run=True, ...)` with the CLI's `copy_style`). Flyte's
+   `build_code_bundle` then bundles the modules that process loaded under `root_dir`, as it would
+   for a real run. The leaf tasks' specs come from `flyte.extras.serialize_env` with that bundle in
+   the `SerializationContext`, as the driver pod's controller builds them.
+2. **The image** (`image_python`): a virtualenv that sees the test virtualenv's packages but not
+   its editable install of grpo_flyte, like an image built from a checkout (dependencies only, the
+   code comes in the bundle), with flyte's `a0` console script on its PATH.
+3. **The pod** (`Rehearsal.run`): inputs written as the driver's controller writes them
+   (`convert_from_native_to_inputs`, `upload_inputs`), the spec's container args with the backend's
+   template placeholders filled in, and `a0` run in an empty working folder with only a pod's
+   environment: PATH, HOME, the spec's env vars and the variables the backend sets. `a0` downloads
+   and unpacks the bundle there itself (`--tgz`, `--dest .`), imports the task through its resolver,
+   and writes `outputs.pb` or `error.pb`, which are read back with `load_outputs` /
+   `convert_outputs_to_native` into grpo_flyte's pydantic models.
+
+Raw data (where tasks upload the Dirs they return) lives under `local://`, not `file://`: flyte
+treats any `file` protocol raw data prefix as local mode (`Dir.from_local` returns the local folder
+without copying, `Dir.download` copies an unstripped `file://` string), so a `file://` prefix cannot
+stand in for an object store. `local://` is fsspec's local filesystem under a protocol flyte
+treats as remote, so the pods upload and download through fsspec as they would with `s3://`.
+
+Not rehearsed: the three environments are reusable, and on a cluster unionai-reuse's executor runs
+these same args inside a warm replica (a fresh `a0` per call here); secrets (HF_TOKEN) are not
+injected; the image's own ENV lines are left out; no GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+import venv
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+RAW_SCHEME = "local://"
+SUBMISSION_FILE = "submission.json"
+
+
+# --------------------------------------------------------------------------- the image
+
+
+def image_python(dest: Path) -> Path:
+    """A virtualenv at `dest` with the running interpreter's packages and `a0`, without the
+    editable grpo_flyte; returns its bin folder.
+
+    The packages folder is added by a `.pth` line, which puts it on sys.path without processing
+    the `.pth` files inside it (the editable install is one of those)."""
+    venv.create(dest, with_pip=False)
+    packages = sysconfig.get_paths()["purelib"]
+    [site] = list(dest.glob("lib/python*/site-packages"))
+    (site / "image_packages.pth").write_text(f"{packages}\n")
+    # flyte's own console script, as the image installs it
+    [entry] = importlib.metadata.entry_points(group="console_scripts", name="a0")
+    module, function = entry.value.split(":")
+    a0 = dest / "bin" / "a0"
+    a0.write_text(f"#!{dest / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    a0.chmod(0o755)
+    return dest / "bin"
+
+
+# --------------------------------------------------------------------------- the submission
+
+
+def run_submission(bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str) -> dict[str, Any]:
+    """`submit` in a fresh process of the image's Python, with the checkout's src/ (and
+    `extra_path`, a folder of modules outside it) on PYTHONPATH; returns what it recorded."""
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out / "home"), "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}"}
+    command = [str(bin_dir / "python"), __file__, str(out), str(model), rewards]
+    done = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads((out / SUBMISSION_FILE).read_text())
+
+
+def submit(out: Path, model: str, rewards: str) -> None:
+    """The CLI's cluster path as an offline dry run; records the bundle and every leaf task's spec."""
+    import flyte
+    import flyte.extras
+    from flyte.io import Dir
+    from flyte.models import SerializationContext
+
+    from grpo_flyte import cli, envs
+
+    roots: list[Path] = []
+    submitted: list[Any] = []
+    with_runcontext = flyte.with_runcontext
+
+    def init_from_config(root_dir: Path, **_: Any) -> None:
+        roots.append(root_dir)
+        flyte.init(root_dir=root_dir)
+
+    def offline_runcontext(**kwargs: Any) -> Any:
+        runner = with_runcontext(mode="remote", dry_run=True, copy_bundle_to=out, **kwargs)
+        run = runner.run
+
+        def dry_run(task: Any, *args: Any, **inputs: Any) -> Any:
+            submitted.append(run(task, *args, **inputs))
+            return type("Run", (), {"url": "dry-run"})()  # all the CLI reads of it
+
+        runner.run = dry_run
+        return runner
+
+    cli.require_cluster = lambda: None
+    cli.resolve_remote_model = lambda path: Dir(path=RAW_SCHEME + path)
+    flyte.init_from_config = init_from_config
+    flyte.with_runcontext = offline_runcontext
+    exit_code = cli.main(["--model", model, "--iterations", "1", "--rewards", rewards])
+    assert exit_code == 0 and submitted, f"the CLI's cluster path exited {exit_code}"
+
+    bundle = submitted[-1].code_bundle
+    ctx = SerializationContext(code_bundle=bundle, version=bundle.computed_version, root_dir=roots[-1])
+    tasks = {}
+    for env in (envs.rollout_env, envs.reward_env, envs.train_env):
+        for spec in flyte.extras.serialize_env(env, ctx):
+            container = spec.task_template.container
+            tasks[spec.task_template.id.name] = {"args": list(container.args), "env": {kv.key: kv.value for kv in container.env}}
+    record = {
+        "bundle": {
+            "tgz": bundle.tgz,
+            "version": bundle.computed_version,
+            "files": [str(Path(f).relative_to(roots[-1])) for f in bundle.files],
+        },
+        "driver_args": list(submitted[-1].task_spec.task_template.container.args),
+        "tasks": tasks,
+    }
+    (out / SUBMISSION_FILE).write_text(json.dumps(record, indent=1))
+
+
+# --------------------------------------------------------------------------- the pod
+
+
+@dataclass
+class PodRun:
+    """What one pod left: its outputs (native) or its error document, and its log."""
+
+    outputs: Any
+    error: Any  # flyteidl2 ErrorDocument, or None
+    workdir: Path
+    raw_data: Path
+    log: str
+    seconds: float
+
+
+class Rehearsal:
+    """Runs leaf tasks as pods of one run: `run(task, *inputs)` is one action."""
+
+    def __init__(self, root: Path, bin_dir: Path, submission: dict[str, Any]):
+        self.root = root
+        self.bin_dir = bin_dir
+        self.submission = submission
+        self.count = 0
+
+    def run(self, task: Any, *args: Any) -> PodRun:
+        from flyte._internal.runtime import convert, io
+        from flyteidl2.core import execution_pb2
+
+        self.count += 1
+        action = f"a{self.count}-{task.name.split('.')[-1]}"
+        metadata = self.root / "metadata" / action
+        metadata.mkdir(parents=True)  # a local "object store" needs the folder; s3 would not
+        prefix = metadata.as_uri()
+        # the driver's controller: serialize the call's inputs, write inputs.pb under the action
+        inputs = asyncio.run(convert.convert_from_native_to_inputs(task.native_interface, *args))
+        asyncio.run(io.upload_inputs(inputs, io.inputs_path(prefix)))
+
+        spec = self.submission["tasks"][task.name]
+        raw_data = self.root / "raw" / action
+        filled = {
+            "{{.input}}": io.inputs_path(prefix),
+            "{{.outputPrefix}}": prefix,
+            "{{.rawOutputDataPrefix}}": RAW_SCHEME + str(raw_data),
+            "{{.checkpointOutputPrefix}}": (self.root / "checkpoints" / action).as_uri(),
+            "{{.prevCheckpointPrefix}}": "",  # a first attempt has no previous checkpoint
+            "{{.runName}}": "rehearsal",
+            "{{.actionName}}": action,
+            "{{.runStartTime}}": datetime.now(UTC).isoformat(),
+        }
+        args = [filled.get(arg, arg) for arg in spec["args"]]
+        assert not [a for a in args if "{{" in a], f"a placeholder this rehearsal does not fill: {args}"
+
+        # The pod's working folder is its HOME (the flyte base image: WORKDIR /home/flyte), empty.
+        workdir = self.root / "pods" / action
+        workdir.mkdir(parents=True)
+        env = {
+            "PATH": f"{self.bin_dir}:/usr/bin:/bin",
+            "HOME": str(workdir),
+            **spec["env"],
+            # set by the backend on every task pod
+            "ACTION_NAME": action,
+            "RUN_NAME": "rehearsal",
+            "FLYTE_INTERNAL_EXECUTION_PROJECT": "rehearsal",
+            "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
+            "_U_ORG_NAME": "rehearsal",
+            "_U_RUN_BASE": (self.root / "metadata").as_uri(),
+            "_U_EP_OVERRIDE": "localhost:1",  # no backend: a leaf task must never need one
+        }
+        started = time.perf_counter()
+        done = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=300, check=False)
+        seconds = time.perf_counter() - started
+        log = done.stdout + done.stderr
+        assert done.returncode == 0, f"a0 exited {done.returncode}:\n{log[-4000:]}"
+
+        outputs = error = None
+        if (metadata / "outputs.pb").exists():
+            loaded = asyncio.run(io.load_outputs(io.outputs_path(prefix)))
+            outputs = asyncio.run(convert.convert_outputs_to_native(task.native_interface, loaded))
+        if (metadata / "error.pb").exists():
+            error = execution_pb2.ErrorDocument()
+            error.ParseFromString((metadata / "error.pb").read_bytes())
+        assert (outputs is None) != (error is None), f"expected outputs.pb or error.pb:\n{log[-4000:]}"
+        return PodRun(outputs=outputs, error=error, workdir=workdir, raw_data=raw_data, log=log, seconds=seconds)
+
+
+def local_path(uri: str) -> Path:
+    """The folder behind a Dir a pod published under the rehearsal's raw data prefix."""
+    assert uri.startswith(RAW_SCHEME), f"{uri!r} is not under the raw data prefix: the pod did not upload it"
+    return Path(uri.removeprefix(RAW_SCHEME))
+
+
+if __name__ == "__main__":
+    submit(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
