@@ -3,7 +3,7 @@
 Three parts, each done by Flyte's own code (flyte 2.12.1):
 
 1. **The submission** (`submit`, run as a script in a fresh process): the CLI's cluster path
-   (`grpo_flyte.cli.main`) runs as an offline remote dry run. Only what needs a cluster is replaced:
+   (`grpo_flyte.cli.main`, `grpo_flyte.submit`) runs as an offline remote dry run. Only what needs a cluster is replaced:
    the config check (`require_cluster`), the connection (`flyte.init_from_config` becomes
    `flyte.init` with the CLI's own `root_dir`), the base model upload, and the submission itself
    (`flyte.with_runcontext(mode="remote", dry_run=True, ...)` with the CLI's `copy_style`). Flyte's
@@ -21,11 +21,12 @@ Three parts, each done by Flyte's own code (flyte 2.12.1):
    and writes `outputs.pb` or `error.pb`, which are read back with `load_outputs` /
    `convert_outputs_to_native` into grpo_flyte's pydantic models.
 
-Raw data (where tasks upload the Dirs they return) lives under `local://`, not `file://`: flyte
-treats any `file` protocol raw data prefix as local mode (`Dir.from_local` returns the local folder
-without copying, `Dir.download` copies an unstripped `file://` string), so a `file://` prefix cannot
-stand in for an object store. `local://` is fsspec's local filesystem under a protocol flyte
-treats as remote, so the pods upload and download through fsspec as they would with `s3://`.
+Raw data (where tasks write the Dirs they return) is a `file://` prefix by default, as on a cluster
+whose raw data is a shared file system: flyte then returns a task's folders in place, and
+grpo_flyte must treat `file://` paths as local (it once took them for object-store URIs and
+returned a deleted temp folder). With `raw_scheme="local://"` (fsspec's local filesystem under a
+protocol flyte treats as remote) the pods upload and download through fsspec as they would with
+`s3://`.
 
 Not rehearsed: the three environments are reusable, and on a cluster unionai-reuse's executor runs
 these same args inside a warm replica (a fresh `a0` per call here); secrets (HF_TOKEN) are not
@@ -48,7 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RAW_SCHEME = "local://"
+RAW_SCHEMES = ("file://", "local://")
 SUBMISSION_FILE = "submission.json"
 
 
@@ -94,7 +95,7 @@ def submit(out: Path, model: str, rewards: str) -> None:
     from flyte.io import Dir
     from flyte.models import SerializationContext
 
-    from grpo_flyte import cli, envs
+    from grpo_flyte import cli, envs, submit
 
     roots: list[Path] = []
     submitted: list[Any] = []
@@ -115,8 +116,8 @@ def submit(out: Path, model: str, rewards: str) -> None:
         runner.run = dry_run
         return runner
 
-    cli.require_cluster = lambda: None
-    cli.resolve_remote_model = lambda path: Dir(path=RAW_SCHEME + path)
+    submit.require_cluster = lambda: None
+    submit.resolve_remote_model = lambda path: Dir(path=Path(path).as_uri())
     flyte.init_from_config = init_from_config
     flyte.with_runcontext = offline_runcontext
     exit_code = cli.main(["--model", model, "--iterations", "1", "--rewards", rewards])
@@ -159,7 +160,8 @@ class PodRun:
 class Rehearsal:
     """Runs leaf tasks as pods of one run: `run(task, *inputs)` is one action."""
 
-    def __init__(self, root: Path, bin_dir: Path, submission: dict[str, Any]):
+    def __init__(self, root: Path, bin_dir: Path, submission: dict[str, Any], raw_scheme: str = "file://"):
+        self.raw_scheme = raw_scheme
         self.root = root
         self.bin_dir = bin_dir
         self.submission = submission
@@ -183,7 +185,7 @@ class Rehearsal:
         filled = {
             "{{.input}}": io.inputs_path(prefix),
             "{{.outputPrefix}}": prefix,
-            "{{.rawOutputDataPrefix}}": RAW_SCHEME + str(raw_data),
+            "{{.rawOutputDataPrefix}}": self.raw_scheme + str(raw_data),
             "{{.checkpointOutputPrefix}}": (self.root / "checkpoints" / action).as_uri(),
             "{{.prevCheckpointPrefix}}": "",  # a first attempt has no previous checkpoint
             "{{.runName}}": "rehearsal",
@@ -227,9 +229,11 @@ class Rehearsal:
 
 
 def local_path(uri: str) -> Path:
-    """The folder behind a Dir a pod published under the rehearsal's raw data prefix."""
-    assert uri.startswith(RAW_SCHEME), f"{uri!r} is not under the raw data prefix: the pod did not upload it"
-    return Path(uri.removeprefix(RAW_SCHEME))
+    """The folder behind a Dir a pod published: a plain path, or a URI of one of `RAW_SCHEMES`."""
+    for scheme in RAW_SCHEMES:
+        uri = uri.removeprefix(scheme)
+    assert "://" not in uri, f"{uri!r}: not a folder of this machine"
+    return Path(uri)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from flyte.io import Dir
 from flyteidl2.core import execution_pb2
-from pod_rehearsal import RAW_SCHEME, Rehearsal, image_python, local_path, run_submission
+from pod_rehearsal import RAW_SCHEMES, Rehearsal, image_python, local_path, run_submission
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.reward import score_group
@@ -48,7 +48,7 @@ def rehearsal(tmp_path_factory, tiny_model_dir) -> Rehearsal:
     (root / "elsewhere" / "stray_rewards.py").write_text(REWARD_MODULE)
     bin_dir = image_python(root / "image")
     (root / "submission").mkdir()
-    rewards = f"correct=1.0,{SHIPPED}=0.5,{STRAY}=0.5"
+    rewards = f"correct=1.0,{SHIPPED}=0.5"  # the CLI refuses STRAY before submitting (tests/test_submit.py)
     submission = run_submission(bin_dir, checkout / "src", root / "elsewhere", root / "submission", tiny_model_dir, rewards)
     return Rehearsal(root / "run", bin_dir, submission)
 
@@ -56,7 +56,7 @@ def rehearsal(tmp_path_factory, tiny_model_dir) -> Rehearsal:
 @pytest.fixture(scope="module")
 def base_model(tiny_model_dir) -> Dir:
     """The tiny model as pods get a base model: a Dir in remote storage, which each pod downloads."""
-    return Dir(path=RAW_SCHEME + str(tiny_model_dir))
+    return Dir(path=tiny_model_dir.as_uri())
 
 
 CONFIG = RunConfig(group_size=2, max_new_tokens=4, learning_rate=1e-2, dtype="float32", kl_monitor_every=1, backend="hf")
@@ -73,7 +73,7 @@ def test_the_submission_ships_the_package_and_only_the_reward_module_under_its_r
     submission = rehearsal.submission
     files = set(submission["bundle"]["files"])
     assert {"grpo_flyte/reward.py", "grpo_flyte/trainer.py", "grpo_flyte/rollout.py", "team_rewards.py"} <= files
-    assert not any("stray_rewards" in f for f in files)  # the CLI imported it to check it, but it lies outside src/
+    assert not any("stray_rewards" in f for f in files)  # importable on the submitting machine, but outside src/
     for name, module in [("score_group", "grpo_flyte.reward"), ("train_step", "grpo_flyte.trainer"), ("generate", "grpo_flyte.rollout")]:
         [args] = [t["args"] for task, t in submission["tasks"].items() if task.endswith(f".{name}")]
         assert args[0] == "a0" and args[args.index("--tgz") + 1] == submission["bundle"]["tgz"]
@@ -122,7 +122,7 @@ def test_score_group_pod_scores_with_the_custom_reward_from_the_bundle(rehearsal
 
 
 def test_a_reward_module_left_out_of_the_bundle_fails_the_pod_not_retried(rehearsal, monkeypatch):
-    # importable where the run is started (the CLI accepted it: the submission passed)...
+    # importable where the run is started (the CLI refuses it before submitting: this is why)...
     monkeypatch.syspath_prepend(str(rehearsal.root.parent / "elsewhere"))  # the fixture's folder outside the checkout
     assert importlib.import_module("stray_rewards").digits(["19"]) == [2.0]
     # ...but not in the pod
@@ -162,19 +162,25 @@ def _lora(folder: Path) -> dict:
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
-def test_init_adapter_then_two_train_step_pods_hand_the_adapter_on(rehearsal, base_model, adapter_v0):
+@pytest.mark.parametrize("raw_scheme", RAW_SCHEMES)
+def test_init_adapter_then_two_train_step_pods_hand_the_adapter_on(rehearsal, base_model, raw_scheme, monkeypatch):
+    """A shared file system (`file://`) and an object store (`local://`: uploads and downloads as with s3)."""
     import torch
 
-    v0 = adapter_v0.outputs
+    monkeypatch.setattr(rehearsal, "raw_scheme", raw_scheme)
+    first = rehearsal.run(
+        init_adapter, CONFIG.base, CONFIG.lora, CONFIG.seed, Dir(path=raw_scheme + base_model.path.removeprefix("file://"))
+    )
+    assert first.error is None, first.log[-4000:]
+    base = Dir(path=raw_scheme + base_model.path.removeprefix("file://"))
+    v0 = first.outputs
     assert v0.version == 0
     # uploaded under the pod's raw data prefix, still there after the pod is gone
     folders = [local_path(v0.dir.path)]
-    assert folders[0].is_relative_to(adapter_v0.raw_data) and json.loads((folders[0] / STATE_FILE).read_text()) == {"version": 0}
+    assert folders[0].is_relative_to(first.raw_data) and json.loads((folders[0] / STATE_FILE).read_text()) == {"version": 0}
     adapter = v0
     for version in (1, 2):
-        pod = rehearsal.run(
-            train_step, CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, base_model, adapter, [_scored(0), _scored(1)]
-        )
+        pod = rehearsal.run(train_step, CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, base, adapter, [_scored(0), _scored(1)])
         assert pod.error is None, pod.log[-4000:]
         result = pod.outputs
         assert result.adapter.version == version and (result.num_rollouts, result.num_contributing) == (4, 4)
@@ -196,7 +202,7 @@ def test_init_adapter_then_two_train_step_pods_hand_the_adapter_on(rehearsal, ba
 def test_generate_pod_samples_a_group_on_the_tiny_model(rehearsal, base_model, adapter_v0):
     from transformers import AutoTokenizer
 
-    from grpo_flyte import engines
+    from grpo_flyte.prompts import tokenize_prompt
 
     example = Example(question="What is 1 + 2?", answer="3")
     pod = rehearsal.run(
@@ -206,7 +212,7 @@ def test_generate_pod_samples_a_group_on_the_tiny_model(rehearsal, base_model, a
     group = pod.outputs
     assert isinstance(group, RolloutGroup) and (group.index, group.example, group.adapter_version) == (3, example, 0)
     tokenizer = AutoTokenizer.from_pretrained(local_path(base_model.path))
-    assert group.prompt_ids == engines.tokenize_prompt(tokenizer, example, CONFIG.prompt)  # the pod's chat template
+    assert group.prompt_ids == tokenize_prompt(tokenizer, example, CONFIG.prompt)  # the pod's chat template
     assert len(group.rollouts) == CONFIG.sampling.group_size
     for rollout in group.rollouts:
         assert 1 <= len(rollout.completion_ids) <= CONFIG.sampling.max_new_tokens

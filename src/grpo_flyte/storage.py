@@ -26,25 +26,31 @@ from grpo_flyte.torch_thread import run_on_torch_thread
 
 
 def is_remote(path: str) -> bool:
-    """Whether `path` is an object-store URI (s3://, gs://, ...) rather than a local path."""
-    return "://" in path
+    """Whether `path` is an object-store URI (s3://, gs://, ...) rather than a local path (a
+    `file://` URI is local: a cluster whose raw data is a shared file system gives those)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """A local path or `file://` URI as a plain path."""
+    return path.removeprefix("file://")
 
 
 def _local_raw_data() -> Path | None:
     """The task's raw data folder when it is local (Flyte local mode), else None."""
     ctx = flyte.ctx()
     raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
-    return Path(raw).resolve() if raw and not is_remote(raw) else None
+    return Path(local_path(raw)).resolve() if raw and not is_remote(raw) else None
 
 
 def portable_path(path: str) -> str:
     """A local path under the task's raw data folder, written relative to it (so a run folder can
     be moved or copied and still resumed); any other path or URI as it is."""
     raw = _local_raw_data()
-    if raw is None or is_remote(path) or not Path(path).is_absolute():
+    if raw is None or is_remote(path) or not Path(local_path(path)).is_absolute():
         return path
     try:
-        return Path(path).resolve().relative_to(raw).as_posix()
+        return Path(local_path(path)).resolve().relative_to(raw).as_posix()
     except ValueError:
         return path
 
@@ -61,7 +67,7 @@ def located_path(path: str) -> str:
 async def save_checkpoint(checkpoint: flyte.Checkpoint, payload: bytes) -> None:
     """flyte.Checkpoint.save, whole or not at all where the checkpoint is a local file: Flyte writes
     a local checkpoint in place, so a kill in the middle would leave a truncated one to resume from."""
-    destination = checkpoint.remote_destination.removeprefix("file://")
+    destination = local_path(checkpoint.remote_destination)
     if is_remote(destination):
         await checkpoint.save(payload)
     else:
@@ -82,7 +88,7 @@ class LocalDirCache:
 
     async def get(self, d: Dir) -> str:
         if not is_remote(d.path):
-            return d.path
+            return local_path(d.path)
         async with self._lock:
             if d.path in self.entries:
                 self.entries.move_to_end(d.path)
