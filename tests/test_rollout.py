@@ -73,3 +73,29 @@ def test_a_group_does_not_depend_on_its_batch_mates(tiny_model_dir, tmp_path):
     alone = asyncio.run(decode([target]))[0]
     together = asyncio.run(decode([target, *others]))[0]
     assert [r.completion_ids for r in alone] == [r.completion_ids for r in together]
+
+
+def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir, monkeypatch):
+    """On a pool given a GPU (envs sets GRPO_FLYTE_REQUIRE_CUDA=1) a node whose driver is too old
+    for torch's CUDA 13 would otherwise generate and train on its CPU, silently and slowly."""
+    import flyte.errors
+    import pytest
+
+    from grpo_flyte.errors import DeviceError
+    from grpo_flyte.models import best_device
+
+    assert best_device() == "cpu"  # this machine: no GPU, none required
+    monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
+    with pytest.raises(DeviceError, match=r"CUDA is not usable: torch .* needs NVIDIA driver >= 580 \(this node's driver: "):
+        best_device()
+    config = RunConfig(group_size=2, max_new_tokens=4)
+    adapter_dir = Dir(path=str(tiny_model_dir))  # never read: the engine is refused first
+    from grpo_flyte.types import AdapterRef
+
+    with pytest.raises(flyte.errors.NonRecoverableError, match="needs NVIDIA driver >= 580"):
+        asyncio.run(
+            generate(config.base, config.engine, config.prompt, config.sampling, config.episode, Dir(path=str(tiny_model_dir)),
+                     AdapterRef(version=0, dir=adapter_dir), Example(question="What is 1 + 1?", answer="2"), 0, 1)
+        )  # fmt: skip
+    with pytest.raises(flyte.errors.NonRecoverableError, match="needs NVIDIA driver >= 580"):
+        asyncio.run(init_adapter(config.base, config.lora, config.seed, Dir(path=str(tiny_model_dir))))

@@ -34,7 +34,7 @@ from grpo_flyte import episodes, multiturn
 from grpo_flyte.config import EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.models import best_device, torch_dtype
+from grpo_flyte.models import best_device, cuda_available, torch_dtype
 from grpo_flyte.prompts import is_chat, tokenize_prompt
 from grpo_flyte.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example, Rollout
@@ -78,11 +78,8 @@ def resolve_backend(backend: str) -> str:
     """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend."""
     if backend != "auto":
         return backend
-    if importlib.util.find_spec("vllm") is None:
-        return "hf"
-    import torch
-
-    return "vllm" if torch.cuda.is_available() else "hf"
+    cuda = cuda_available()  # where a GPU was given, no usable CUDA is an error here
+    return "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def cut_at_eos(token_ids: list[int], logprobs: list[float], eos_ids: set[int]) -> tuple[list[int], list[float], str]:

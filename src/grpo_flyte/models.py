@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from grpo_flyte.config import EMBEDDED_MODEL
-from grpo_flyte.errors import ModelError
+from grpo_flyte.errors import DeviceError, ModelError
 from grpo_flyte.files import build_dir_atomic, unwritable
 from grpo_flyte.torch_thread import on_torch_thread
 
@@ -201,10 +201,33 @@ def torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[resolve_dtype(name)]
 
 
-def best_device() -> str:
+# Set on the task environments that are given a GPU (grpo_flyte.envs): there, no usable CUDA is an
+# error, never a silent fall back to the CPU.
+REQUIRE_CUDA_ENV = "GRPO_FLYTE_REQUIRE_CUDA"
+# torch 2.13's CUDA wheels are built for CUDA 13, which needs this NVIDIA driver or newer.
+CUDA_DRIVER_NEEDED = "580"
+
+
+def cuda_available() -> bool:
+    """Whether torch can use a GPU here; DeviceError where a GPU is required (REQUIRE_CUDA_ENV) but
+    CUDA is unusable (no GPU, or a driver older than the CUDA torch was built for)."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return True
+    if os.environ.get(REQUIRE_CUDA_ENV) == "1":
+        driver = Path("/proc/driver/nvidia/version")
+        found = driver.read_text().split("Kernel Module", 1)[-1].split()[0] if driver.is_file() else "none found"
+        raise DeviceError(
+            f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} is built for "
+            f"CUDA {torch.version.cuda}, which needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); "
+            f"run the GPU pools on nodes with driver >= {CUDA_DRIVER_NEEDED}"
+        )
+    return False
+
+
+def best_device() -> str:
+    return "cuda" if cuda_available() else "cpu"
 
 
 def _require(*modules: str) -> None:

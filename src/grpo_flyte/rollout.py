@@ -56,17 +56,15 @@ async def _sample(
     episode: EpisodeConfig,
     prompt: PromptConfig,
 ) -> list[list[Rollout]]:
-    """Each request's rollouts: completions, or with an environment, episodes (all played at once).
-    A broken environment fails the same way on every attempt: not retried."""
+    """Each request's rollouts: completions, or with an environment, episodes (all played at once)."""
     if not episode.multi_turn:
         return await engines.generate_groups(key, adapter_path, requests)
-    with input_errors_not_retried():
-        return await engines.all_or_none(
-            [
-                engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
-                for example, ids, request in zip(examples, prompts, requests, strict=True)
-            ]
-        )
+    return await engines.all_or_none(
+        [
+            engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
+            for example, ids, request in zip(examples, prompts, requests, strict=True)
+        ]
+    )
 
 
 @rollout_env.task(retries=2)
@@ -83,13 +81,15 @@ async def generate(
     seed: int,
 ) -> RolloutGroup:
     """Sample `sampling.group_size` completions of one prompt with the given adapter (with an
-    environment: that many episodes, see grpo_flyte.multiturn)."""
+    environment: that many episodes, see grpo_flyte.multiturn). A broken environment, adapter or GPU
+    fails the same way on every attempt: not retried."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-    [prompt_ids] = await engines.tokenize(key, [example], prompt)
-    [rollouts] = await _sample(
-        key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt
-    )
+    with input_errors_not_retried():
+        key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
+        [prompt_ids] = await engines.tokenize(key, [example], prompt)
+        [rollouts] = await _sample(
+            key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt
+        )
     return RolloutGroup(
         index=index,
         example=example,
@@ -115,10 +115,11 @@ async def generate_eval(
     """Greedy completions of held-out questions (or greedy episodes), one single-rollout group
     each, on the warm pool."""
     started = time.perf_counter()
-    key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-    prompts = await engines.tokenize(key, examples, prompt)
-    requests = [engines.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
-    answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
+    with input_errors_not_retried():
+        key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
+        prompts = await engines.tokenize(key, examples, prompt)
+        requests = [engines.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
+        answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
     return [
         RolloutGroup(

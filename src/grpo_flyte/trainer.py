@@ -192,7 +192,8 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
         save_adapter(peft, None, 0, out)
         record_base(out, model.model)
 
-    folder, _ = await publish_dir(build, "v0000")
+    with input_errors_not_retried():  # e.g. a GPU pod whose CUDA is unusable
+        folder, _ = await publish_dir(build, "v0000")
     return AdapterRef(version=0, dir=folder)
 
 
