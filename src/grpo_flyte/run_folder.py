@@ -20,11 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flyte.config import (
-    PROG,
-    RunConfig,
-    format_validation_error,
-)
+from grpo_flyte.config import PROG, RunConfig, format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.loop_state import LoopState
@@ -36,29 +32,13 @@ logger = logging.getLogger("grpo_flyte")
 
 
 CONFIG_FILE = "config.json"
-
-
 FLYTE_DATA = "flyte"  # Flyte's raw data (adapters, checkpoint) inside a local run dir
-
-
 METRICS_FILE = "metrics.jsonl"
-
-
 EVAL_DIR = "eval"
-
-
 ADAPTER_DIR = "adapter"
-
-
 MERGED_DIR = "merged"
-
-
 DATA_FILE = "data.json"  # the data the run started with (a fingerprint), checked on --resume
-
-
 CHECKPOINT_FILE = "checkpoint"  # the driver's saved loop state, under FLYTE_DATA
-
-
 LOCK_FILE = ".lock"  # held by the run writing the folder; holds its process id
 
 
@@ -291,7 +271,8 @@ class LocalRunFiles:
         def copy(d: Path) -> None:
             shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
 
-        return build_dir_atomic(self.root / ADAPTER_DIR, copy)
+        build_dir_atomic(self.root / ADAPTER_DIR, copy)
+        return self.root / ADAPTER_DIR
 
     def export_merged(self, merged_path: str) -> Path:
         """Move the (complete) merged model folder into the run folder: a rename, so never half there."""

@@ -15,10 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte.config import (
-    EMBEDDED_MODEL,
-    RunConfig,
-)
+from grpo_flyte.config import EMBEDDED_MODEL, RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
 from grpo_flyte.preflight import check_inputs, check_model_fits
 from grpo_flyte.storage import payload_key, payload_text, write_payload
