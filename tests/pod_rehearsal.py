@@ -30,7 +30,8 @@ protocol flyte treats as remote) the pods upload and download through fsspec as 
 
 Not rehearsed: the three environments are reusable, and on a cluster unionai-reuse's executor runs
 these same args inside a warm replica (a fresh `a0` per call here); secrets (HF_TOKEN) are not
-injected; the image's own ENV lines are left out; no GPU.
+injected; the image's own ENV lines are left out; no GPU (the GPU pools' GRPO_FLYTE_REQUIRE_CUDA is
+turned off for the rehearsal).
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class Rehearsal:
             "_U_ORG_NAME": "rehearsal",
             "_U_RUN_BASE": (self.root / "metadata").as_uri(),
             "_U_EP_OVERRIDE": "localhost:1",  # no backend: a leaf task must never need one
+            # this "node" has no GPU: the GPU pools' CUDA requirement is tested in test_rollout.py
+            "GRPO_FLYTE_REQUIRE_CUDA": "0",
         }
         started = time.perf_counter()
         done = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=300, check=False)

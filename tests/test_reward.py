@@ -130,12 +130,15 @@ def test_informative_depends_on_the_truncation_policy():
 
 
 _MEETS_THE_OTHER = """
-import os, time
+import time
 from pathlib import Path
+
+FOLDER = Path(__file__).parent / "met"
+
 
 def meets(completions, *, question, **kwargs):
     # each group's reward marks that it started, then waits until the other group's has started too
-    folder = Path(os.environ["MEET_DIR"])
+    folder = FOLDER
     (folder / question).touch()
     deadline = time.monotonic() + 60
     while len(list(folder.iterdir())) < 2:
@@ -152,7 +155,6 @@ def test_two_slow_groups_on_one_replica_score_at_once(tmp_path, monkeypatch):
     (tmp_path / "meet_reward.py").write_text(_MEETS_THE_OTHER)
     (tmp_path / "met").mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("MEET_DIR", str(tmp_path / "met"))
     config = RunConfig(rewards={"meet_reward:meets": 1.0}, reward_timeout_s=120)
 
     def group(question: str) -> RolloutGroup:

@@ -81,12 +81,18 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     import flyte.errors
     import pytest
 
+    from grpo_flyte import trainer
     from grpo_flyte.errors import DeviceError
     from grpo_flyte.models import best_device
 
     assert best_device() == "cpu"  # this machine: no GPU, none required
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
-    with pytest.raises(DeviceError, match=r"CUDA is not usable: torch .* needs NVIDIA driver >= 580 \(this node's driver: "):
+    # a fresh pod: no engine and no base model loaded yet (earlier tests left theirs in this process)
+    monkeypatch.setattr(engines, "_slot", engines.EngineSlot())
+    trainer._peft_model.cache_clear()
+    with pytest.raises(
+        DeviceError, match=r"CUDA is not usable: torch .*; the image's CUDA 13 needs NVIDIA driver >= 580 \(this node's driver: "
+    ):
         best_device()
     config = RunConfig(group_size=2, max_new_tokens=4)
     adapter_dir = Dir(path=str(tiny_model_dir))  # never read: the engine is refused first

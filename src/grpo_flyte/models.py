@@ -219,9 +219,10 @@ def cuda_available() -> bool:
         driver = Path("/proc/driver/nvidia/version")
         found = driver.read_text().split("Kernel Module", 1)[-1].split()[0] if driver.is_file() else "none found"
         raise DeviceError(
-            f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} is built for "
-            f"CUDA {torch.version.cuda}, which needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); "
-            f"run the GPU pools on nodes with driver >= {CUDA_DRIVER_NEEDED}"
+            f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} "
+            f"{'is built for CUDA ' + torch.version.cuda if torch.version.cuda else 'has no CUDA (a CPU build)'}; the image's "
+            f"CUDA 13 needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); run the GPU pools on "
+            f"nodes with driver >= {CUDA_DRIVER_NEEDED}"
         )
     return False
 
