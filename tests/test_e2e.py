@@ -15,6 +15,7 @@ from typing import ClassVar
 import flyte
 import pytest
 from flyte.io import Dir
+from tiny_model import scored_pair
 
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
@@ -116,24 +117,8 @@ def test_train_step_changes_lora_but_not_base(tmp_path, tiny_model_dir):
 
     config = RunConfig(model=str(tiny_model_dir), group_size=2, learning_rate=1e-2, dtype="float32", kl_monitor_every=1)
 
-    def scored(index: int) -> ScoredGroup:
-        rollouts = [
-            Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a"),
-            Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b"),
-        ]
-        group = RolloutGroup(
-            index=index,
-            example=Example(question="q", answer="1"),
-            adapter_version=0,
-            prompt_ids=[1, 5, 6, 7],
-            rollouts=rollouts,
-            generate_s=0.0,
-        )
-        parts = [RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
-        return ScoredGroup(group=group, rewards=parts)
-
     run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
-        init_then_step, config=config, base=Dir(path=str(tiny_model_dir)), scored=[scored(0), scored(1)]
+        init_then_step, config=config, base=Dir(path=str(tiny_model_dir)), scored=[scored_pair(0), scored_pair(1)]
     )
     snapshot = _snapshot
     v0, result = run.outputs()

@@ -25,12 +25,13 @@ import pytest
 from flyte.io import Dir
 from flyteidl2.core import execution_pb2
 from pod_rehearsal import RAW_SCHEMES, Rehearsal, image_python, local_path, run_submission
+from tiny_model import scored_pair
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, Rollout, RolloutGroup, ScoredGroup
 
 REWARD_MODULE = "def digits(completions, **kwargs):\n    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n"
 SHIPPED, STRAY = "team_rewards:digits", "stray_rewards:digits"
@@ -137,25 +138,6 @@ def test_a_reward_module_left_out_of_the_bundle_fails_the_pod_not_retried(rehear
     assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
 
 
-def _scored(index: int) -> ScoredGroup:
-    """A hand-made group with rewards 1 and 0: every rollout has an advantage to train on."""
-    rollouts = [
-        Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a"),
-        Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b"),
-    ]
-    group = RolloutGroup(
-        index=index,
-        example=Example(question="q", answer="1"),
-        adapter_version=0,
-        prompt_ids=[1, 5, 6, 7],
-        rollouts=rollouts,
-        generate_s=0.0,
-    )
-    return ScoredGroup(
-        group=group, rewards=[RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
-    )
-
-
 def _lora(folder: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -180,7 +162,9 @@ def test_init_adapter_then_two_train_step_pods_hand_the_adapter_on(rehearsal, ba
     assert folders[0].is_relative_to(first.raw_data) and json.loads((folders[0] / STATE_FILE).read_text()) == {"version": 0}
     adapter = v0
     for version in (1, 2):
-        pod = rehearsal.run(train_step, CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, base, adapter, [_scored(0), _scored(1)])
+        pod = rehearsal.run(
+            train_step, CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, base, adapter, [scored_pair(0), scored_pair(1)]
+        )
         assert pod.error is None, pod.log[-4000:]
         result = pod.outputs
         assert result.adapter.version == version and (result.num_rollouts, result.num_contributing) == (4, 4)

@@ -1,4 +1,5 @@
-"""A 2-layer random Llama for fast real runs in the tests, the drills and the soak benchmark."""
+"""A 2-layer random Llama for fast real runs in the tests, the drills and the soak benchmark, and a
+hand-made scored group to train it on."""
 
 from __future__ import annotations
 
@@ -31,3 +32,24 @@ def build_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def scored_pair(index: int):
+    """A hand-made scored group of two rollouts with rewards 1 and 0: every rollout has an
+    advantage to train on (token ids the tiny model's vocabulary holds; 2 is its EOS)."""
+    from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
+
+    rollouts = [
+        Rollout(completion_ids=[11, 12, 2], sampling_logprobs=[-1.0] * 3, finish_reason="stop", text="a"),
+        Rollout(completion_ids=[13, 2], sampling_logprobs=[-1.0] * 2, finish_reason="stop", text="b"),
+    ]
+    group = RolloutGroup(
+        index=index,
+        example=Example(question="q", answer="1"),
+        adapter_version=0,
+        prompt_ids=[1, 5, 6, 7],
+        rollouts=rollouts,
+        generate_s=0.0,
+    )
+    parts = [RewardParts(reward=1.0, correct=True, format=False), RewardParts(reward=0.0, correct=False, format=False)]
+    return ScoredGroup(group=group, rewards=parts)
