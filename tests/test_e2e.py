@@ -517,6 +517,27 @@ def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, t
     assert "failed" in (run_dir / "report.html").read_text()
 
 
+def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_finishes(tmp_path, tiny_model_dir, monkeypatch, capfd):
+    # a checker run as a subprocess, a C library's printf (os.write on fd 1), and megabytes of print
+    (tmp_path / "chatty_reward.py").write_text(
+        "import os, subprocess\n\n"
+        "def judge(completions, **kwargs):\n"
+        "    subprocess.run(['echo', 'checker says hello'], check=True)\n"
+        "    os.write(1, b'printf from C\\n')\n"
+        "    print('z' * (2 << 20))\n"
+        "    return [float(len(c) % 2) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--rewards", "correct=1,chatty_reward:judge=1"]
+    assert cli_main([*args, "--run-dir", str(run_dir)]) == 0
+    rows = read_metrics(run_dir)
+    assert [row["iteration"] for row in rows] == [0, 1]
+    assert "reward/chatty_reward:judge" in rows[1]
+    err = capfd.readouterr().err  # the README: a reward's own output goes to standard error
+    assert "checker says hello" in err and "printf from C" in err
+
+
 def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_model_dir, monkeypatch):
     name = _failing_reward_module(tmp_path, monkeypatch)
     run_dir = tmp_path / "run"

@@ -357,3 +357,29 @@ def test_none_means_does_not_apply(custom_module):
     parts = _score(["#### 12 because", "#### 12"], {"correct": 1.0, f"{module}:only_long": 2.0})
     assert [p.reward for p in parts] == [2.0, 1.0]
     assert parts[1].scores == {"correct": 1.0} and parts[0].scores[f"{module}:only_long"] == 0.5
+
+
+# --------------------------------------------------------------------------- arrays as scores (TRL takes them)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "numpy.array([1.0 if '12' in c else 0.5 for c in completions])",
+        "torch.tensor([1.0 if '12' in c else 0.5 for c in completions], requires_grad=True)",
+        "[numpy.float32(1.0) if '12' in c else torch.tensor(0.5) for c in completions]",  # 0-d items
+    ],
+)
+def test_a_1d_array_or_tensor_of_scores_is_taken_as_a_list_of_floats(custom_module, body):
+    module = custom_module(f"import numpy\nimport torch\n\ndef arr(completions, **kwargs):\n    return {body}\n")
+    parts = _score(["#### 12", "#### 11"], {f"{module}:arr": 1.0})
+    assert [p.scores[f"{module}:arr"] for p in parts] == [1.0, 0.5]
+    assert all(type(p.scores[f"{module}:arr"]) is float for p in parts)
+
+
+def test_an_array_of_another_shape_is_refused_naming_its_shape(custom_module):
+    module = custom_module("import numpy\n\ndef grid(completions, **kwargs):\n    return numpy.ones((len(completions), 2))\n")
+    with pytest.raises(
+        RewardError, match=rf"reward '{module}:grid' returned a ndarray of shape \(1, 2\); expected a list or 1-D array of 1 numbers"
+    ):
+        _score(["#### 12", "#### 11"], {f"{module}:grid": 1.0})

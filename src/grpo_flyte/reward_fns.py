@@ -282,7 +282,28 @@ def _call_reward(
         values = fn(**trl_arguments(completions, completion_ids, context, row))
     else:
         values = fn(completions, num_tokens=num_tokens, **context)
-    return list(values) if isinstance(values, (list, tuple)) else values
+    return _plain_scores(values)
+
+
+def _plain_scores(values: Any) -> Any:
+    """A reward's return value as the parent can check it without numpy or torch: a list or a
+    1-D array or tensor (TRL takes those) becomes a list of Python numbers, 0-d items their number;
+    an array of another shape its `ArrayShape`."""
+    if hasattr(values, "tolist") and hasattr(values, "ndim"):
+        if values.ndim != 1:
+            return ArrayShape(type(values).__name__, tuple(values.shape))
+        return values.tolist()
+    if isinstance(values, (list, tuple)):
+        return [v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for v in values]
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayShape:
+    """What the parent hears of a returned array that is not one-dimensional."""
+
+    kind: str
+    shape: tuple[int, ...]
 
 
 def _correct_flags(completions: list[str], answer: str) -> list[bool]:
@@ -339,6 +360,10 @@ def _show(text: str) -> str:
 def _checked(name: str, values: Any, count: int) -> list[float | None]:
     """The scores as floats (None: does not apply), or RewardError unless they are `count` finite
     numbers or None."""
+    if isinstance(values, ArrayShape):
+        raise RewardError(
+            f"reward {name!r} returned a {values.kind} of shape {values.shape}; expected a list or 1-D array of {count} numbers"
+        )
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise RewardError(f"reward {name!r} returned {type(values).__name__}; expected a list of {count} numbers")
     if len(values) != count:

@@ -3,14 +3,18 @@
 Every reward call, built-in or custom, runs in a worker process: a reward that never returns
 (math-verify on `9^9^9^9`, a custom reward stuck in a loop) is killed with its process, and the limit
 shows as that reward's error. One worker per `Worker`, started on first use with `python -c` and
-replaced after a timeout; a `WorkerPool` lets concurrent callers (the groups a warm scoring
-replica scores at once) each have one, so a slow reward holds up only its own group. Hand-written rather than a pool library (pebble, concurrent.futures):
-those start workers through multiprocessing, which forks a threaded process (unsafe) or, with
-"spawn", runs the parent's __main__ script again in the worker (an unguarded user script would
-start its training run there).
+replaced after a timeout or any failure to talk to it; a `WorkerPool` lets concurrent callers (the
+groups a warm scoring replica scores at once) each have one, so a slow reward holds up only its own
+group. Hand-written rather than a pool library (pebble, concurrent.futures): those start workers
+through multiprocessing, which forks a threaded process (unsafe) or, with "spawn", runs the parent's
+__main__ script again in the worker (an unguarded user script would start its training run there).
 
 Protocol: (import path, 'module:function', args) in; ("ok", value) or ("raised", (type name,
-message)) out, each a pickle framed by its length.
+message)) out, each a pickle in a frame (a marker, then its length), over two pipes of their own
+that user code never writes to. The worker's standard output is the parent's standard error and
+its standard input is empty: a print, a subprocess's output or a C library's printf (all of which
+write to file descriptor 1) land in the parent's stderr, next to its log, and cannot be mistaken
+for a reply.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from grpo_flyte.errors import RewardError, RewardTimeout
 
 WORKER_START_S = 120
+# A frame: this marker, the pickle's length (8 bytes, little-endian), the pickle.
+_MARKER = b"GRPOFLYT"
+# A reply larger than this is not a reply (a desynchronized stream read as a length).
+MAX_FRAME_BYTES = 1 << 31
 
 
 class WorkerRaised(Exception):
@@ -39,17 +48,50 @@ class WorkerRaised(Exception):
         self.kind = kind
 
 
-def _send(stream, message: Any) -> None:
+class ProtocolError(Exception):
+    """The worker's reply channel carried something other than a whole frame."""
+
+
+def _frame(message: Any) -> bytes:
     data = pickle.dumps(message)
-    stream.write(len(data).to_bytes(8, "little") + data)
-    stream.flush()
+    return _MARKER + len(data).to_bytes(8, "little") + data
 
 
-def _receive(stream) -> Any:
-    size = stream.read(8)
-    if len(size) < 8:
-        raise EOFError("the worker closed its output")
-    return pickle.loads(stream.read(int.from_bytes(size, "little")))
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, size: int, deadline: float | None) -> bytes:
+    """`size` bytes from `fd`; EOFError when it closes first, TimeoutError past `deadline`
+    (a `time.monotonic()` value; None waits as long as it takes)."""
+    chunks, left = [], size
+    while left:
+        if deadline is not None:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            raise EOFError("the worker closed its reply channel")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, deadline: float | None) -> Any:
+    """One message from `fd`. ProtocolError when the bytes are not a frame (a desynchronized stream)."""
+    head = _read_exact(fd, len(_MARKER) + 8, deadline)
+    if head[: len(_MARKER)] != _MARKER:
+        raise ProtocolError(f"the reply did not start with the frame marker (it started {head[:16]!r})")
+    size = int.from_bytes(head[len(_MARKER) :], "little")
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(f"the reply announced {size} bytes (at most {MAX_FRAME_BYTES})")
+    try:
+        return pickle.loads(_read_exact(fd, size, deadline))
+    except (pickle.UnpicklingError, AttributeError, ImportError, IndexError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"the reply could not be unpickled ({type(exc).__name__}: {exc})") from None
 
 
 class Worker:
@@ -62,6 +104,7 @@ class Worker:
     def __init__(self, preload: tuple[str, ...] = ()) -> None:
         self.preload = preload
         self.proc: subprocess.Popen | None = None
+        self.requests = self.replies = -1  # the parent's ends of the two pipes
         self.lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -70,55 +113,81 @@ class Worker:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+            for fd in (self.requests, self.replies):
+                os.close(fd)
+            self.requests = self.replies = -1
 
     def _started(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            request_r, request_w = os.pipe()
+            reply_r, reply_w = os.pipe()
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", *self.preload],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-            )  # fmt: skip
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", str(request_r), str(reply_w), *self.preload],
+                    stdin=subprocess.DEVNULL, stdout=2, pass_fds=(request_r, reply_w), env=env,
+                )  # fmt: skip
+            finally:
+                os.close(request_r)
+                os.close(reply_w)
+            self.requests, self.replies = request_w, reply_r
             # Start-up (Python and the preloaded modules) is not any call's time.
-            ready, _, _ = select.select([self.proc.stdout], [], [], WORKER_START_S)
-            if not ready or _receive(self.proc.stdout) != ("ok", "ready"):
+            try:
+                ready = _read_frame(self.replies, time.monotonic() + WORKER_START_S)
+            except (OSError, EOFError, TimeoutError, ProtocolError):
+                ready = None
+            if ready != ("ok", "ready"):
                 self.stop()
                 raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
         return self.proc
 
+    def _exit_code(self) -> int | None:
+        """The worker's exit code once it has ended (it may still be exiting as its pipe closes)."""
+        try:
+            return self.proc.wait(timeout=1) if self.proc is not None else None
+        except subprocess.TimeoutExpired:
+            return None
+
     def call(self, fn: str, args: tuple, timeout_s: float, what: str) -> Any:
         """`fn(*args)` in the worker within `timeout_s` seconds; `fn` is 'module:function'.
         RewardTimeout past the limit, WorkerRaised for what `fn` raised, RewardError when the
-        worker dies (`what` names the call in those messages)."""
+        worker dies or its reply is not a reply (`what` names the call in those messages)."""
         with self.lock:
-            proc = self._started()
+            self._started()
             try:
-                _send(proc.stdin, (list(sys.path), fn, args))
-                ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-                if not ready:
-                    self.stop()
-                    raise RewardTimeout(f"{what} took longer than {timeout_s:g} s (reward_timeout_s) and was stopped")
-                status, value = _receive(proc.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                code = proc.poll()
+                _write(self.requests, _frame((list(sys.path), fn, args)))
+                status, value = _read_frame(self.replies, time.monotonic() + timeout_s)
+            except TimeoutError:
                 self.stop()
-                raise RewardError(f"{what} ended its worker process (exit code {code})") from None
+                raise RewardTimeout(f"{what} took longer than {timeout_s:g} s (reward_timeout_s) and was stopped") from None
+            except (OSError, EOFError) as exc:
+                code = self._exit_code()
+                self.stop()
+                how = f"exit code {code}" if code is not None else f"{type(exc).__name__}: {exc}"
+                raise RewardError(f"{what} ended its worker process ({how})") from None
+            except ProtocolError as exc:
+                self.stop()
+                raise RewardError(f"{what} broke its worker's replies ({exc}); the worker was restarted") from None
         if status == "raised":
             raise WorkerRaised(*value)
         return value
 
 
 def _serve() -> None:
-    """The worker's loop (the module docstring's protocol); the modules to preload are its
-    arguments. Anything the function raises is its answer, BaseException too."""
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a print() in user code must not corrupt the replies
-    for module in sys.argv[1:]:
+    """The worker's loop (the module docstring's protocol). Its arguments: the request and reply
+    pipes' descriptors, then the modules to preload. Anything the function raises is its answer,
+    BaseException too."""
+    requests, replies = int(sys.argv[1]), int(sys.argv[2])
+    for fd in (requests, replies):
+        os.set_inheritable(fd, False)  # a subprocess of user code gets neither pipe
+    for module in sys.argv[3:]:
         importlib.import_module(module)
 
-    _send(stdout, ("ok", "ready"))
+    _write(replies, _frame(("ok", "ready")))
     while True:
         try:
-            path, fn, args = _receive(stdin)
+            path, fn, args = _read_frame(requests, None)
         except EOFError:
             return
         sys.path[:] = path + [p for p in sys.path if p not in path]
@@ -126,11 +195,20 @@ def _serve() -> None:
             module, name = fn.split(":")
             reply = ("ok", getattr(importlib.import_module(module), name)(*args))
         except BaseException as exc:  # noqa: BLE001 -- user code: sys.exit() and KeyboardInterrupt are its errors too
-            reply = ("raised", (type(exc).__name__, str(exc)))
+            reply = ("raised", (type(exc).__name__, _message(exc)))
         try:
-            _send(stdout, reply)
-        except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            _send(stdout, ("raised", ("TypeError", f"returned a value that cannot be sent back ({exc})")))
+            data = _frame(reply)
+        except Exception as exc:  # noqa: BLE001 -- whatever pickling a user's value raises
+            data = _frame(("raised", ("TypeError", f"returned a value that cannot be sent back ({type(exc).__name__}: {_message(exc)})")))
+        _write(replies, data)
+
+
+def _message(exc: BaseException) -> str:
+    """`str(exc)`, or what can be said when even that fails (a user exception's broken __str__)."""
+    try:
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 -- user code
+        return f"<its message could not be shown: {type(inner).__name__}>"
 
 
 class WorkerPool:

@@ -1,0 +1,109 @@
+"""The reward sandbox's worker: its replies travel on a channel of their own, so nothing user code
+writes (a print, a subprocess's output, a C library's printf on fd 1) can corrupt them, and a worker
+that dies or desynchronizes is one reward error, never a hang."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from grpo_flyte.errors import RewardError, RewardTimeout
+from grpo_flyte.sandbox import Worker, WorkerRaised
+
+NOISY = """
+import os, subprocess, sys
+
+def subprocess_echo(x):
+    subprocess.run(["echo", "hello from a subprocess"], check=True)
+    return x + 1
+
+def fd_write(x):
+    os.write(1, b"\\x07\\x00written straight to fd 1 " * 100)  # what a C library's printf does
+    return x + 2
+
+def megabytes(x):
+    print("y" * (3 << 20))
+    sys.stdout.flush()
+    return x + 3
+
+def reads_stdin(x):
+    # a subprocess that reads its standard input must not eat the requests
+    out = subprocess.run(["cat"], capture_output=True, check=True).stdout
+    return len(out) + x
+
+def forges_a_reply(x):
+    os.write(int(sys.argv[2]), b"not a frame at all, 8 bytes of length would be huge")
+    return x
+
+def open_descriptors():
+    code = "import os; print(sorted(int(f) for f in os.listdir('/proc/self/fd')))"
+    return eval(subprocess.check_output([sys.executable, "-c", code], close_fds=False))
+
+def dies(x):
+    os._exit(3)
+
+class Unshowable(Exception):
+    def __str__(self):
+        raise RuntimeError("no")
+
+def raises_unshowable(x):
+    raise Unshowable()
+"""
+
+
+@pytest.fixture
+def noisy(tmp_path, monkeypatch):
+    (tmp_path / "noisy_rewards.py").write_text(textwrap.dedent(NOISY))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = Worker()
+    yield worker
+    worker.stop()
+
+
+def test_output_on_fd_1_from_subprocesses_and_c_code_goes_to_stderr_not_into_replies(noisy, capfd):
+    assert noisy.call("noisy_rewards:subprocess_echo", (1,), 30, "reward 'echo'") == 2
+    assert noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'") == 3
+    assert noisy.call("noisy_rewards:megabytes", (1,), 30, "reward 'big'") == 4
+    assert noisy.call("noisy_rewards:reads_stdin", (1,), 30, "reward 'stdin'") == 1  # cat read nothing
+    out, err = capfd.readouterr()
+    # the user's output is on the parent's stderr (the console, or the task's log on a cluster)
+    assert "hello from a subprocess" in err and "written straight to fd 1" in err and "y" * 1000 in err
+    assert "hello from a subprocess" not in out
+
+
+def test_a_desynchronized_reply_is_one_error_and_the_worker_is_replaced(noisy):
+    with pytest.raises(RewardError, match=r"^reward 'forger' broke its worker's replies \(the reply did not start with the frame marker"):
+        noisy.call("noisy_rewards:forges_a_reply", (1,), 30, "reward 'forger'")
+    assert noisy.call("noisy_rewards:subprocess_echo", (5,), 30, "reward 'echo'") == 6
+
+
+def test_a_worker_that_dies_is_one_error_naming_the_reward_and_its_exit_code(noisy):
+    with pytest.raises(RewardError, match=r"^reward 'dying' ended its worker process \(exit code 3\)$"):
+        noisy.call("noisy_rewards:dies", (1,), 30, "reward 'dying'")
+    assert noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'") == 3
+
+
+def test_an_exception_whose_message_cannot_be_shown_is_still_reported(noisy):
+    with pytest.raises(WorkerRaised, match="its message could not be shown: RuntimeError") as info:
+        noisy.call("noisy_rewards:raises_unshowable", (1,), 30, "reward 'x'")
+    assert info.value.kind == "Unshowable"
+
+
+def test_a_call_past_its_limit_is_stopped_and_the_next_call_starts_a_new_worker(tmp_path, monkeypatch):
+    (tmp_path / "slow_reward.py").write_text("import time\n\ndef slow(x):\n    time.sleep(x)\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = Worker()
+    try:
+        with pytest.raises(RewardTimeout, match=r"^reward 'slow' took longer than 0.5 s"):
+            worker.call("slow_reward:slow", (60,), 0.5, "reward 'slow'")
+        assert worker.proc is None
+        assert worker.call("slow_reward:slow", (0,), 30, "reward 'slow'") == 0
+    finally:
+        worker.stop()
+
+
+def test_the_worker_holds_no_pipe_a_subprocess_could_inherit(noisy):
+    # a subprocess of user code that keeps every inheritable descriptor (os.system, fork) still
+    # sees only stdin (empty), stdout (our stderr) and stderr
+    assert noisy.call("noisy_rewards:open_descriptors", (), 30, "a subprocess") == [0, 1, 2, 3]  # 3: the listing's own
