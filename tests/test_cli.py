@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.cli import parse_args
+from grpo_flyte.cli import parse_args, user_message
 from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
 from grpo_flyte.errors import UserError
 from grpo_flyte.prompts import tokenize_prompt
@@ -135,11 +135,21 @@ def test_bad_value_in_config_file_is_a_config_error(tmp_path):
         parse_args(["--config", str(cfg)])
 
 
-def test_unknown_key_in_config_file(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bogus_key: 1\n", r"run.yaml': unknown key 'bogus_key'; see --help"),
+        ("lerning_rate: 0.1\n", r"run.yaml': unknown key 'lerning_rate'; did you mean 'learning_rate'\?"),
+        ("train:\n  lerning_rate: 0.1\n", r"run.yaml': unknown key 'train.lerning_rate'; did you mean 'learning_rate'\?"),
+    ],
+)
+def test_unknown_key_in_config_file_names_the_file_and_the_key(tmp_path, text, message):
+    """Not an unknown command-line option: the user typed no such flag."""
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("bogus_key: 1\n")
-    with pytest.raises(ConfigError, match="--bogus-key"):
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
         parse_args(["--config", str(cfg)])
+    assert "unknown option" not in user_message(info.value) and "--lerning" not in user_message(info.value)
 
 
 def test_unknown_flag_is_named():

@@ -483,3 +483,47 @@ def test_a_dataset_folder_is_read_with_load_dataset_and_its_split(tmp_path):
     assert [e.answer for e in test] == ["12", "14"]
     with pytest.raises(DatasetError, match=r"'.*no_such_dataset' \(split 'train'\): could not be read through the datasets library"):
         load_rows(RunConfig(dataset=str(tmp_path / "no_such_dataset")))
+
+
+def test_a_byte_order_mark_is_accepted_in_jsonl_and_csv(tmp_path):
+    """Spreadsheet tools start their UTF-8 files with one; the first column must keep its name."""
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(
+        b"\xef\xbb\xbf" + b'{"question": "What is 1 + 1?", "answer": "2"}\r\n{"question": "What is 2 + 2?", "answer": "4"}\r\n'
+    )
+    csv = tmp_path / "bom.csv"
+    csv.write_bytes(b"\xef\xbb\xbfquestion,answer\r\nWhat is 1 + 1?,2\r\nWhat is 2 + 2?,4\r\n")
+    expected = [Example(question="What is 1 + 1?", answer="2"), Example(question="What is 2 + 2?", answer="4")]
+    assert load_file(jsonl) == expected
+    assert load_file(csv) == expected
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", r"bad.csv'?: the file is empty; expected a header line"),
+        (b" \n\n", r"bad.csv'?: the file is empty"),
+        ("question,answer\nQu'est-ce que 1 + 1 ?,2\n".encode("latin-1").replace(b"'", b"\xe9"), r"bad.csv'?: not UTF-8 text \(byte 18\)"),
+    ],
+)
+def test_an_empty_or_non_utf8_csv_is_said_in_our_words(tmp_path, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(content)
+    with pytest.raises(DatasetError, match=message) as info:
+        load_file(path)
+    assert "datasets library" not in str(info.value)
+
+
+def test_duplicate_prompts_are_dropped_before_the_split_with_a_warning(tmp_path, caplog):
+    """Otherwise a held-out question can also be a training row and inflate held-out figures."""
+    path = tmp_path / "dups.jsonl"
+    rows = [{"question": f"What is {i % 4} + 1?", "answer": str(i % 4 + 1)} for i in range(12)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    config = RunConfig(dataset=str(path), eval_size=2)
+    with caplog.at_level("WARNING"):
+        examples = load_rows(config)
+    assert [e.question for e in examples] == [f"What is {i} + 1?" for i in range(4)]
+    assert "8 duplicate prompts dropped" in caplog.text and "4 rows left" in caplog.text
+    listed = [Example(question=r["question"], answer=r["answer"]) for r in rows]  # rows passed from Python
+    train, held_out = train_eval_split(config, listed)
+    assert len(train) == 2 and len(held_out) == 2 and not set(train) & set(held_out)

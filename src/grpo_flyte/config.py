@@ -12,6 +12,7 @@ descriptions are the single home of the help text: `--help` and the README's tab
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
@@ -599,9 +600,25 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
     try:
-        return from_trl_names(flatten(data))
+        values = from_trl_names(flatten(data))
     except ValueError as exc:
         raise ConfigError(f"{str(p)!r}: {exc}", field="config") from None
+    _check_known_keys(p, data, values)
+    return values
+
+
+def _check_known_keys(p: Path, data: dict[str, Any], values: dict[str, Any]) -> None:
+    """A ConfigError naming the file and the path in it of the first key that is no option (a
+    misspelling says what it was probably meant to be), never blamed on a command-line flag."""
+    index = _leaf_index()
+    for key in values:
+        if key in index:
+            continue
+        nested = next((part for part in _PARTS if isinstance(data.get(part), dict) and key in data[part]), None)
+        where = f"{nested}.{key}" if nested and key not in data else str(key)
+        close = difflib.get_close_matches(str(key), index, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "; see --help or the README's table for the options"
+        raise ConfigError(f"{str(p)!r}: unknown key {where!r}{hint}", field="config")
 
 
 MAX_CONFIG_BYTES = 1_000_000

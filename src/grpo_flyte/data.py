@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -23,6 +24,8 @@ from grpo_flyte.errors import DatasetError
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
 from grpo_flyte.reward_fns import MARKER, usable_golds
 from grpo_flyte.types import Example, Message
+
+logger = logging.getLogger(__name__)
 
 # Size of the held-out split of the arithmetic task; it never overlaps the train split.
 ARITHMETIC_EVAL_SIZE = 500
@@ -147,7 +150,7 @@ def load_jsonl(
     """
     p = _existing(path)
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        lines = p.read_text(encoding="utf-8-sig").splitlines()  # -sig: spreadsheet tools write a byte-order mark
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{str(p)!r}: not UTF-8 text (byte {exc.start})") from None
     rows, wheres = [], []
@@ -246,9 +249,23 @@ def load_file(
         return load_jsonl(path, question_column, answer_column, timeout_s, need_answers)
     p = _existing(path)
     source = f"{str(p)!r}"
-    kind = "parquet" if p.suffix.lower() == ".parquet" else "csv"
-    rows = _load_with_datasets(source, kind, data_files=str(p), split="train")
+    if p.suffix.lower() == ".parquet":
+        rows = _load_with_datasets(source, "parquet", data_files=str(p), split="train")
+    else:
+        _check_csv_text(p)
+        rows = _load_with_datasets(source, "csv", data_files=str(p), split="train", encoding="utf-8-sig")
     return _rows_to_examples(rows, source, question_column, answer_column, timeout_s, need_answers)
+
+
+def _check_csv_text(p: Path) -> None:
+    """A csv file as text: UTF-8 (a byte-order mark allowed) with a header line, else a DatasetError
+    in our words rather than the csv parser's."""
+    try:
+        text = p.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{str(p)!r}: not UTF-8 text (byte {exc.start}); expected a csv file saved as UTF-8") from None
+    if not text.strip():
+        raise DatasetError(f"{str(p)!r}: the file is empty; expected a header line naming the columns, then one row per example")
 
 
 def load_dataset_id(
@@ -267,12 +284,14 @@ def load_dataset_id(
 
 
 def load_rows(config: RunConfig) -> list[Example]:
-    """The rows of the config's dataset when it is a file, a folder or a Hub id."""
+    """The rows of the config's dataset when it is a file, a folder or a Hub id, each prompt once."""
     data, timeout_s = config.data, config.scoring.reward_timeout_s
     need = "correct" in config.scoring.rewards
     if is_file_dataset(data.dataset):
-        return load_file(data.dataset, data.question_column, data.answer_column, timeout_s, need)
-    return load_dataset_id(data.dataset, data.dataset_split, data.question_column, data.answer_column, timeout_s, need)
+        rows = load_file(data.dataset, data.question_column, data.answer_column, timeout_s, need)
+    else:
+        rows = load_dataset_id(data.dataset, data.dataset_split, data.question_column, data.answer_column, timeout_s, need)
+    return unique_prompts(rows, data.dataset)
 
 
 # File datasets hold out a seeded sample of their rows for evaluation, the same in every run.
@@ -304,7 +323,7 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     if examples is None and dataset == GSM8K_DATASET:
         held_out = _first(load_gsm8k("test", timeout_s), eval_size, "GSM8K's test split") if eval_size else []
         return load_gsm8k("train", timeout_s), held_out
-    rows = examples if examples is not None else load_rows(config)
+    rows = unique_prompts(examples if examples is not None else load_rows(config), dataset)
     if eval_size == 0:
         return list(rows), []
     if eval_size >= len(rows):
@@ -317,6 +336,23 @@ def train_eval_split(config: RunConfig, examples: list[Example] | None = None) -
     random.Random(_HOLDOUT_SEED).shuffle(order)
     held = set(order[:eval_size])
     return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in order[:eval_size]]
+
+
+def unique_prompts(rows: list[Example], source: str) -> list[Example]:
+    """The rows with each prompt once (the first row kept), so that no held-out question is also a
+    training row; a warning gives the count dropped."""
+    seen: set[str] = set()
+    unique = []
+    for row in rows:
+        key = json.dumps(row.model_dump(mode="json", include={"question", "prompt"}), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    if len(unique) < len(rows):
+        logger.warning(
+            "%s: %d duplicate prompts dropped (the first row of each kept), %d rows left", source, len(rows) - len(unique), len(unique)
+        )
+    return unique
 
 
 def topup_prompts(examples: list[Example], *, seed: int, iteration: int, round_: int, num: int) -> list[Example]:

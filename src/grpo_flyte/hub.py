@@ -15,7 +15,7 @@ from typing import Any
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import shareable_base
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow, plus_minus
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -57,8 +57,8 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> st
             "",
             "| | reward | accuracy |",
             "| --- | --- | --- |",
-            f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} +- {first.eval_reward_ci95:.3f} | {first.eval_accuracy:.1%} |",
-            f"| after (iteration {evaluated[-1].iteration}) | {last.eval_reward:.3f} +- {last.eval_reward_ci95:.3f} | {last.eval_accuracy:.1%} |",
+            f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} {plus_minus(first.eval_reward_ci95)} | {first.eval_accuracy:.1%} |",
+            f"| after (iteration {evaluated[-1].iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} |",
             "",
             "+- is the half-width of a 95% interval.",
         ]

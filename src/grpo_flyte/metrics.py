@@ -14,12 +14,13 @@ from grpo_flyte.config import RunConfig
 from grpo_flyte.types import BestCompletion, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
 
 
-def mean_ci95(values: list[float]) -> tuple[float, float]:
-    """The mean and the half-width of its normal-approximation 95% interval (1.96 standard errors)."""
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """The mean and the half-width of its normal-approximation 95% interval (1.96 standard errors);
+    None when one value gives no interval (an infinite one would not survive JSON)."""
     n = len(values)
     mean = statistics.fmean(values)
     if n < 2:
-        return mean, math.inf
+        return mean, None
     return mean, 1.96 * statistics.stdev(values) / math.sqrt(n)
 
 

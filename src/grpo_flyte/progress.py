@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.text import Text
 
 from grpo_flyte.config import RunConfig, eval_due
-from grpo_flyte.types import MetricsRow
+from grpo_flyte.types import MetricsRow, plus_minus
 
 
 class Checkpointed(Protocol):
@@ -171,7 +171,7 @@ def eta_seconds(config: RunConfig, history: list[MetricsRow], done: int) -> floa
 def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> str:
     e, t = row.eval, row.train
     held_out = (
-        f"held-out reward {e.eval_reward:.3f} +- {e.eval_reward_ci95:.3f}  acc {e.eval_accuracy:.1%}  "
+        f"held-out reward {e.eval_reward:.3f} {plus_minus(e.eval_reward_ci95)}  acc {e.eval_accuracy:.1%}  "
         f"format {e.eval_format_rate:.1%}"
         + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
         + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"

@@ -241,12 +241,13 @@ class TrainMetrics(BaseModel):
 
 
 class EvalMetrics(BaseModel):
-    """One held-out evaluation (greedy answers); `*_ci95` are 95% interval half-widths."""
+    """One held-out evaluation (greedy answers); `*_ci95` are 95% interval half-widths, None when a
+    single held-out question gives no interval (shown with `plus_minus`)."""
 
     eval_reward: float
-    eval_reward_ci95: float
+    eval_reward_ci95: float | None
     eval_accuracy: float
-    eval_accuracy_ci95: float
+    eval_accuracy_ci95: float | None
     eval_format_rate: float
     eval_reward_means: dict[str, float]
     eval_reward_errors: int
@@ -255,6 +256,11 @@ class EvalMetrics(BaseModel):
     eval_tool_call_rate: float | None = None  # multi-turn: share of held-out episodes with a tool call
     eval_tool_call_rate_ci95: float | None = None
     eval_turns_mean: float | None = None
+
+
+def plus_minus(half_width: float | None) -> str:
+    """A 95% interval's half-width as the console, report and model card show it."""
+    return f"+- {half_width:.3f}" if half_width is not None else "(one question: no interval)"
 
 
 class MetricsRow(BaseModel):
