@@ -200,6 +200,57 @@ def test_resume_extends_a_finished_run(tmp_path, tiny_model_dir):
     assert lora_tensors(run_dir / "adapter").keys() == first_adapter.keys()
 
 
+# Rows as users write them by hand: a byte-order mark, CRLF line ends, blank lines, a duplicate
+# row, and answers in forms the `correct` reward must read (1e3, -0, Arabic-Indic digits).
+SMALL_ROWS = [
+    {"question": "What is 10 to the power 3?", "answer": "1e3"},
+    {"question": "What is 2 - 2?", "answer": "-0"},
+    {"question": "What is 1 + 2?", "answer": "\u0663"},
+    {"question": "What is 4 + 4?", "answer": 8},
+]
+
+
+def write_small_dataset(path: Path, rows: list[dict]) -> Path:
+    lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n\r\n".join([*lines, lines[-1]]).encode() + b"\r\n")
+    return path
+
+
+@pytest.mark.parametrize("eval_size", [0, 1, 2, 3])
+def test_every_small_held_out_size_finishes_exports_and_resumes(tmp_path, tiny_model_dir, eval_size, caplog):
+    """One held-out question has no interval: the run must still finish, export and resume."""
+    data, run_dir = write_small_dataset(tmp_path / "small.jsonl", SMALL_ROWS), tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), *TINY, "--eval-size", str(eval_size)]
+    assert cli_main([*args, "--iterations", "1", "--run-dir", str(run_dir)]) == 0
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert cli_main([*args, "--iterations", "2", "--run-dir", str(run_dir), "--resume"]) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == ([0, 1, 2] if eval_size else [1, 2])
+    evals = [r for r in rows if "eval_reward" in r]
+    assert len(evals) == (3 if eval_size else 0) and all(r["eval_size"] == eval_size for r in evals)
+    assert all(("eval_reward_ci95" in r) == (eval_size > 1) for r in evals)
+    out = caplog.text
+    assert ("(one question: no interval)" in out) == (eval_size == 1)
+    assert "1 duplicate prompts dropped" in out
+    assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 2
+
+
+def test_a_three_row_trl_dataset_runs_end_to_end_and_resumes(tmp_path, tiny_model_dir):
+    """TRL's `prompt` column, in text and chat form in one file, with one held-out row."""
+    rows = [
+        {"prompt": "What is 1 + 1?", "answer": "2"},
+        {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 3 + 3?"}], "answer": "6"},
+    ]
+    data, run_dir = write_small_dataset(tmp_path / "trl.jsonl", rows), tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), *TINY, "--eval-size", "1", "--run-dir", str(run_dir)]
+    assert cli_main([*args, "--iterations", "1"]) == 0
+    assert cli_main([*args, "--iterations", "2", "--resume"]) == 0
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1, 2]
+    answers = [json.loads(line) for line in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    assert len(answers) == 1 and answers[0]["question"] in {"What is 1 + 1?", "What is 2 + 3?", "What is 3 + 3?"}
+
+
 def test_resume_rejects_a_changed_config(tmp_path, tiny_model_dir, capsys):
     run_dir = tmp_path / "run"
     common = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
@@ -512,9 +563,47 @@ def test_a_failing_reward_fails_the_run_naming_it_and_the_completion(tmp_path, t
     # the evaluation before training scores one completion per question: the reward raises there
     assert f"reward '{name}' raised ValueError: cannot judge this one on completion 1 of 1, which starts" in failure
     # bad input: the resume hint says a resume meets the same failure until it is fixed
-    assert "no iteration had finished; the failure comes from the run's input (above), which a resume meets again: fix it" in failure
+    assert (
+        f"no iteration had finished; the traceback is in {run_dir / 'run.log'}; the failure comes from the run's input (below)" in failure
+    )
+    assert caplog.records[-1].getMessage().startswith(f"run failed: reward '{name}' raised ValueError")
     assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
     assert "failed" in (run_dir / "report.html").read_text()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("return [10**5000] * len(completions)", "returned an integer of about 5001 digits; expected a number that fits a float"),
+        ("return (x for x in [1.0] * len(completions))", "raised TypeError: returned a value that cannot be sent back"),
+        ("raise SystemExit(3)", "raised SystemExit: 3"),
+    ],
+)
+def test_a_reward_failure_is_the_consoles_last_line_and_alone(tmp_path, tiny_model_dir, body, message):
+    """What a user sees in the terminal: Flyte's warnings, then the one line that matters last,
+    with no traceback on the console; the traceback is in run.log, which the line before names."""
+    (tmp_path / "odd_reward.py").write_text(f"def odd(completions, **kwargs):\n    {body}\n")
+    run_dir = tmp_path / "run"
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--iterations",
+        "1",
+        "--rewards",
+        "odd_reward:odd=1",
+        "--run-dir",
+        str(run_dir),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "grpo_flyte.driver", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert f"run failed: reward 'odd_reward:odd' {message}" in lines[-1]
+    assert f"the traceback is in {run_dir / 'run.log'}" in lines[-2]
+    assert "Traceback" not in done.stderr and len(lines) < 12, done.stderr
+    assert "Traceback" in (run_dir / "run.log").read_text()
 
 
 def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_finishes(tmp_path, tiny_model_dir, monkeypatch, capfd):

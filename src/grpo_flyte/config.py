@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_flyte.errors import ConfigError
+from grpo_flyte.errors import ConfigError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
 from grpo_flyte.reward_fns import check_reward_name
 
@@ -645,8 +645,7 @@ SHOWN_VALUE_CHARS = 200  # a value echoed in an error message is cut to this man
 
 def shown(value: Any) -> str:
     """repr(value) for an error message, cut to SHOWN_VALUE_CHARS."""
-    text = repr(value)
-    return text if len(text) <= SHOWN_VALUE_CHARS else text[:SHOWN_VALUE_CHARS] + f"... ({len(text)} characters)"
+    return quoted(value, SHOWN_VALUE_CHARS)
 
 
 def flag(name: str) -> str:

@@ -20,7 +20,7 @@ from grpo_flyte.config import (
     REWARD_TIMEOUT_S,
     RunConfig,
 )
-from grpo_flyte.errors import DatasetError
+from grpo_flyte.errors import DatasetError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
 from grpo_flyte.reward_fns import MARKER, usable_golds
 from grpo_flyte.types import Example, Message
@@ -71,8 +71,7 @@ PROMPT_COLUMN = "prompt"
 
 def _shown(value: object) -> str:
     """repr(value) for an error message, cut to 120 characters."""
-    text = repr(value)
-    return text if len(text) <= 120 else text[:120] + "..."
+    return quoted(value, 120)
 
 
 def _usable_cell(answer: object) -> bool:

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from grpo_flyte.errors import EpisodeError
+from grpo_flyte.errors import EpisodeError, quoted
 from grpo_flyte.multiturn import Reply
 from grpo_flyte.types import Episode, EpisodeTurn, Example, Rollout
 
@@ -144,7 +144,7 @@ def _checked_reply(env, reply: object, turns: list[EpisodeTurn]) -> Reply:
     """The step's Reply, or EpisodeError (a bug in the environment: the task fails, the episode shown)."""
     problem = None
     if not isinstance(reply, Reply):
-        problem = f"returned {type(reply).__name__} {str(reply)[:80]!r}; expected a grpo_flyte.Reply"
+        problem = f"returned {type(reply).__name__} {quoted(reply, 80)}; expected a grpo_flyte.Reply"
     elif bad := [f"{name}={getattr(reply, name)!r}" for name, kind in _REPLY_TYPES.items() if not isinstance(getattr(reply, name), kind)]:
         problem = f"returned a Reply with {', '.join(bad)}; expected text content and role, and true/false flags"
     elif reply.reward is not None and not (

@@ -131,3 +131,16 @@ def input_errors_not_retried() -> Iterator[None]:
         if is_not_retried(exc):
             raise not_retried(exc) from exc
         raise
+
+
+def quoted(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error message, cut to `limit` characters; never raises, so that the path
+    reporting a bad value cannot itself fail on it (an int of 5,000 digits has no repr, a user
+    object's __repr__ may raise)."""
+    if isinstance(value, int) and value.bit_length() * 0.30103 > limit:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 -- whatever a user's __repr__ raises
+        return f"a {type(value).__name__} whose repr raises {type(exc).__name__}"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute
+from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute, quoted
 from grpo_flyte.sandbox import WorkerPool, WorkerRaised
 from grpo_flyte.types import RewardParts
 
@@ -376,8 +376,9 @@ def _checked(name: str, values: Any, count: int) -> list[float | None]:
         try:
             score = float(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-            shown = repr(value) if len(repr(value)) <= SHOWN_CHARS else repr(value)[:SHOWN_CHARS] + "..."
-            raise RewardError(f"reward {name!r} returned {shown}; expected a number that fits a float, or None") from None
+            raise RewardError(
+                f"reward {name!r} returned {quoted(value, SHOWN_CHARS)}; expected a number that fits a float, or None"
+            ) from None
         if not math.isfinite(score):
             raise RewardError(f"reward {name!r} returned {score}; expected a finite number")
         scores.append(score)

@@ -40,6 +40,7 @@ MERGED_DIR = "merged"
 DATA_FILE = "data.json"  # the data the run started with (a fingerprint), checked on --resume
 CHECKPOINT_FILE = "checkpoint"  # the driver's saved loop state, under FLYTE_DATA
 LOCK_FILE = ".lock"  # held by the run writing the folder; holds its process id
+LOG_FILE = "run.log"  # Flyte's log lines in full (tracebacks included), appended to by every attempt
 
 
 def saved_run_config(text: str) -> Any:
@@ -325,6 +326,38 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
         return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from)
 
 
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (a task's error can carry the lines of its cause)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class _ConsoleLines(logging.Filter):
+    """Flyte's console lines during a local run: its warnings (retries), never its errors, whose
+    tracebacks go to the run log and whose message is the run's last line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR and not record.exc_info
+
+
+@contextlib.contextmanager
+def flyte_log_in(path: Path) -> Iterator[None]:
+    """Flyte's log lines go to `path` in full while the run lasts; the console keeps `_ConsoleLines`."""
+    flyte_logger = logging.getLogger("flyte")
+    to_file = logging.FileHandler(path, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    console, keep = flyte_logger.handlers[:], _ConsoleLines()
+    for handler in console:
+        handler.addFilter(keep)
+    flyte_logger.addHandler(to_file)
+    try:
+        yield
+    finally:
+        flyte_logger.removeHandler(to_file)
+        to_file.close()
+        for handler in console:
+            handler.removeFilter(keep)
+
+
 def remove_leftovers(run_dir: Path) -> list[Path]:
     """Delete what a killed writer left half-done (`files.leftovers`) beside the run's files,
     adapters and reports. Only the lock holder calls this."""
@@ -362,7 +395,14 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
     progress = RunProgress(config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished))
     try:
         # the bars stop (and the terminal is whole again) before any message below
-        with observe(files), observe(progress), progress.shown(), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c():
+        with (
+            flyte_log_in(run_dir / LOG_FILE),
+            observe(files),
+            observe(progress),
+            progress.shown(),
+            _wandb_dir(run_dir),
+            sigterm_stops_like_ctrl_c(),
+        ):
             run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from)
             result = run.outputs()[0]
     except KeyboardInterrupt as exc:
@@ -372,14 +412,17 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
         logger.error("%s: %s in %s; continue with: %s --local --resume --run-dir %s", how, where, run_dir, PROG, run_dir)
         return 143 if isinstance(exc, Terminated) else 130
     except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
-        logger.error("run failed: %s", exc)
         done = [i for i in finished_iterations(run_dir) if i > 0]
         kept = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
         resume = f"{PROG} --local --resume --run-dir {run_dir}"
+        log = f"the traceback is in {run_dir / LOG_FILE}"
         if is_not_retried(exc):  # bad input: a resume as it is would fail the same way
-            logger.error("%s; the failure comes from the run's input (above), which a resume meets again: fix it, then: %s", kept, resume)
+            logger.error(
+                "%s; %s; the failure comes from the run's input (below), which a resume meets again: fix it, then: %s", kept, log, resume
+            )
         else:
-            logger.error("%s; continue with: %s", kept, resume)
+            logger.error("%s; %s; continue with: %s", kept, log, resume)
+        logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
         return 1
     files.export_adapter(result.adapter)
     logger.info("done: adapter %s, report %s, metrics %s", run_dir / ADAPTER_DIR, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
