@@ -15,3 +15,20 @@ class Chatty(MultiTurnEnv):
         if self.turns == 3:
             return Reply(done=True, reward=len(text) % 3 / 2)  # rewards that differ within a group
         return Reply(f"turn {self.turns}: go on", role="user")
+
+
+class Broken(Chatty):
+    """Every step raises: each stepped turn is a tool error the model is told about."""
+
+    def step(self, text):
+        raise RuntimeError("the tool is broken")
+
+
+class Slow(Chatty):
+    """Every step sleeps past --tool-timeout-s: each is a tool error too."""
+
+    def step(self, text):
+        import time
+
+        time.sleep(3)
+        return super().step(text)

@@ -31,7 +31,7 @@ def test_mean_ci95_hand_computed():
     assert mean == 0.5
     assert half == pytest.approx(1.96 * math.sqrt(1 / 3) / 2)
     assert mean_ci95([0.3, 0.3, 0.3]) == (pytest.approx(0.3), 0.0)
-    assert mean_ci95([0.7]) == (0.7, math.inf)  # one value says nothing about the spread
+    assert mean_ci95([0.7]) == (0.7, None)  # one value says nothing about the spread: no interval
 
 
 @pytest.mark.parametrize(
@@ -163,6 +163,15 @@ def test_progress_lines_for_evaluation_and_iteration_rows():
     custom = trained.model_copy(update={"reward_means": {"correct": 0.25, "mod:fn": 0.75}, "reward_errors": 2})
     line = progress_line(MetricsRow(iteration=3, adapter_version=3, train=custom), 20)
     assert "mod:fn 0.750  reward errors 2" in line and "correct 0.250" not in line
+    # multi-turn: failed steps and turns cut by --max-new-tokens (which end their episodes) are said
+    episodes = trained.model_copy(update={"turns_mean": 1.0, "tool_call_rate": 0.0, "tool_errors": 3, "episode_ends": {"turn_tokens": 5}})
+    line = progress_line(MetricsRow(iteration=3, adapter_version=3, train=episodes), 20)
+    assert "turns 1.0  tool use 0%  tool errors 3  cut at --max-new-tokens 5" in line
+    one = evaluated.model_copy(update={"eval_reward_ci95": None, "eval_accuracy_ci95": None, "eval_size": 1, "eval_tool_errors": 2})
+    assert "held-out reward 0.250 (one question: no interval)" in (
+        line := progress_line(MetricsRow(iteration=0, adapter_version=0, eval=one), 20)
+    )
+    assert "tool errors 2" in line
 
 
 def test_a_metrics_row_flattens_to_the_metrics_file_keys():

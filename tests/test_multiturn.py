@@ -344,6 +344,24 @@ def test_a_multi_turn_run_writes_every_file_and_resumes_after_a_kill(tmp_path, t
     assert json.loads((run_dir / "config.json").read_text())["episode"]["env"] == "chatty_env:Chatty"
 
 
+@pytest.mark.parametrize("env", ["Broken", "Slow"])
+def test_failed_environment_steps_are_counted_through_the_cli(tmp_path, tiny_model_dir, monkeypatch, env, caplog):
+    """Every stepped turn fails (it raises, or outlives --tool-timeout-s): the run finishes and
+    tool_errors counts each one. A turn cut at --max-new-tokens is not stepped (its episode ends)."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--env", f"chatty_env:{env}", "--max-turns", "2",
+            "--tool-timeout-s", "0.5", "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
+    assert cli_main(args) == 0
+    row = _rows(run_dir)[-1]
+    ends = {k.removeprefix("ended/"): v for k, v in row.items() if k.startswith("ended/")}
+    assert set(ends) <= {"turns", "turn_tokens"} and sum(ends.values()) == 6
+    stepped = round(row["turns_mean"] * 6) - ends.get("turn_tokens", 0)
+    assert stepped > 0 and row["tool_errors"] == stepped
+    assert "eval_tool_errors" in _rows(run_dir)[0]
+    assert f"tool errors {stepped}" in caplog.text
+
+
 @pytest.mark.parametrize("env", ["calculator", "guess"])
 def test_the_built_in_environments_run_locally(tmp_path, tiny_model_dir, env):
     run_dir = tmp_path / env

@@ -173,7 +173,13 @@ class SamplingConfig(_Part):
     """How completions are sampled (the trainer's log-probs use the same temperature)."""
 
     group_size: int = Field(8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group.")
-    max_new_tokens: int = Field(64, ge=1, le=32_768, description="Completion length limit in tokens.")
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        le=32_768,
+        description="Completion length limit in tokens; multi-turn: per model turn, and a turn cut there ends its episode "
+        "(ended/turn_tokens: the environment never sees a half-written turn).",
+    )
     temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
 

@@ -103,8 +103,8 @@ def _episode_fields(rollout: Rollout) -> dict[str, Any]:
 
 
 def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
-    """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval)
-    and the mean number of model turns ({} for single-turn answers)."""
+    """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval),
+    the mean number of model turns and the environment steps that failed ({} for single-turn answers)."""
     episodes = [r.episode for r in rollouts if r.episode is not None]
     if not episodes:
         return {}
@@ -113,6 +113,7 @@ def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
         "eval_tool_call_rate": rate,
         "eval_tool_call_rate_ci95": ci,
         "eval_turns_mean": statistics.fmean(e.model_turns for e in episodes),
+        "eval_tool_errors": sum(e.tool_errors for e in episodes),
     }
 
 

@@ -174,6 +174,7 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
         f"held-out reward {e.eval_reward:.3f} {plus_minus(e.eval_reward_ci95)}  acc {e.eval_accuracy:.1%}  "
         f"format {e.eval_format_rate:.1%}"
         + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
+        + (f"  tool errors {e.eval_tool_errors}" if e.eval_tool_errors else "")
         + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"
         if e
         else ""
@@ -183,8 +184,14 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     # accuracy and format rate are shown anyway; other rewards and failed scores are added
     others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
     errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
-    # multi-turn: turns per episode and the share that used a tool
-    episodes = f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}" if t.turns_mean is not None else ""
+    # multi-turn: turns per episode, the share that used a tool, failed steps, turns cut by their budget
+    episodes = (
+        f"  turns {t.turns_mean:.1f}  tool use {t.tool_call_rate:.0%}"
+        + (f"  tool errors {t.tool_errors}" if t.tool_errors else "")
+        + (f"  cut at --max-new-tokens {cut}" if (cut := t.episode_ends.get("turn_tokens")) else "")
+        if t.turns_mean is not None
+        else ""
+    )
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
         f"format {t.format_rate:.1%}{others}{errors}{episodes}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "

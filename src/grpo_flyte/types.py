@@ -256,6 +256,7 @@ class EvalMetrics(BaseModel):
     eval_tool_call_rate: float | None = None  # multi-turn: share of held-out episodes with a tool call
     eval_tool_call_rate_ci95: float | None = None
     eval_turns_mean: float | None = None
+    eval_tool_errors: int | None = None  # multi-turn: environment steps that raised or ran out of time
 
 
 def plus_minus(half_width: float | None) -> str:
