@@ -32,3 +32,10 @@ class Slow(Chatty):
 
         time.sleep(3)
         return super().step(text)
+
+
+class Stringly(Chatty):
+    """A step that returns a plain string instead of a Reply: a bug in the environment."""
+
+    def step(self, text):
+        return "just text"
