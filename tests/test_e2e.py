@@ -59,6 +59,8 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         "clip_fraction",
         "is_ratio_mean",
         "is_ratio_max",
+        "is_ess",
+        "is_clipped_fraction",
         "entropy",
         "grad_norm",
         "frac_zero_std_groups",

@@ -14,15 +14,16 @@ from grpo_flyte.grpo import (
     LossNormalizer,
     TrainSequence,
     aggregate_loss,
+    effective_sample_size,
     group_advantages,
     grpo_token_loss,
+    importance_weights,
     kl_k3,
     pad_batch,
     plan_micro_batches,
     split_minibatches,
     token_logprobs,
     token_logprobs_and_entropy,
-    truncated_is_weights,
 )
 
 EPS = 1e-4
@@ -289,19 +290,48 @@ def test_kl_k3_is_zero_for_equal_policies_and_positive_otherwise():
     assert (kl_k3(a, a + torch.tensor([0.3, -0.2, 1.0])) > 0).all()
 
 
-def test_truncated_is_weights_cap_and_raw_ratio():
+def test_token_truncate_weights_cap_and_raw_ratio():
     old = torch.tensor([math.log(0.3), math.log(0.1), math.log(0.4)])
     samp = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.4)])
-    weights, rho = truncated_is_weights(old, samp, cap=2.0)
+    weights, rho = importance_weights(old, samp, torch.zeros(3, dtype=torch.long), cap=2.0)
     # rho = p_trainer / p_generator = [3, 0.5, 1]; the weight is capped at 2
     assert rho.tolist() == pytest.approx([3.0, 0.5, 1.0], rel=1e-6)
     assert weights.tolist() == pytest.approx([2.0, 0.5, 1.0], rel=1e-6)
     assert not weights.requires_grad
 
 
-def test_truncated_is_weights_rejects_a_cap_below_one():
+def test_importance_weights_reject_a_cap_below_one_and_an_unknown_mode():
     with pytest.raises(ValueError, match="cap"):
-        truncated_is_weights(torch.zeros(1), torch.zeros(1), cap=0.5)
+        importance_weights(torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long), cap=0.5)
+    with pytest.raises(ValueError, match="'tokens_truncate': expected one of token_truncate, token_mask"):
+        importance_weights(torch.zeros(1), torch.zeros(1), torch.zeros(1, dtype=torch.long), cap=2.0, mode="tokens_truncate")
+
+
+def test_importance_weights_per_token_and_per_sequence_truncated_or_masked():
+    # two rollouts: tokens 0-1 of rollout 0 with ratios 3 and 0.5, token 2 of rollout 1 with ratio 1.5
+    old = torch.tensor([math.log(0.3), math.log(0.1), math.log(0.6)])
+    samp = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.4)])
+    rows = torch.tensor([0, 0, 1])
+    by_mode = {
+        mode: importance_weights(old, samp, rows, cap=2.0, mode=mode)
+        for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    }
+    assert by_mode["token_mask"][0].tolist() == pytest.approx([0.0, 0.5, 1.5], rel=1e-6)
+    # per rollout: 3 * 0.5 = 1.5 for both tokens of rollout 0, 1.5 for rollout 1; none above the cap
+    for mode in ("sequence_truncate", "sequence_mask"):
+        weights, rho = by_mode[mode]
+        assert rho.tolist() == pytest.approx([1.5, 1.5, 1.5], rel=1e-6) and weights.tolist() == pytest.approx([1.5] * 3, rel=1e-6)
+    # a cap of 1.2: the whole rollout is cut to the cap, or to 0
+    assert importance_weights(old, samp, rows, cap=1.2, mode="sequence_truncate")[0].tolist() == pytest.approx([1.2] * 3, rel=1e-6)
+    assert importance_weights(old, samp, rows, cap=1.2, mode="sequence_mask")[0].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_effective_sample_size_hand_computed():
+    # weights [2, 0.5, 1]: (3.5)^2 / (3 * (4 + 0.25 + 1)) = 12.25 / 15.75
+    assert effective_sample_size(3.5, 5.25, 3) == pytest.approx(12.25 / 15.75)
+    assert effective_sample_size(4.0, 4.0, 4) == 1.0  # all equal
+    assert effective_sample_size(0.0, 0.0, 3) == 0.0  # all masked
+    assert effective_sample_size(0.0, 0.0, 0) == 1.0  # no tokens: nothing to correct
 
 
 # --------------------------------------------------------------------------- aggregate_loss
@@ -446,11 +476,11 @@ def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept
     logits.requires_grad_(True)
     trained, _ = token_logprobs_and_entropy(logits, tokens, temperature=1.0, top_p=0.8)
     assert trained.tolist() == pytest.approx([math.log(0.7 / 0.9)] * 2 + [math.log(0.2 / 0.9)] * 2, abs=1e-6)
-    _, rho = truncated_is_weights(trained, sampled, cap=2.0)
+    _, rho = importance_weights(trained, sampled, torch.arange(4), cap=2.0)
     assert rho.tolist() == pytest.approx([1.0] * 4, abs=1e-6)
     # the full-distribution log-prob the trainer used before: every weight off by the kept mass
     full = token_logprobs(logits, tokens, 1.0)
-    assert truncated_is_weights(full, sampled, cap=2.0)[1].tolist() == pytest.approx([0.9] * 4, abs=1e-6)
+    assert importance_weights(full, sampled, torch.arange(4), cap=2.0)[1].tolist() == pytest.approx([0.9] * 4, abs=1e-6)
     # differentiable through the kept mass; a token outside the nucleus is counted in, never -inf
     trained.sum().backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
@@ -464,7 +494,7 @@ def test_log_ratios_are_clamped_so_nothing_overflows():
     far = torch.tensor([-150.0, -0.1])  # log-ratios of +149.9 and -199.9
     loss, _ = grpo_token_loss(logprobs, far, torch.tensor([1.0, -1.0]), 0.2, 0.2)
     assert torch.isfinite(loss).all()
-    _, rho = truncated_is_weights(far, torch.tensor([-1000.0, 0.0]), cap=2.0)
+    _, rho = importance_weights(far, torch.tensor([-1000.0, 0.0]), torch.arange(2), cap=2.0)
     assert rho.tolist() == pytest.approx([math.exp(20.0), math.exp(-0.1)], rel=1e-5)  # exp(850) clamped to exp(20)
     kl = kl_k3(logprobs.detach(), torch.tensor([-900.0, -0.1]))
     assert torch.isfinite(kl).all() and kl[1].item() == pytest.approx(math.exp(20.0) - 21.0, rel=1e-5)

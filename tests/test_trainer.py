@@ -271,3 +271,35 @@ def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):
     assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10)).kl is None
     model, optimizer, config = fresh(beta=0.04, kl_monitor_every=0)
     assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10)).kl is not None
+
+
+def _with_sampling_logprobs(sequence: TrainSequence, value: float) -> TrainSequence:
+    return TrainSequence(
+        prompt_ids=sequence.prompt_ids,
+        completion_ids=sequence.completion_ids,
+        advantage=sequence.advantage,
+        sampling_logprobs=[value] * len(sequence.completion_ids),
+    )
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_each_importance_sampling_mode_weighs_the_step_and_reports_its_guards(fresh, mode):
+    """Sampling log-probs far below the trainer's (an old, stale policy): every ratio is above a
+    cap of 1, so truncation keeps weight 1 on every token and masking drops them all (no gradient)."""
+    far_below = [_with_sampling_logprobs(s, -30.0) for s in (A, B)]
+    stats = _step(fresh, far_below, is_cap=1.0, is_mode=mode)
+    assert stats.num_tokens == 5 and stats.is_ratio_mean > 1
+    assert stats.is_clipped_fraction == 1.0  # every token's weight was cut by the cap
+    if mode.endswith("truncate"):
+        assert stats.is_ess == pytest.approx(1.0) and stats.grad_norm > 0  # all weights 1
+    else:
+        assert stats.is_ess == 0.0 and stats.grad_norm == 0.0  # all weights 0
+    # the generator's own log-probs: ratios near 1, nothing cut, a full effective sample
+    model, optimizer, config = fresh(is_mode=mode)
+    own = trainer._completion_logprobs(model, [A, B], config.sampling)[0].detach().tolist()
+    exact = [
+        TrainSequence(prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, advantage=s.advantage, sampling_logprobs=lps)
+        for s, lps in zip((A, B), (own[:3], own[3:]), strict=True)
+    ]
+    stats = trainer.grpo_step(model, optimizer, exact, config.train, config.sampling)
+    assert stats.is_clipped_fraction == 0.0 and stats.is_ess == pytest.approx(1.0, abs=1e-5)

@@ -322,6 +322,13 @@ class TrainConfig(_Part):
         description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",
     )
     is_cap: float = Field(2.0, ge=1.0, le=1000.0, description="Upper bound of the importance weight.")
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "token_truncate",
+        description=(
+            "The importance weight's level and cap (TRL's vllm_importance_sampling_mode): a ratio per token or one per "
+            "completion (the product of its tokens'); above is_cap it is cut to the cap ('truncate') or to 0 ('mask')."
+        ),
+    )
     truncated: Literal["min_reward", "mask", "keep"] = Field(
         "min_reward",
         description=(
@@ -504,6 +511,7 @@ TRL_ALIASES: dict[str, str] = {
     "lora_r": "lora_rank",
     "vllm_importance_sampling_correction": "is_correction",
     "vllm_importance_sampling_cap": "is_cap",
+    "vllm_importance_sampling_mode": "is_mode",
     "hub_model_id": "push_to_hub",
 }
 NUM_ITERATIONS_REFUSED = (

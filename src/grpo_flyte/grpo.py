@@ -267,22 +267,47 @@ def split_minibatches(num_sequences: int, num_minibatches: int) -> list[list[int
     return [list(range(j, num_sequences, k)) for j in range(k)]
 
 
-def truncated_is_weights(old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance weights for the generator/trainer mismatch: (weights, raw ratios).
+# TRL's vllm_importance_sampling_mode values: the level the ratio is taken at, and what a weight above the cap becomes.
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-        rho_t = exp(old_t - samp_t),   w_t = min(rho_t, cap)
 
-    The generator (vLLM, or batched KV-cached decoding) and the trainer (a full forward pass) give
-    slightly different log-probs for the same token; w_t re-weights each token's surrogate towards
-    the trainer's policy, and the cap bounds the variance. Both are detached.
+def importance_weights(
+    old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, rows: torch.Tensor, cap: float, mode: str = "token_truncate"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights for the generator/trainer mismatch, one per token: (weights, raw ratios).
+
+        token level:     rho_t = exp(old_t - samp_t)
+        sequence level:  rho_t = exp(sum over the tokens t' of t's rollout of (old_t' - samp_t'))
+        truncate:        w_t = min(rho_t, cap)
+        mask:            w_t = rho_t if rho_t <= cap, else 0
+
+    The generator (vLLM, batched KV-cached decoding, an older adapter in a pipelined run) and the
+    trainer (a full forward pass of the current adapter) give different log-probs for the same
+    token; w_t re-weights each token's surrogate towards the trainer's policy, and the cap bounds
+    the variance. `rows[t]` is token t's rollout (0-based, within this batch). Both are detached.
     """
     import torch
 
     if cap < 1.0:
         raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
-    log_rho = (old_logprobs.detach().float() - sampling_logprobs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho = torch.exp(log_rho)
-    return torch.clamp(rho, max=cap), rho
+    if mode not in IS_MODES:
+        raise ValueError(f"importance-sampling mode {mode!r}: expected one of {', '.join(IS_MODES)}")
+    log_rho = old_logprobs.detach().float() - sampling_logprobs.float()
+    if mode.startswith("sequence"):
+        per_row = torch.zeros(int(rows.max()) + 1 if rows.numel() else 0, device=log_rho.device).index_add(0, rows, log_rho)
+        log_rho = per_row[rows]
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    weights = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho <= cap, rho, torch.zeros_like(rho))
+    return weights, rho
+
+
+def effective_sample_size(weight_sum: float, weight_square_sum: float, count: int) -> float:
+    """The effective sample size of `count` importance weights as a fraction of `count`:
+    (sum w)^2 / (count * sum w^2); 1 when all are equal, towards 1/count when one dominates,
+    0 when all are 0."""
+    if count == 0:
+        return 1.0
+    return weight_sum**2 / (count * weight_square_sum) if weight_square_sum > 0 else 0.0
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,8 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         clip_fraction=stats.clip_fraction,
         is_ratio_mean=stats.is_ratio_mean,
         is_ratio_max=stats.is_ratio_max,
+        is_ess=stats.is_ess,
+        is_clipped_fraction=stats.is_clipped_fraction,
         entropy=stats.entropy,
         grad_norm=stats.grad_norm,
         lr=stats.lr,

@@ -28,6 +28,7 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Entropy", ("entropy",)),
     ("Clipped tokens, zero-variance groups, truncated completions", ("clip_fraction", "frac_zero_std_groups", "truncated_fraction")),
     ("Importance ratio (trainer / generator)", ("is_ratio_mean", "is_ratio_max")),
+    ("Importance weights: effective sample size, share cut by the cap", ("is_ess", "is_clipped_fraction")),
     ("Completion length", ("completion_len_mean", "completion_len_max")),
     ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
     ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),

@@ -343,8 +343,8 @@ class _Totals:
 
     def __init__(self) -> None:
         self.loss = self.grad_norm = self.kl = self.entropy = self.is_sum = 0.0
-        self.is_max = self.lr = 0.0
-        self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.updates = 0
+        self.is_max = self.lr = self.weight_sum = self.weight_square_sum = 0.0
+        self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.is_cut = self.updates = 0
 
     def stats(self) -> StepStats:
         return StepStats(
@@ -357,6 +357,8 @@ class _Totals:
             entropy=self.entropy / self.tokens,
             is_ratio_mean=self.is_sum / self.is_tokens if self.is_tokens else 1.0,
             is_ratio_max=self.is_max if self.is_tokens else 1.0,
+            is_ess=grpo.effective_sample_size(self.weight_sum, self.weight_square_sum, self.is_tokens),
+            is_clipped_fraction=self.is_cut / self.is_tokens if self.is_tokens else 0.0,
             lr=self.lr,
         )
 
@@ -384,11 +386,14 @@ def _micro_batch_loss(
     weights = None
     if all(s.sampling_logprobs is not None for s in seqs):
         samp = torch.tensor([x for s in seqs for x in s.sampling_logprobs], device=device)
-        capped, rho = grpo.truncated_is_weights(old_lp, samp, train.is_cap)
-        weights = capped if train.is_correction else None
+        corrected, rho = grpo.importance_weights(old_lp, samp, rows, train.is_cap, train.is_mode)
+        weights = corrected if train.is_correction else None
         totals.is_sum += float(rho.sum())
         totals.is_max = max(totals.is_max, float(rho.max()))
         totals.is_tokens += rho.numel()
+        totals.weight_sum += float(corrected.sum())
+        totals.weight_square_sum += float(corrected.square().sum())
+        totals.is_cut += int((corrected != rho).sum())
     advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
     token_loss, clipped = grpo.grpo_token_loss(logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta)
     lengths = torch.tensor([s.num_trained for s in seqs], device=device)

@@ -182,8 +182,10 @@ class StepStats(BaseModel):
     kl: float | None = None  # mean per-token k3 KL to the reference (adapter disabled); None: not measured
     clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
     entropy: float = 0.0  # mean per-token entropy of the trainer's policy
-    is_ratio_mean: float = 1.0  # exp(old - samp) per token, before truncation
+    is_ratio_mean: float = 1.0  # exp(old - samp) per token (per rollout at sequence level), before truncation
     is_ratio_max: float = 1.0
+    is_ess: float = 1.0  # effective sample size of the importance weights, as a fraction of the tokens
+    is_clipped_fraction: float = 0.0  # tokens whose weight the cap truncated or masked
     lr: float = 0.0  # the learning rate of the last optimizer step (see lr_scheduler_type)
 
 
@@ -216,6 +218,8 @@ class TrainMetrics(BaseModel):
     clip_fraction: float
     is_ratio_mean: float
     is_ratio_max: float
+    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see grpo.effective_sample_size)
+    is_clipped_fraction: float = 0.0  # tokens whose importance weight the cap truncated or masked
     entropy: float
     grad_norm: float
     lr: float = 0.0  # the learning rate of the iteration's last optimizer step
