@@ -17,6 +17,7 @@ import pytest
 from flyte.io import Dir
 from tiny_model import scored_pair
 
+from grpo_flyte import reward_fns
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
 from grpo_flyte.trainer import init_adapter, peft_model, train_step
@@ -619,6 +620,7 @@ def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_fi
         "    return [float(len(c) % 2) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    reward_fns._workers.stop()  # a worker started by an earlier test writes to the stderr it started with, not capfd's
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--rewards", "correct=1,chatty_reward:judge=1"]
     assert cli_main([*args, "--run-dir", str(run_dir)]) == 0

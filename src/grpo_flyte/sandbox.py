@@ -220,6 +220,11 @@ class WorkerPool:
         for _ in range(size):
             self.idle.put(Worker(preload))
 
+    def stop(self) -> None:
+        """Stop the idle workers (the next calls start new ones, with this process's stderr as it is now)."""
+        for worker in list(self.idle.queue):
+            worker.stop()
+
     def call(self, fn: str, args: tuple, timeout_s: float, what: str) -> Any:
         """`Worker.call` on a free worker (waiting for one when all `size` are busy)."""
         worker = self.idle.get()
