@@ -911,7 +911,8 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
             "--push-to-hub", "me/tiny-grpo", "--run-dir", str(run_dir)]  # fmt: skip
     with caplog.at_level("ERROR", logger="grpo_flyte"):
         assert cli_main(args) == 1  # trained, then the upload failed: the iterations are kept
-    assert "the Hub is unreachable" in caplog.text and "iterations 1-1 of 1 are kept; continue with" in caplog.text
+    assert "the Hub is unreachable" in caplog.text and "iterations 1-1 of 1 are kept; the traceback is in" in caplog.text
+    assert caplog.records[-1].getMessage() == "run failed: the Hub is unreachable"
     assert not (hub_dir / "me" / "tiny-grpo" / "README.md").exists()
     assert cli_main([*args, "--resume"]) == 0  # the resume goes straight to the upload
     repo = hub_dir / "me" / "tiny-grpo"

@@ -82,6 +82,8 @@ def _iteration_row(i: int) -> dict[str, object]:
         "clip_fraction": 0.01 * i,
         "is_ratio_mean": 1.0 + 0.01 * i,
         "is_ratio_max": 1.5 + 0.2 * i,
+        "is_ess": 1.0 - 0.01 * i,
+        "is_clipped_fraction": 0.02 * i,
         "entropy": 0.9 - 0.05 * i,
         "grad_norm": 0.3 + 0.1 * (i % 3),
         "completion_len_mean": 30.0 - 2 * i,

@@ -202,7 +202,7 @@ def test_weighted_mix_with_a_custom_reward_keeps_each_score(custom_module):
         ("_exit() if any('bad' in c for c in completions) else [1.0] * len(completions)", r"raised SystemExit: 3 on completion 2 of 3"),
         (
             "[10 ** 400 if 'bad' in c else 1 for c in completions]",
-            r"returned 1000000.*\.\.\.; expected a number that fits a float, or None on completion 2",
+            r"returned an integer of about 401 digits; expected a number that fits a float, or None on completion 2",
         ),
     ],
 )

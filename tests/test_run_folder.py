@@ -422,5 +422,8 @@ def test_a_run_that_fails_on_every_attempt_says_what_is_kept_and_how_to_continue
     run_dir = tmp_path / "run"
     with caplog.at_level("ERROR", logger="grpo_flyte"):
         assert cli_main(_args(tiny_model_dir, run_dir, 2)) == 1
-    assert f"iterations 1-1 of 2 are kept; continue with: python -m grpo_flyte.driver --local --resume --run-dir {run_dir}" in caplog.text
+    assert (
+        f"iterations 1-1 of 2 are kept; the traceback is in {run_dir / 'run.log'}; continue with: "
+        f"python -m grpo_flyte.driver --local --resume --run-dir {run_dir}"
+    ) in caplog.text
     assert "meets again" not in caplog.text
