@@ -207,6 +207,31 @@ def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path
     assert not list(run_dir.glob(".*.tmp")) and not list(run_dir.glob(".adapter-*"))
 
 
+# With --max-staleness 1 a batch is generating while the trainer trains: kills inside that overlap.
+PIPELINED_KILL_POINTS = [
+    ("train", 2),  # iteration 2's step, iteration 3's batch in flight
+    ("generate", 5),  # an engine batch of a batch generated ahead
+    ("checkpoint", 3),  # saving iteration 2's loop state, with its batches in flight
+]
+
+
+@pytest.mark.parametrize(("point", "nth"), PIPELINED_KILL_POINTS, ids=[f"{p}-{n}" for p, n in PIPELINED_KILL_POINTS])
+def test_a_pipelined_run_killed_anywhere_resumes_each_iteration_once_with_its_schedules_adapters(tmp_path, tiny_model_dir, point, nth):
+    run_dir = tmp_path / "run"
+    args = [*_args(tiny_model_dir, run_dir, 3), "--max-staleness", "1"]
+    killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _check_whole_files(run_dir)
+    assert cli_main([*args, "--resume"]) == 0
+    _check_whole_files(run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    # every iteration trained its whole batch once, generated one version behind after the first
+    assert [(r["num_rollouts"], r["staleness_max"], r["stale_dropped"]) for r in rows[1:]] == [(6, 0, 0), (6, 1, 0), (6, 1, 0)]
+    state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
+    assert state.iterations_done == 3 and state.in_flight == {} and [a.version for a in state.recent_adapters] == [2]
+
+
 # --------------------------------------------------------------------------- inputs that change under a resume
 
 

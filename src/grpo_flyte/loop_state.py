@@ -4,6 +4,7 @@ a retried driver (or a resumed run) gets it back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import flyte
@@ -24,6 +25,11 @@ class LoopState(BaseModel):
     tracking_id: str = ""
     # A few answers of the latest held-out evaluation, for the report.
     held_out_sample: list[EvalAnswer] = []
+    # A pipelined run (max_staleness K): the adapters before `adapter` that batches in flight use
+    # (the K newest), and the batches in flight: iteration (0-based) -> the adapter version
+    # generating it. A resumed run regenerates exactly those, with those versions.
+    recent_adapters: list[AdapterRef] = []
+    in_flight: dict[int, int] = {}
 
 
 async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | None, LoopState | None]:
@@ -40,15 +46,17 @@ async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | Non
     # Re-save at once so that every later attempt sees it, even if this one dies before its first
     # iteration (the previous-checkpoint path always points at attempt 1: flyteorg/flyte#2894).
     await save_checkpoint(checkpoint, payload)
-    return checkpoint, _with_adapter_path(state, located_path(state.adapter.dir.path))
+    return checkpoint, _with_adapter_paths(state, located_path)
 
 
-def _with_adapter_path(state: LoopState, path: str) -> LoopState:
-    adapter = state.adapter.model_copy(update={"dir": state.adapter.dir.model_copy(update={"path": path})})
-    return state.model_copy(update={"adapter": adapter})
+def _with_adapter_paths(state: LoopState, convert: Callable[[str], str]) -> LoopState:
+    def moved(adapter: AdapterRef) -> AdapterRef:
+        return adapter.model_copy(update={"dir": adapter.dir.model_copy(update={"path": convert(adapter.dir.path)})})
+
+    return state.model_copy(update={"adapter": moved(state.adapter), "recent_adapters": [moved(a) for a in state.recent_adapters]})
 
 
 def checkpoint_payload(state: LoopState) -> bytes:
-    """The state as saved: a local adapter path relative to the run's raw data folder, so that a
+    """The state as saved: local adapter paths relative to the run's raw data folder, so that a
     moved or copied run folder resumes (`restore_state` joins it to the new folder)."""
-    return _with_adapter_path(state, portable_path(state.adapter.dir.path)).model_dump_json().encode()
+    return _with_adapter_paths(state, portable_path).model_dump_json().encode()

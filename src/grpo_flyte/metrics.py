@@ -43,8 +43,14 @@ def informative_group(sg: ScoredGroup, truncated: str) -> bool:
     return grpo.informative(grpo.training_rewards(sg.reward_values, sg.truncated, truncated))
 
 
-def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float]) -> TrainMetrics:
+def iteration_metrics(
+    config: RunConfig, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float], stale_dropped: int = 0
+) -> TrainMetrics:
+    """`timings`: the stage seconds (TrainMetrics' `*_s` fields); `stale_dropped`: groups left out as
+    staler than max_staleness. A group's staleness counts the versions between the adapter that
+    generated it and the one the step started from."""
     parts = [p for sg in scored for p in sg.rewards]
+    staleness = [result.adapter.version - 1 - sg.group.adapter_version for sg in scored]
     rollouts = [r for sg in scored for r in sg.group.rollouts]
     lengths = [len(r.completion_ids) for r in rollouts]
     stats = result.stats
@@ -80,6 +86,9 @@ def iteration_metrics(config: RunConfig, scored: list[ScoredGroup], result: Trai
         score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
         train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
         **episode_metrics(rollouts),
+        staleness_mean=statistics.fmean(staleness),
+        staleness_max=max(staleness),
+        stale_dropped=stale_dropped,
     )
 
 

@@ -192,9 +192,13 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
         if t.turns_mean is not None
         else ""
     )
+    # pipelined (--max-staleness): how stale the trained groups were, and any dropped as too stale
+    stale = (f"  staleness {t.staleness_mean:.1f}" if t.staleness_max else "") + (
+        f"  stale dropped {t.stale_dropped}" if t.stale_dropped else ""
+    )
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
-        f"format {t.format_rate:.1%}{others}{errors}{episodes}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
+        f"format {t.format_rate:.1%}{others}{errors}{episodes}{stale}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
         f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
         f"total {t.iteration_s:.1f}s"
         + (f"  | ETA {clock(eta_s)}" if eta_s is not None and row.iteration < total else "")

@@ -233,6 +233,13 @@ class TrainMetrics(BaseModel):
     generate_tokens_per_s: float
     score_tokens_per_s: float
     train_tokens_per_s: float
+    # How stale the trained groups were (versions between the adapter that generated a group and the
+    # one it trained), the groups dropped as staler than max_staleness, and the seconds the trainer
+    # waited for its batch (a pipelined run: what generation ahead did not hide).
+    staleness_mean: float = 0.0
+    staleness_max: int = 0
+    stale_dropped: int = 0
+    batch_wait_s: float = 0.0
     # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
     # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
     turns_mean: float | None = None
