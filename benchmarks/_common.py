@@ -23,8 +23,20 @@ from typing import Any, Self
 def parser(doc: str | None, default_out: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small smoke check (seconds, not minutes)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / default_out, help="where the JSON of results goes")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where the JSON of results goes (default: benchmarks/{default_out}; --quick: only with --out)",
+    )
+    p.set_defaults(default_out=Path(__file__).parent / default_out)
     return p
+
+
+def out_file(args: argparse.Namespace) -> Path | None:
+    """Where the results go: --out, else the committed figures' file, except in a quick run (its
+    figures are no measurement: they never replace the committed ones)."""
+    return args.out or (None if args.quick else args.default_out)
 
 
 def quiet_logs() -> None:
@@ -81,8 +93,11 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_result(path: Path, result: dict[str, Any]) -> None:
+def write_result(path: Path | None, result: dict[str, Any]) -> None:
     result["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if path is None:
+        print("\n--quick: results not written (--out FILE writes them)")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nresults: {path}")

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             path = path or next(fresh)
             adapter = AdapterRef(version=0, dir=Dir(path=path))
             started = time.perf_counter()
-            parts = (config.base, config.engine, config.prompt, config.sampling)
+            parts = (config.base, config.engine, config.prompt, config.sampling, config.episode)
             group = asyncio.run(rollout.generate(*parts, Dir(path=model_path), adapter, example, 0, 0))
             assert len(group.rollouts) == 2 and all(len(r.completion_ids) == 1 for r in group.rollouts)
             return {"s": time.perf_counter() - started}
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("  vLLM (GPU) not measured: no GPU on this machine")
     _common.write_result(
-        args.out,
+        _common.out_file(args),
         {
             "benchmark": "adapter_swap",
             "machine": _common.machine(),

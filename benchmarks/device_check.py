@@ -10,6 +10,7 @@ matmuls, its decode loop and its log-probs are those of the real shape.
     python benchmarks/device_check.py                            # on a GPU: 64 rows x 128 new tokens
     python benchmarks/device_check.py --rows 16 --new-tokens 32  # on a CPU
     python benchmarks/device_check.py --out DIR                  # writes DIR/device_check.json
+    python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="a model folder (default: a random SmolLM2-135M-shaped model)")
     parser.add_argument("--rows", type=int, default=64, help="completions per batch (8 prompts x 8)")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="a folder (device_check.json goes in it) or a .json file")
+    parser.add_argument("--quick", action="store_true", help="8 rows x 8 new tokens: the plumbing")
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.new_tokens = 8, 8
     device = best_device()
     model_dir = args.model or random_smollm2(Path(tempfile.mkdtemp(prefix="device_check-")))
     dtype = resolve_dtype("auto")
@@ -110,7 +114,7 @@ def main() -> int:
             f"importance ratio mean {stats.is_ratio_mean:.4f}, max {stats.is_ratio_max:.3f}; "
             f"output layer = forward: {head_direct}"
         )
-    path = args.out / "device_check.json"
+    path = args.out if args.out.suffix == ".json" else args.out / "device_check.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {path}")
     return 0

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  identical work: trained adapters bit-identical in {sum(identical)}/{len(identical)} rounds; "
         f"losses flyte {[round(r['loss'], 6) for r in runs['flyte']]} bare {[round(r['loss'], 6) for r in runs['bare']]}"
     )
-    _common.write_result(args.out, result)
+    _common.write_result(_common.out_file(args), result)
     return 0
 
 

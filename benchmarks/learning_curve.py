@@ -9,6 +9,8 @@ and the seconds per iteration; writes them to <run-dir>/learning_curve.json.
     python benchmarks/learning_curve.py                       # the figures in docs/measurements.md
     python benchmarks/learning_curve.py --iterations 5        # a quicker look
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
+    python benchmarks/learning_curve.py --max-staleness 1     # generation ahead of training
+    python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations (the plumbing)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
 # The budget the README reports: 20 iterations and 5 evaluations took 25 minutes on a 2-core CPU.
 ITERATIONS = 20
 EVAL_EVERY = 5
+QUICK = ["--prompts-per-iter", "2", "--group-size", "2", "--max-new-tokens", "8", "--min-informative-groups", "0"]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -58,6 +61,8 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
         "accuracy_gain": acc_gain,
         "accuracy_gain_ci95": acc_gain_ci,
         "seconds_per_iteration": statistics.fmean(r["iteration_s"] for r in trained),
+        "is_ess_mean": statistics.fmean(r.get("is_ess", 1.0) for r in trained),
+        "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in trained),
         "generate_s_mean": statistics.fmean(r["generate_s"] for r in trained),
         "train_s_mean": statistics.fmean(r["train_s"] for r in trained),
         "eval_s_mean": statistics.fmean(r["eval_s"] for r in evals),
@@ -103,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=EvalConfig.model_fields["eval_size"].default)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
+    parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON of results here")
     args, driver_flags = parser.parse_known_args(argv)
+    if args.quick:
+        args.iterations, args.eval_every, args.eval_size = 2, 1, 4
+        driver_flags = [*QUICK, *driver_flags]
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
     started = time.perf_counter()
     code = cli_main([
@@ -113,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     result = summarize(run_dir, time.perf_counter() - started)
-    (run_dir / "learning_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    for path in (run_dir / "learning_curve.json", *([args.out] if args.out else [])):
+        path.write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
     print(f"\nrun files: {run_dir}")
     return 0

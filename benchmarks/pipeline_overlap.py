@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"part 2: the embedded model, {real_iterations} iterations with K=0, then with K=1")
     result["embedded"] = real_part(real_iterations, tiny if args.quick else [], root)
     print(f"  wall seconds, K=0 / K=1: {result['embedded']['wall_ratio']:.2f}x")
-    _common.write_result(args.out, result)
+    _common.write_result(_common.out_file(args), result)
     return 0 if speedup >= TARGET and staleness <= 1 else 1
 
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("tool_learning.json"))
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/tool_learning.json (--quick: only with --out)")
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4
@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     result = {**summarize(run_dir, time.perf_counter() - started), **tool_summary(run_dir)}
-    if not args.quick:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or (None if args.quick else Path(__file__).with_name("tool_learning.json"))
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
     print(f"\nrun files: {run_dir}")
     return 0

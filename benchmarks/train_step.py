@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  grpo_step {grpo_s:.2f} s = {tokens / grpo_s:.0f} tokens/s; bare {bare_s:.2f} s = {tokens / bare_s:.0f} tokens/s")
     print(f"  train path (load state + grpo_step + save) {path_s:.2f} s = {tokens / path_s:.0f} tokens/s, {path_ratio:.3f}x of bare")
     _common.write_result(
-        args.out,
+        _common.out_file(args),
         {
             "benchmark": "train_step",
             "machine": _common.machine(),

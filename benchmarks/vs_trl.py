@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.explore:
-            return explore(config, model_dir, root, fixed, args.out)
+            return explore(config, model_dir, root, fixed, args.out or args.default_out)
 
         def grpo_side() -> dict[str, Any]:
             run_dir = root / f"flyte-{next(counter)}"
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "TRL forwards all of them; with beta 0 neither side runs a reference pass on this first iteration"
     )
     _common.write_result(
-        args.out,
+        _common.out_file(args),
         {
             "benchmark": "vs_trl",
             "machine": _common.machine(),

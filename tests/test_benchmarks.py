@@ -1,7 +1,10 @@
-"""The benchmarks' bare loop does exactly grpo_flyte's work: same token ids, same loss, same adapter."""
+"""The benchmarks: their bare loop does exactly grpo_flyte's work (same token ids, same loss, same
+adapter), and every one of them runs in its quick mode."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +50,20 @@ def test_bare_iteration_matches_the_local_flyte_run(tmp_path, tiny_model_dir, mo
     assert bare["stats"].num_updates == 1 and bare["stats"].num_tokens > 0
     assert (row["loss"], row["num_tokens"]) == (bare["stats"].loss, bare["stats"].num_tokens)
     assert same_adapter(flyte_out["adapter_dir"], bare["adapter_dir"])
+
+
+BENCHMARKS = sorted(p for p in (Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
+def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
+    """Each benchmark's plumbing, from this checkout, on every change: a benchmark whose code drifted
+    from the package's (a task's signature changed) fails here, not in front of a reader. A quick
+    run may miss its speed target (exit 1, said in its output); it may not crash."""
+    out = tmp_path / f"{script.stem}.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(out)], cwd=script.parent, capture_output=True, text=True, timeout=900
+    )
+    assert "Traceback" not in done.stderr + done.stdout, (done.stdout + done.stderr)[-4000:]
+    assert done.returncode in (0, 1) and out.is_file(), (done.returncode, (done.stdout + done.stderr)[-4000:])
+    assert isinstance(json.loads(out.read_text()), dict)

