@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import flyte
 import pytest
+from console import failed_run_lines
 from flyte.io import Dir
 from tiny_model import scored_pair
 
@@ -587,25 +588,11 @@ def test_a_reward_failure_is_the_consoles_last_line_and_alone(tmp_path, tiny_mod
     with no traceback on the console; the traceback is in run.log, which the line before names."""
     (tmp_path / "odd_reward.py").write_text(f"def odd(completions, **kwargs):\n    {body}\n")
     run_dir = tmp_path / "run"
-    args = [
-        "--local",
-        "--model",
-        str(tiny_model_dir),
-        *TINY,
-        "--iterations",
-        "1",
-        "--rewards",
-        "odd_reward:odd=1",
-        "--run-dir",
-        str(run_dir),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "grpo_flyte.driver", *args], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 1, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--rewards", "odd_reward:odd=1", "--run-dir", str(run_dir)]  # fmt: skip
+    lines = failed_run_lines(args, import_from=tmp_path)
     assert f"run failed: reward 'odd_reward:odd' {message}" in lines[-1]
     assert f"the traceback is in {run_dir / 'run.log'}" in lines[-2]
-    assert "Traceback" not in done.stderr and len(lines) < 12, done.stderr
+    assert len(lines) < 12, lines
     assert "Traceback" in (run_dir / "run.log").read_text()
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from console import failed_run_lines
 
 from grpo_flyte import grpo
 from grpo_flyte.cli import main as cli_main
@@ -366,24 +367,10 @@ def test_a_step_returning_a_string_is_the_consoles_last_line(tmp_path, tiny_mode
     """A bug in the environment fails the run: the one line naming the class and the type it
     returned is the console's last line, the traceback in the run folder's run.log."""
     run_dir = tmp_path / "run"
-    args = [
-        "--local",
-        "--model",
-        str(tiny_model_dir),
-        *TINY,
-        "--env",
-        "chatty_env:Stringly",
-        "--iterations",
-        "1",
-        "--run-dir",
-        str(run_dir),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "grpo_flyte.driver", *args], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 1, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--env", "chatty_env:Stringly", "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
+    lines = failed_run_lines(args, import_from=TESTS)
     assert "run failed: Stringly.step returned str 'just text'; expected a grpo_flyte.Reply" in lines[-1]
-    assert "Traceback" not in done.stderr and "Traceback" in (run_dir / "run.log").read_text()
+    assert "Traceback" in (run_dir / "run.log").read_text()
 
 
 @pytest.mark.parametrize("env", ["calculator", "guess"])
