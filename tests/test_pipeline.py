@@ -135,3 +135,15 @@ def test_k1_trains_what_the_synchronous_loop_trains_until_the_schedules_part(tmp
     assert rows[0][0]["loss"] == rows[1][0]["loss"] and rows[0][0]["mean_reward"] == rows[1][0]["mean_reward"]
     last = {k: _lora(runs[k], 2) for k in (0, 1)}
     assert any(not torch.equal(last[0][name], last[1][name]) for name in last[0])
+
+
+def test_a_generate_replica_keeps_every_adapter_a_pipelined_run_has_in_flight():
+    """The cluster path: the pool's engine keeps adapter_cache_size adapters loaded (the generate
+    task's EngineConfig input, which follows K) and its download cache as many folders, at any K."""
+    from grpo_flyte import rollout
+    from grpo_flyte.config import MAX_STALENESS
+
+    for k in range(MAX_STALENESS + 1):
+        config = RunConfig(max_staleness=k)
+        assert config.engine.adapter_cache_size >= k + 2
+        assert rollout._adapter_dirs.capacity >= config.engine.adapter_cache_size
