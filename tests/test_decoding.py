@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_flyte.decoding import Sampling, choose_tokens, decode, row_stream
+from grpo_flyte.decoding import PrefixCache, Sampling, choose_tokens, decode, kv_bytes, row_stream
 
 P = [0.1, 0.2, 0.7]
 
@@ -96,9 +96,29 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15]]
 NO_EOS = {49151}  # a real id the random model is vanishingly unlikely to pick: rows run to the limit
 
 
-def run(model, prompts, sampling, eos=NO_EOS, seeds=None):
+def run(model, prompts, sampling, eos=NO_EOS, seeds=None, prefixes=None, continued=frozenset()):
+    seeds = seeds or [(5, row) for row in range(len(prompts))]
     with torch.inference_mode():
-        return decode(model, prompts, seeds or [(5, row) for row in range(len(prompts))], sampling, eos, pad_id=0)
+        return decode(model, prompts, seeds, sampling, eos, pad_id=0, prefixes=prefixes, continued=continued)
+
+
+def fed_tokens(model, monkeypatch) -> list[int]:
+    """The number of input tokens of each forward pass the model is given from now on."""
+    fed: list[int] = []
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        fed.append(kwargs["input_ids"].numel())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return fed
+
+
+def same_rows(a, b) -> bool:
+    return [ids for ids, _ in a] == [ids for ids, _ in b] and all(
+        x == pytest.approx(y, abs=1e-9) for (_, x), (_, y) in zip(a, b, strict=True)
+    )
 
 
 def test_sampling_logprobs_equal_a_full_forward_of_the_finished_rows(tiny):
@@ -151,3 +171,58 @@ def test_min_new_tokens_holds_off_the_eos(tiny):
     eos = free[0][0][0]
     rows = run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, min_new_tokens=10), eos={eos})
     assert all(len(ids) == 10 and eos not in ids for ids, _ in rows)
+
+
+# The prefix cache: contexts prefilled once, a later turn starting from the cache an earlier one left.
+# Float64 as above: the same tokens and log-probs as decoding every context from scratch.
+
+
+def test_rows_that_share_a_context_prefill_it_once(tiny, monkeypatch):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=4)
+    group = [PROMPTS[0]] * 4 + [PROMPTS[1]]
+    scratch = run(model, group, sampling)
+    fed = fed_tokens(model, monkeypatch)
+    rows = run(model, group, sampling, prefixes=PrefixCache(0))
+    assert same_rows(rows, scratch)
+    # one pass over each context but its last token, then one token per row a step (the last tokens first)
+    assert fed == [len(PROMPTS[0]) - 1, len(PROMPTS[1]) - 1] + [len(group)] * 4
+
+
+def test_a_continued_context_computes_only_what_was_added_to_it(tiny, monkeypatch):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=5)
+    prefixes = PrefixCache(2**20)
+    prefixes.use("adapter")
+    first = run(model, PROMPTS, sampling, prefixes=prefixes, continued=frozenset({0, 2}))
+    assert len(prefixes.entries) == 2  # rows 0 and 2 only; each holds all but its last sampled token
+    reply = [30, 31, 32]
+    contexts = [p + ids + reply for p, (ids, _) in zip(PROMPTS, first, strict=True)]
+    scratch = run(model, contexts, sampling, seeds=[(9, r) for r in range(3)])
+    fed = fed_tokens(model, monkeypatch)
+    second = run(model, contexts, sampling, seeds=[(9, r) for r in range(3)], prefixes=prefixes)
+    assert same_rows(second, scratch)
+    # rows 0 and 2: their last sampled token and the reply; row 1: its whole context
+    assert fed[:3] == [1 + len(reply) - 1, len(contexts[1]) - 1, 1 + len(reply) - 1]
+    assert not prefixes.entries  # used up: nothing asked to keep the second turn's
+
+
+def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
+    def kv(n):  # one layer, two heads, n tokens, head dim 4: 64 n bytes of float32
+        return [(torch.zeros(1, 2, n, 4), torch.zeros(1, 2, n, 4))]
+
+    cache = PrefixCache(max_bytes=64 * 10)
+    cache.use("a")
+    cache.put([1, 2, 3], kv(3))
+    cache.put([1, 2, 3, 4, 5], kv(5))
+    assert cache.longest([1, 2, 3, 4, 5, 6])[0] == (1, 2, 3, 4, 5)
+    assert cache.longest([1, 2, 3, 9])[0] == (1, 2, 3)
+    assert cache.longest([2, 3])[0] == ()
+    cache.put([7, 8, 9], kv(3))  # 11 tokens > 10: the oldest goes
+    assert list(cache.entries) == [(1, 2, 3, 4, 5), (7, 8, 9)] and cache.num_bytes == 64 * 8
+    cache.put(list(range(11)), kv(11))  # larger than the whole bound: not kept
+    assert cache.num_bytes == sum(kv_bytes(v) for v in cache.entries.values()) == 64 * 8
+    cache.use("a")
+    assert len(cache.entries) == 2
+    cache.use("b")  # another adapter's keys and values are not this one's
+    assert not cache.entries and cache.num_bytes == 0

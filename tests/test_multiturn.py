@@ -464,6 +464,7 @@ def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer,
 
         def generate_many(self, requests, adapter_path):
             self.batches.append([len(r.prompt_ids) for r in requests])
+            assert all(r.continues for r in requests)  # a turn's cache is kept for the episode's next
             ids = _ids(tokenizer, "7<|im_end|>")
             return [[Rollout(completion_ids=ids, sampling_logprobs=[-0.1] * len(ids), finish_reason="stop", text="7")] for _ in requests]
 
@@ -598,3 +599,49 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     sampled = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
     assert logprobs.shape == sampled.shape and logprobs.numel() == sum(r.num_model_tokens for r in played)
     assert torch.allclose(logprobs, sampled, atol=1e-4)
+
+
+def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(tiny_model_dir, tmp_path, monkeypatch):
+    """The transformers engine's prefix cache changes the work, not the episode: the same tokens
+    and sampling log-probs (in float64; lower precisions round differently with the shape of the
+    computation, as they do with a row's batch mates), and later turns compute only their new tokens."""
+
+    from grpo_flyte import engines, trainer
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    config = make_config(model=str(tiny_model_dir), dtype="float32", lora_rank=4, env="chatty_env:Chatty", max_turns=3,
+                         max_episode_tokens=64, max_new_tokens=6, temperature=0.8, group_size=2)  # fmt: skip
+    peft = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+    trainer.reset_lora(peft, seed=0)
+    trainer.save_adapter(peft, None, 0, tmp_path / "adapter")
+    from chatty_env import Chatty
+
+    def play(cache_bytes: int) -> tuple[list[Rollout], int]:
+        engine = engines.HFGenerator(str(tiny_model_dir), "float32", 2, prefix_cache_bytes=cache_bytes)
+        engine.base.double()
+        fed = []
+        forward = engine.base.forward
+        monkeypatch.setattr(engine.base, "forward", lambda *a, **k: fed.append(k["input_ids"].numel()) or forward(*a, **k))
+        splicer = Splicer(engine.tokenizer, chat=True)
+        budgets = Budgets(max_turns=3, max_turn_tokens=6, max_episode_tokens=64, tool_timeout_s=5.0)
+
+        def episode(row: int):
+            async def sample_turn(context, max_new_tokens, turn):
+                request = engines.SamplingRequest(prompt_ids=context, group_size=1, temperature=0.8, top_p=1.0, max_new_tokens=max_new_tokens,
+                                                  seed=turn_seed(3, row, turn), stop=Chatty.stop, continues=True)  # fmt: skip
+                [[rollout]] = engine.generate_many([request], str(tmp_path / "adapter"))
+                return rollout
+
+            env = new_environment(Chatty, Example(question="hello", answer=""))
+            return asyncio.run(run_episode(env, [1, 17, 29, 41], sample_turn, splicer, budgets))
+
+        return [episode(row) for row in range(2)], sum(fed)
+
+    reused, fed_reused = play(engines.PREFIX_CACHE_BYTES)
+    scratch, fed_scratch = play(0)
+    assert all(len(r.episode.turns) > 2 for r in reused)  # the cache had a later turn to serve
+    for a, b in zip(reused, scratch, strict=True):
+        assert a.completion_ids == b.completion_ids and a.model_mask == b.model_mask
+        assert a.sampling_logprobs == pytest.approx(b.sampling_logprobs, abs=1e-9)
+    # Every token of an episode goes through the model once, but its last (sampled, never read).
+    assert fed_reused == sum(4 + len(r.completion_ids) - 1 for r in reused) < fed_scratch

@@ -11,12 +11,18 @@ embedded model, 24 rows x 128 tokens: see docs/measurements.md), for three reaso
   instead of dragging every finished one through each step.
 Each row draws its uniforms from its own stream, seeded by (request seed, row), so a row's tokens
 do not depend on which other rows shared its batch or when they finished.
+
+With a `PrefixCache` (models whose cache is plain keys and values per layer), every distinct context
+is prefilled once, on its own and without padding: the rows of a group share their prompt's pass, and
+a multi-turn episode's next turn starts from the key/value cache its last turn left, so only the
+environment's reply is new work. Rows are then left-padded in the cache, not in the input.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,14 +109,147 @@ def choose_tokens(
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+# Per layer, (keys, values) of one context: each (1, kv heads, its tokens, head dim).
+KV = list[tuple["torch.Tensor", "torch.Tensor"]]
+
+
+class PrefixCache:
+    """The key/value cache of contexts a later call may extend, by their token ids; bounded in bytes.
+
+    A cache only: a context found here decodes as it would from scratch (same tokens, log-probs
+    equal to float rounding). An entry is dropped once used (the turn that extends it stores its
+    own), when the adapter changes (`use`), and oldest first past `max_bytes`; a finished episode's
+    last entry waits for one of the latter two.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, ...], KV] = OrderedDict()
+        self.num_bytes = 0
+        self.adapter: str | None = None
+
+    def use(self, adapter: str) -> None:
+        """Entries are the adapter's: another adapter's computation would not be a cache."""
+        if adapter != self.adapter:
+            self.entries.clear()
+            self.num_bytes = 0
+            self.adapter = adapter
+
+    def longest(self, ids: list[int]) -> tuple[tuple[int, ...], KV]:
+        """The longest stored context that `ids` starts with, and its cache (((), []) if none)."""
+        best: tuple[tuple[int, ...], KV] = ((), [])
+        for key, kv in self.entries.items():
+            if len(best[0]) < len(key) <= len(ids) and ids[len(key) - 1] == key[-1] and tuple(ids[: len(key)]) == key:
+                best = (key, kv)
+        return best
+
+    def put(self, ids: list[int], kv: KV) -> None:
+        size = kv_bytes(kv)
+        key = tuple(ids)
+        if size > self.max_bytes or key in self.entries:
+            return
+        self.entries[key] = kv
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            self.discard(next(iter(self.entries)))
+
+    def discard(self, key: tuple[int, ...]) -> None:
+        kv = self.entries.pop(key, None)
+        if kv is not None:
+            self.num_bytes -= kv_bytes(kv)
+
+
+def kv_bytes(kv: KV) -> int:
+    return sum(t.numel() * t.element_size() for pair in kv for t in pair)
+
+
+def plain_cache(model) -> bool:
+    """Whether the model's cache is one growing (keys, values) pair per layer, which rows can be cut
+    out of and put together again (not sliding windows, not recurrent states)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def context_kv(model, ids: list[int], prefixes: PrefixCache) -> tuple[KV, tuple[int, ...]]:
+    """The cache of `ids` (one context, no padding): its longest stored prefix, extended by a pass
+    over the rest; also the key of the entry used."""
+    import torch
+    from transformers import DynamicCache
+
+    key, kv = prefixes.longest(ids)
+    rest = ids[len(key) :]
+    if not rest:
+        return kv, key
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(kv):
+        cache.update(k, v, layer)
+    positions = torch.arange(len(key), len(ids), device=device).unsqueeze(0)
+    last = torch.tensor([len(rest) - 1], device=device)  # no logits wanted; one row's is the least
+    model(input_ids=torch.tensor([rest], device=device), position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last)
+    return [(layer.keys, layer.values) for layer in cache.layers], key
+
+
+def prefill_contexts(model, prompts: list[list[int]], prefixes: PrefixCache):
+    """The batch's cache of every row's context but its last token, one pass per distinct context,
+    left-padded to a common width; returns (cache, last tokens (B, 1), mask (B, width), positions (B, 1))."""
+    import torch
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    unique: dict[tuple[int, ...], KV] = {}
+    used = []
+    for p in prompts:
+        if (ids := tuple(p[:-1])) not in unique:
+            unique[ids], key = context_kv(model, list(ids), prefixes)
+            used.append(key)
+    for key in used:  # after every lookup: two contexts may extend one entry
+        prefixes.discard(key)
+    width = max(len(p) for p in prompts)
+    cache = DynamicCache(config=model.config)
+    if width > 1:
+        rows = [unique[tuple(p[:-1])] for p in prompts]
+        for layer in range(len(cache.layers)):
+            like = next(kv[layer][0] for kv in rows if kv)
+            keys, values = zip(*(_left_padded(kv, layer, width - 1, like) for kv in rows), strict=True)
+            cache.update(torch.cat(keys), torch.cat(values), layer)
+    last = torch.tensor([[p[-1]] for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = torch.tensor([[len(p) - 1] for p in prompts], device=device)
+    return cache, last, mask, positions
+
+
+def _left_padded(kv: KV, layer: int, width: int, like):
+    """One row's (keys, values) of `layer`, zeros on the left up to `width` tokens (masked out)."""
+    import torch
+
+    n = kv[layer][0].shape[2] if kv else 0
+    pad = like.new_zeros(1, like.shape[1], width - n, like.shape[3])
+    if not kv:
+        return pad, pad
+    return tuple(torch.cat([pad, t], dim=2) for t in kv[layer])
+
+
 def decode(
-    model, prompts: list[list[int]], seeds: list[tuple[int, int]], sampling: Sampling, eos_ids: set[int], pad_id: int, tokenizer=None
+    model,
+    prompts: list[list[int]],
+    seeds: list[tuple[int, int]],
+    sampling: Sampling,
+    eos_ids: set[int],
+    pad_id: int,
+    tokenizer=None,
+    prefixes: PrefixCache | None = None,
+    continued: frozenset[int] = frozenset(),
 ) -> list[tuple[list[int], list[float]]]:
     """Sample a completion for each prompt in one batch; returns (token ids, log-probs) per row.
 
     `seeds[i]` is (request seed, row within the request) for row i. A row ends at its first
     end-of-sequence token (kept), at the token that completes one of `sampling.stop` (kept; the
-    tokenizer decodes the row's tail to see it) or after `max_new_tokens`.
+    tokenizer decodes the row's tail to see it) or after `max_new_tokens`. With `prefixes` (and a
+    model with a plain cache), contexts start from their longest stored prefix, and the rows in
+    `continued` store theirs (prompt and completion) for a later call to extend.
     """
     if sampling.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer")
@@ -119,18 +258,35 @@ def decode(
 
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
-    # Left padding: every row's last prompt token sits at position width - 1.
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    pads = [width - len(p) for p in prompts]  # a row's columns of the cache before its first token
+    if prefixes is not None and plain_cache(model):
+        cache, input_ids, mask, positions = prefill_contexts(model, prompts, prefixes)
+        last = torch.tensor([0], device=device)
+    else:
+        prefixes, continued = None, frozenset()
+        # Left padding: every row's last prompt token sits at position width - 1.
+        input_ids = torch.tensor([[pad_id] * pad + p for p, pad in zip(prompts, pads, strict=True)], device=device)
+        mask = torch.tensor([[0] * pad + [1] * len(p) for p, pad in zip(prompts, pads, strict=True)], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        last = torch.tensor([width - 1], device=device)  # a tensor index, so the kept hidden state is a copy
     streams = [row_stream(seed, row) for seed, row in seeds]
     eos_list = sorted(eos_ids)
     eos = torch.tensor(eos_list, device=device)
-    cache = DynamicCache(config=model.config)
     out_ids: list[list[int]] = [[] for _ in prompts]
     out_lps: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # batch row -> output row
-    last = torch.tensor([width - 1], device=device)  # a tensor index, so the kept hidden state is a copy
+
+    def store(batch_rows: list[int]) -> None:
+        """The rows' cache (context and every sampled token but the last, never fed) for a later call."""
+        for b in batch_rows:
+            r = active[b]
+            if r in continued:
+                kv = [
+                    (layer.keys[b : b + 1, :, pads[r] :].clone(), layer.values[b : b + 1, :, pads[r] :].clone()) for layer in cache.layers
+                ]
+                prefixes.put((prompts[r] + out_ids[r])[: kv[0][0].shape[2]], kv)
+
     for step in range(sampling.max_new_tokens):
         logits = model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
@@ -146,14 +302,17 @@ def decode(
             stopped = [hits_stop(tokenizer, out_ids[r], sampling.stop) for r in active]
             finished |= torch.tensor(stopped, device=device)
         if finished.any():
-            keep = (~finished).nonzero().squeeze(-1)
-            if keep.numel() == 0:
+            store(finished.nonzero().squeeze(-1).tolist())
+            keep_rows = (~finished).nonzero().squeeze(-1)
+            if keep_rows.numel() == 0:
                 break
-            cache.batch_select_indices(keep)
-            active = [active[i] for i in keep.tolist()]
-            tokens, mask, positions = tokens[keep], mask[keep], positions[keep]
+            cache.batch_select_indices(keep_rows)
+            active = [active[i] for i in keep_rows.tolist()]
+            tokens, mask, positions = tokens[keep_rows], mask[keep_rows], positions[keep_rows]
         input_ids = tokens.unsqueeze(-1)
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
         positions = positions[:, -1:] + 1
         last = torch.tensor([0], device=device)
+    else:
+        store(list(range(len(active))))
     return list(zip(out_ids, out_lps, strict=True))

@@ -46,6 +46,10 @@ T = TypeVar("T")
 # within milliseconds of each other), and the most completion rows one engine batch decodes.
 BATCH_WINDOW_S = 0.05
 MAX_BATCH_ROWS = 4096
+# The transformers engine's store of multi-turn contexts' key/value caches (decoding.PrefixCache): about
+# the embedded model's own size (fp32), ~11,000 context tokens of it (46 KB each: 30 layers x K and V
+# x 3 heads x 64 x 4 bytes); past it the oldest contexts are recomputed, not kept.
+PREFIX_CACHE_BYTES = 512 * 2**20
 # The LoRA ranks vLLM's `max_lora_rank` accepts; an adapter of a smaller rank runs on the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -60,6 +64,7 @@ class SamplingRequest(BaseModel):
     greedy: bool = False  # evaluation: the most likely token at every step
     min_new_tokens: int = 0  # no end-of-sequence before this many tokens (vLLM's min_tokens)
     stop: tuple[str, ...] = ()  # multi-turn: strings that end a model turn (kept in it)
+    continues: bool = False  # multi-turn: a later turn extends this context (the transformers engine keeps its cache)
 
     def sampling(self) -> Sampling:
         """The settings a batch shares: requests batch together only when these are equal."""
@@ -91,10 +96,13 @@ def cut_at_eos(token_ids: list[int], logprobs: list[float], eos_ids: set[int]) -
 
 
 class HFGenerator:
-    """transformers + PEFT generation; one adapter active at a time, a few kept loaded."""
+    """transformers + PEFT generation; one adapter active at a time, a few kept loaded, and the
+    cache of the current adapter's unfinished multi-turn contexts."""
 
-    def __init__(self, model_path: str, dtype: str, max_adapters: int):
+    def __init__(self, model_path: str, dtype: str, max_adapters: int, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from grpo_flyte.decoding import PrefixCache
 
         self.device = best_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -108,11 +116,12 @@ class HFGenerator:
         self.eos_ids = {*(eos if isinstance(eos, list) else [eos] if eos is not None else []), self.tokenizer.eos_token_id}
         self.eos_ids.discard(None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.prefixes = PrefixCache(prefix_cache_bytes)
 
     def close(self) -> None:
         import gc
 
-        del self.model, self.base
+        del self.model, self.base, self.prefixes
         gc.collect()
         if self.device == "cuda":
             import torch
@@ -151,11 +160,14 @@ class HFGenerator:
         from grpo_flyte.decoding import decode, hits_stop
 
         self._activate(adapter_path)
+        self.prefixes.use(adapter_path)
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
         seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
+        owners = [r for r in requests for _ in range(r.group_size)]  # each batch row's request
+        continued = frozenset(i for i, r in enumerate(owners) if r.continues)
         sampling = requests[0].sampling()
         with torch.inference_mode():
-            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer)
+            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued)
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
@@ -444,7 +456,8 @@ async def play_episodes(
     Every model turn of every episode goes through the replica's batcher on its own, so the turns
     of episodes that are not waiting on their environment decode together, with other groups'.
     Each turn is sampled with its own seed (`decoding.sub_seed`): an episode does not depend on
-    which others it was batched with.
+    which others it was batched with. A turn continues its episode's context: the transformers
+    engine keeps the turn's cache, so the next turn computes only the environment's reply.
     """
     cls = multiturn.load_environment(env)
     engine = await run_on_torch_thread(get_engine, key)
@@ -461,6 +474,7 @@ async def play_episodes(
                     "max_new_tokens": max_new_tokens,
                     "seed": sub_seed(request.seed, row, turn),
                     "stop": stop,
+                    "continues": True,
                 }
             )
             [[rollout]] = await generate_groups(key, adapter_path, [one])
