@@ -226,3 +226,33 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
     assert len(cache.entries) == 2
     cache.use("b")  # another adapter's keys and values are not this one's
     assert not cache.entries and cache.num_bytes == 0
+
+
+# The attention the generator decodes with (engines.decode_attention) changes the work, not the rows.
+
+
+def test_eager_and_fused_attention_decode_the_same_rows(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=6)
+    group = [PROMPTS[0]] * 2 + PROMPTS[1:]  # rows of three lengths, two sharing a context
+    models = {
+        impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64, attn_implementation=impl).eval()
+        for impl in ("eager", "sdpa")
+    }
+    today = run(models["sdpa"], group, sampling)  # the fused kernel, left padding through the model
+    eager = run(models["eager"], group, sampling, prefixes=PrefixCache(2**20))  # as engines.HFGenerator decodes with eager
+    assert same_rows(eager, today)
+    # Why eager needs the one-context-at-a-time prefill: padding through it poisons the batch.
+    padded = run(models["eager"], group, sampling)
+    assert any(math.isnan(lp) for _, lps in padded for lp in lps)
+
+
+def test_the_generator_decodes_bfloat16_on_a_cpu_with_eager_attention(tiny_model_dir):
+    from grpo_flyte import engines
+
+    assert engines.decode_attention("cpu", "bfloat16", plain=True) == "eager"
+    assert engines.decode_attention("cpu", "float32", True) == engines.decode_attention("cuda", "bfloat16", True) == "sdpa"
+    assert engines.decode_attention("cpu", "bfloat16", plain=False) == "sdpa"  # a sliding window or recurrent state
+    engine = engines.HFGenerator(str(tiny_model_dir), "bfloat16", 1)
+    assert engine.base.config._attn_implementation == "eager" and engine.base.dtype == torch.bfloat16
