@@ -231,28 +231,53 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
 # The attention the generator decodes with (engines.decode_attention) changes the work, not the rows.
 
 
-def test_eager_and_fused_attention_decode_the_same_rows(tiny_model_dir):
+def test_grouped_attention_is_eager_attention_without_the_repeated_cache():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from grpo_flyte.decoding import grouped_attention
+
+    class Module:
+        num_key_value_groups, training = 3, False
+
+    torch.manual_seed(0)
+    batch, kv_heads, queries, keys, dim = 2, 2, 4, 7, 5
+    query = torch.randn(batch, kv_heads * 3, queries, dim, dtype=torch.float64)
+    key, value = (torch.randn(batch, kv_heads, keys, dim, dtype=torch.float64) for _ in range(2))
+    mask = torch.zeros(batch, 1, queries, keys, dtype=torch.float64)
+    mask[0, :, :, :2] = torch.finfo(torch.float64).min  # row 0's first two keys are padding
+    ours, our_weights = grouped_attention(Module(), query, key, value, mask, scaling=0.4)
+    theirs, their_weights = eager_attention_forward(Module(), query, key, value, mask, scaling=0.4)
+    assert ours.shape == theirs.shape == (batch, queries, kv_heads * 3, dim) and our_weights.shape == their_weights.shape
+    assert torch.allclose(ours, theirs, atol=1e-12) and torch.allclose(our_weights, their_weights, atol=1e-12)
+    assert our_weights[0, :, :, :2].abs().max() == 0
+
+
+def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
+
+    from grpo_flyte.decoding import register_grouped_attention
 
     sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=6)
     group = [PROMPTS[0]] * 2 + PROMPTS[1:]  # rows of three lengths, two sharing a context
-    models = {
-        impl: AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64, attn_implementation=impl).eval()
-        for impl in ("eager", "sdpa")
-    }
-    today = run(models["sdpa"], group, sampling)  # the fused kernel, left padding through the model
-    eager = run(models["eager"], group, sampling, prefixes=PrefixCache(2**20))  # as engines.HFGenerator decodes with eager
-    assert same_rows(eager, today)
-    # Why eager needs the one-context-at-a-time prefill: padding through it poisons the batch.
-    padded = run(models["eager"], group, sampling)
+    models = {}
+    for impl in ("sdpa", register_grouped_attention()):
+        models[impl] = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+        models[impl].set_attn_implementation(impl)
+    fused, grouped = models.values()
+    assert grouped.config._attn_implementation != fused.config._attn_implementation
+    today = run(fused, group, sampling)  # the fused kernel, left padding through the model
+    assert same_rows(run(grouped, group, sampling, prefixes=PrefixCache(2**20)), today)  # as engines.HFGenerator decodes on a CPU
+    # Why it needs the one-context-at-a-time prefill: padding through it poisons the batch.
+    padded = run(grouped, group, sampling)
     assert any(math.isnan(lp) for _, lps in padded for lp in lps)
 
 
-def test_the_generator_decodes_bfloat16_on_a_cpu_with_eager_attention(tiny_model_dir):
+def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
     from grpo_flyte import engines
+    from grpo_flyte.decoding import GROUPED_ATTENTION
 
-    assert engines.decode_attention("cpu", "bfloat16", plain=True) == "eager"
-    assert engines.decode_attention("cpu", "float32", True) == engines.decode_attention("cuda", "bfloat16", True) == "sdpa"
-    assert engines.decode_attention("cpu", "bfloat16", plain=False) == "sdpa"  # a sliding window or recurrent state
-    engine = engines.HFGenerator(str(tiny_model_dir), "bfloat16", 1)
-    assert engine.base.config._attn_implementation == "eager" and engine.base.dtype == torch.bfloat16
+    assert engines.decode_attention("cpu", plain=True) == GROUPED_ATTENTION
+    assert engines.decode_attention("cuda", plain=True) == engines.decode_attention("cpu", plain=False) == "sdpa"
+    for dtype in ("bfloat16", "float32"):
+        engine = engines.HFGenerator(str(tiny_model_dir), dtype, 1)
+        assert engine.base.config._attn_implementation == GROUPED_ATTENTION and str(engine.base.dtype) == f"torch.{dtype}"

@@ -232,6 +232,47 @@ def _left_padded(kv: KV, layer: int, width: int, like):
     return tuple(torch.cat([pad, t], dim=2) for t in kv[layer])
 
 
+# The name transformers knows `grouped_attention` by (`register_grouped_attention`).
+GROUPED_ATTENTION = "grpo_flyte_grouped"
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """transformers' eager attention without repeating the keys and values for every query head.
+
+        query (B, Hq, Q, D), key and value (B, Hkv, K, D), Hq = g x Hkv: the g query heads of a key
+        head are one (g x Q)-row matmul against it: (B, Hkv, g x Q, D) @ (B, Hkv, D, K).
+
+    The eager path copies the whole key/value cache g times per layer and token (`repeat_kv`) to
+    make its shapes match; a decode step then moves the cache more than it computes. Same
+    arithmetic otherwise: scores scaled, plus the additive mask, softmax in float32, times the
+    values; returns (B, Q, Hq, D) and the weights, as the eager function does.
+    """
+    import torch
+
+    batch, num_heads, num_queries, dim = query.shape
+    num_kv = key.shape[1]
+    groups = num_heads // num_kv
+    q = query.reshape(batch, num_kv, groups * num_queries, dim)
+    scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, Hkv, g*Q, K)
+    if attention_mask is not None:
+        scores = (scores.view(batch, num_kv, groups, num_queries, -1) + attention_mask[:, :, None]).view_as(scores)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.matmul(weights, value).view(batch, num_heads, num_queries, dim)
+    return out.transpose(1, 2).contiguous(), weights.view(batch, num_heads, num_queries, -1)
+
+
+def register_grouped_attention() -> str:
+    """Make `grouped_attention` an attention implementation transformers models can be set to
+    (with eager attention's additive mask); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, eager_mask)
+    return GROUPED_ATTENTION
+
+
 def decode(
     model,
     prompts: list[list[int]],
