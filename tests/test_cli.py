@@ -784,3 +784,27 @@ def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, caps
     err = capsys.readouterr().err
     assert err == "error: --wandb-project 'grpo-test' on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): " \
                   "pip install 'grpo-flyte[wandb]'\n"  # fmt: skip
+
+
+def test_load_in_4bit_without_bitsandbytes_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
+    result = _main_in(tmp_path, monkeypatch, capsys, ["--local", "--load-in-4bit", "--run-dir", "D"], None)
+    _check_bad_input(result, ["--load-in-4bit needs bitsandbytes", "pip install 'grpo-flyte[local]'"])
+
+
+def test_more_train_processes_than_rollouts_per_step_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    argv = [
+        "--local",
+        "--train-processes",
+        "5",
+        "--prompts-per-iter",
+        "2",
+        "--group-size",
+        "4",
+        "--updates-per-iter",
+        "2",
+        "--run-dir",
+        "D",
+    ]
+    result = _main_in(tmp_path, monkeypatch, capsys, argv, None)
+    _check_bad_input(result, ["train_processes=5 with 4 rollouts per optimizer step", "expected at most 4"])

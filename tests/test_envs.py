@@ -349,7 +349,8 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
     from importlib import metadata
 
     extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    pins = {"vllm": envs.VLLM_VERSION, "torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    pins = {"vllm": envs.VLLM_VERSION, "torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION,
+            "bitsandbytes": envs.BITSANDBYTES_VERSION}  # fmt: skip
     assert {f"{name}=={version}" for name, version in pins.items()} <= set(extras["gpu"])
     image_packages = repr(envs.image._layers)
     assert all(f"{name}=={version}" in image_packages for name, version in pins.items())
@@ -370,7 +371,8 @@ def test_the_local_extra_stays_inside_the_tested_versions():
 
     extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     local = {req.name: req.specifier for req in map(Requirement, extras["local"])}
-    tested = {"torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    tested = {"torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION,
+              "bitsandbytes": envs.BITSANDBYTES_VERSION}  # fmt: skip
     for name, version in tested.items():
         assert version in local[name], (name, str(local[name]))
         assert not local[name].contains("5.23.0" if name == "transformers" else "99.0"), (name, str(local[name]))  # bounded above

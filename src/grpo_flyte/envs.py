@@ -23,6 +23,7 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 TRANSFORMERS_VERSION = "5.19.0"  # vLLM 0.32 takes >= 5.16.1, < 5.20
 PEFT_VERSION = "0.21.2"
+BITSANDBYTES_VERSION = "0.50.2"  # 0.50 has CPU kernels too (the local extra pins the same)
 
 
 class DeploySettings(BaseSettings):
@@ -102,6 +103,9 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         f"transformers=={TRANSFORMERS_VERSION}",
         f"peft=={PEFT_VERSION}",
         "accelerate>=1.0",
+        f"bitsandbytes=={BITSANDBYTES_VERSION}",  # --load-in-4bit
+        # the multi-GPU train task (Elastic); its version follows flyte's
+        "flyteplugins-pytorch>=2.12.1,<2.13",
         "unionai-reuse>=0.2.0,<0.3",
         "pydantic-settings>=2.6",
         "pyyaml>=6",
