@@ -433,3 +433,39 @@ def test_merging_a_4bit_adapter_uses_the_16bit_base(tmp_path, llama32_dir):
     scale = config.lora.lora_alpha / config.lora.lora_rank
     assert merged[key].dtype == base[key].dtype and float((b @ a).abs().max()) > 0
     assert torch.allclose(merged[key], base[key] + scale * (b @ a), atol=1e-6)
+
+
+def _rank_step(kwargs: dict):
+    """One process of the cluster's train step (train_step_distributed without the upload)."""
+    import asyncio
+
+    return asyncio.run(trainer.rank_step(**kwargs))
+
+
+def test_the_cluster_train_step_launched_as_the_elastic_plugin_launches_it_equals_the_local_step(tmp_path, llama_dir):
+    """train_step_distributed's body under torch's elastic launcher, as flyteplugins-pytorch's
+    Elastic runs it in a pod (2 processes, gloo here): rank 0 answers with the adapter of the
+    one-process step, its world size, and the time it took to restore the adapter and optimizer
+    state from the input folder (such a step has no warm replica)."""
+    from uuid import uuid4
+
+    from safetensors.torch import load_file
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = RunConfig(model=str(llama_dir), dtype="float32", group_size=2, prompts_per_iter=4, learning_rate=1e-2, max_new_tokens=8)
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        one_step, config=config, base=Dir(path=str(llama_dir)), groups=2
+    )
+    expected = load_file(str(Path(run.outputs()[0]) / "adapter_model.safetensors"))
+    v0 = Path(run.outputs()[0]).parent / "v0000"
+    kwargs = dict(model=config.base, lora=config.lora, train=config.train, sampling=config.sampling, base_model=Dir(path=str(llama_dir)),
+                  adapter=trainer.AdapterRef(version=0, dir=Dir(path=str(v0))), scored=_scored_groups(), scored_payload=[],
+                  total_iterations=1, out=tmp_path / "v0001")  # fmt: skip
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
+    results = elastic_launch(launch, _rank_step)(kwargs)
+    assert results[1] is None and results[0].adapter.version == 1
+    stats = results[0].stats
+    assert stats.world_size == 2 and stats.restore_s > 0
+    got = load_file(str(tmp_path / "v0001" / "adapter_model.safetensors"))
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-4

@@ -21,7 +21,7 @@ from flyte.io import Dir
 
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
-from grpo_flyte.envs import train_env
+from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import AdapterError, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, resolve_dtype, shareable_base
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
@@ -666,6 +666,97 @@ def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
         # not a user error: a crashed process may pass the next attempt
         raise RuntimeError(f"train process {failure.local_rank} of {processes} failed: {failure.message or failure.exitcode}") from None
     return results[0]
+
+
+async def _distributed_step(
+    model: ModelConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
+    scored: list[ScoredGroup],
+    scored_payload: list[Dir],
+    total_iterations: int,
+) -> TrainStepResult | None:
+    """One process of the cluster's data-parallel train step (train_step_distributed): rank 0
+    uploads the new adapter and answers for all."""
+    import tempfile
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = await rank_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, Path(out))
+        if result is None:  # not rank 0: only its answer is the task's
+            return None
+        new_dir = await Dir.from_local(out)
+    return result.model_copy(
+        update={"adapter": AdapterRef(version=adapter.version + 1, dir=new_dir), "train_s": time.perf_counter() - started}
+    )
+
+
+async def rank_step(
+    model: ModelConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
+    scored: list[ScoredGroup],
+    scored_payload: list[Dir],
+    total_iterations: int,
+    out: Path,
+) -> TrainStepResult | None:
+    """Everything one process of a data-parallel train step does but the upload: read the inputs,
+    take the step (`train_rank`); rank 0 writes the adapter into `out` and returns the result
+    (its adapter names `out`), the others None."""
+    started = time.perf_counter()
+    model_path = await _model_dirs.get(base_model)
+    fetched = time.perf_counter()
+    adapter_path = await _adapter_dirs.get(adapter.dir)
+    download_s = time.perf_counter() - fetched
+    scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
+    sequences, num_rollouts = build_sequences(scored, train)
+    version = adapter.version + 1
+    steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+    stats = train_rank(RankJob(model_path, adapter_path, model, lora, train, sampling, sequences, steps, version), str(out))
+    if stats is None:
+        return None
+    return TrainStepResult(
+        adapter=AdapterRef(version=version, dir=Dir(path=str(out))),
+        num_rollouts=num_rollouts,
+        num_contributing=num_contributing(sequences),
+        # reading the adapter folder back is part of restoring it (the base's download is not)
+        stats=stats.model_copy(update={"restore_s": stats.restore_s + download_s}),
+        train_s=time.perf_counter() - started,
+    )
+
+
+if train_dist_env is not None:
+
+    @train_dist_env.task(retries=2)
+    def train_step_distributed(
+        model: ModelConfig,
+        lora: LoraConfig,
+        train: TrainConfig,
+        sampling: SamplingConfig,
+        base_model: Dir,
+        adapter: AdapterRef,
+        scored: list[ScoredGroup],
+        scored_payload: list[Dir] = [],  # noqa: B006 (as train_step)
+        total_iterations: int = 0,
+    ) -> TrainStepResult | None:
+        """train_step over the train GPUs: the Elastic plugin runs this in one process per GPU (a
+        sync function, as the plugin calls it), each with torch.distributed's variables set."""
+        import asyncio
+
+        with input_errors_not_retried():
+            return asyncio.run(
+                _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
+            )
+
+    DISTRIBUTED_STEP = train_step_distributed
+else:
+    DISTRIBUTED_STEP = None
 
 
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
