@@ -469,3 +469,17 @@ def test_the_cluster_train_step_launched_as_the_elastic_plugin_launches_it_equal
     assert stats.world_size == 2 and stats.restore_s > 0
     got = load_file(str(tmp_path / "v0001" / "adapter_model.safetensors"))
     assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-4
+
+
+def test_a_damaged_adapter_in_a_multi_process_step_is_the_adapter_error_not_retried(tmp_path, llama_dir):
+    """A process's AdapterError comes back as the AdapterError (one line naming the folder, which
+    the task does not retry), not as a crashed process."""
+    from grpo_flyte.errors import AdapterError
+
+    config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8)
+    (tmp_path / "v0000").mkdir()
+    (tmp_path / "v0000" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    job = trainer.RankJob(str(llama_dir), str(tmp_path / "v0000"), config.base, config.lora, config.train, config.sampling,
+                          [A, B], (0, 0), 1)  # fmt: skip
+    with pytest.raises(AdapterError, match="v0000' cannot be loaded"):
+        trainer.launch_ranks(job, tmp_path / "v0001", 2)

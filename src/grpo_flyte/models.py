@@ -231,10 +231,18 @@ def best_device() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+def quiet_bitsandbytes() -> None:
+    """Before anything imports bitsandbytes (peft and transformers do when it is installed): keep
+    its note at import that an optional faster CPU kernel (the `kernels` package, fetched from the
+    Hub) is missing off the console; its own CPU kernels work."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def load_base(model_path: str, dtype: str, load_in_4bit: bool = False):
     """The base model for training, on `best_device`: in `dtype` or, with `load_in_4bit`, with its
     linear layers in NF4 (QLoRA: 4-bit NormalFloat, double quantization of the scales) computing in
     `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`."""
+    quiet_bitsandbytes()
     from transformers import AutoModelForCausalLM
 
     if not load_in_4bit:

@@ -23,7 +23,7 @@ from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import AdapterError, input_errors_not_retried
-from grpo_flyte.models import ALL_LINEAR, best_device, load_base, resolve_dtype, shareable_base
+from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=1)
 def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: float, targets: tuple[str, ...], load_in_4bit: bool = False):
+    quiet_bitsandbytes()
     from peft import LoraConfig, get_peft_model
 
     logger.info("loading the base model for training from %s%s (once per replica)", model_path, " in 4 bits" if load_in_4bit else "")
@@ -641,6 +642,14 @@ def train_rank(job: RankJob, out: str) -> StepStats | None:
     return stats.model_copy(update={"restore_s": restore_s}) if rank == 0 else None
 
 
+def _recorded_train_rank(job: RankJob, out: str) -> StepStats | None:
+    """`train_rank`, its exception recorded for the launcher (torch elastic's `record`): a failed
+    process is then reported with its error, not only its exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(train_rank)(job, out)
+
+
 def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
     """The train step in `processes` local processes (gloo on a CPU), launched by torch's
     elastic launcher (what torchrun runs); rank 0's statistics."""
@@ -659,12 +668,22 @@ def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
         max_restarts=0,  # a failed step fails the task; Flyte's retries start it again
         monitor_interval=0.1,
     )
+    # It warns on every call that it cannot register signal handlers from a thread other than the
+    # main one (it runs on this process's torch thread). The processes are this process's children:
+    # Ctrl-C reaches them too; after a SIGTERM or a kill of this process they finish the step and exit.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.ERROR)
     try:
-        results = elastic_launch(config, train_rank)(job, str(out))
+        results = elastic_launch(config, _recorded_train_rank)(job, str(out))
     except ChildFailedError as exc:
         failure = next(iter(exc.failures.values()))
-        # not a user error: a crashed process may pass the next attempt
-        raise RuntimeError(f"train process {failure.local_rank} of {processes} failed: {failure.message or failure.exitcode}") from None
+        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        kind, _, detail = str(message or "").partition(": ")
+        if kind == AdapterError.__name__:  # a damaged adapter stays damaged: not retried, as in one process
+            raise AdapterError(detail) from None
+        # anything else may pass the next attempt (a process killed for memory, say)
+        raise RuntimeError(
+            f"train process {failure.local_rank} of {processes} failed: {message or f'exit code {failure.exitcode}'}"
+        ) from None
     return results[0]
 
 
