@@ -361,10 +361,10 @@ class _Totals:
         self.is_max = self.lr = self.weight_sum = self.weight_square_sum = 0.0
         self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.is_cut = self.updates = 0
 
-    def all_reduce(self) -> None:
-        """Sum the sums (and take the maximum ratio) over the data-parallel processes. The updates,
-        the learning rate and the gradient norm (taken after the gradients' all-reduce) are the same
-        in every process already."""
+    def all_reduce(self, device) -> None:
+        """Sum the sums (and take the maximum ratio) over the data-parallel processes, as tensors on
+        `device` (NCCL reduces GPU tensors only). The updates, the learning rate and the gradient
+        norm (taken after the gradients' all-reduce) are the same in every process already."""
         import torch
         import torch.distributed as dist
 
@@ -381,11 +381,11 @@ class _Totals:
             "is_tokens",
             "is_cut",
         )
-        sums = torch.tensor([float(getattr(self, n)) for n in names], dtype=torch.float64)
+        sums = torch.tensor([float(getattr(self, n)) for n in names], dtype=torch.float64, device=device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         for n, value in zip(names, sums.tolist(), strict=True):
             setattr(self, n, type(getattr(self, n))(value))
-        most = torch.tensor([float(self.is_max)], dtype=torch.float64)
+        most = torch.tensor([float(self.is_max)], dtype=torch.float64, device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         self.is_max = float(most)
 
@@ -521,7 +521,7 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     if world_size > 1:
-        totals.all_reduce()
+        totals.all_reduce(next(model.parameters()).device)
     return totals.stats().model_copy(update={"world_size": world_size}) if totals.updates else StepStats(world_size=world_size)
 
 
