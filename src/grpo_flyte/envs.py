@@ -268,7 +268,7 @@ driver_env = flyte.TaskEnvironment(
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_env,
-    # The driver submits tasks of the other three environments; depends_on puts their images in
-    # the run's image cache.
+    # The driver submits tasks of the other environments (three, or four with several train GPUs);
+    # depends_on puts their images in the run's image cache.
     depends_on=[rollout_env, reward_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
 )
