@@ -65,4 +65,7 @@ def save_adapter_or_die(model, optimizer, version, out):
 
 
 trainer.grpo_step, trainer.save_adapter = grpo_step_or_die, save_adapter_or_die
-sys.exit(cli.main(args))
+# --train-processes starts its processes with multiprocessing's spawn, which imports this script
+# again in each of them (as __mp_main__): only the drill's own process runs the CLI.
+if __name__ == "__main__":
+    sys.exit(cli.main(args))

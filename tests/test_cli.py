@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import grpo_flyte
 from grpo_flyte.cli import parse_args, user_message
 from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
 from grpo_flyte.errors import UserError
@@ -784,3 +785,54 @@ def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, caps
     err = capsys.readouterr().err
     assert err == "error: --wandb-project 'grpo-test' on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): " \
                   "pip install 'grpo-flyte[wandb]'\n"  # fmt: skip
+
+
+def test_load_in_4bit_without_bitsandbytes_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import bitsandbytes raises ImportError
+    result = _main_in(tmp_path, monkeypatch, capsys, ["--local", "--load-in-4bit", "--run-dir", "D"], None)
+    _check_bad_input(result, ["--load-in-4bit needs bitsandbytes", "pip install 'grpo-flyte[local]'"])
+
+
+def test_more_train_processes_than_rollouts_per_step_is_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    argv = [
+        "--local",
+        "--train-processes",
+        "5",
+        "--prompts-per-iter",
+        "2",
+        "--group-size",
+        "4",
+        "--updates-per-iter",
+        "2",
+        "--run-dir",
+        "D",
+    ]
+    result = _main_in(tmp_path, monkeypatch, capsys, argv, None)
+    _check_bad_input(result, ["train_processes=5 with 4 rollouts per optimizer step", "expected at most 4"])
+
+
+def test_a_train_gpu_count_the_plugin_refuses_is_one_line_before_submitting(tmp_path):
+    """GRPO_FLYTE_TRAIN_GPU=L4:9 (flyte.Resources takes 1-8 GPUs of a type per node): one line from
+    the CLI, before anything is submitted, instead of an error at import."""
+    env = {**_env(tmp_path), "GRPO_FLYTE_TRAIN_GPU": "L4:9", "PYTHONPATH": str(Path(grpo_flyte.__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "grpo_flyte.driver", "--iterations", "1"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: GRPO_FLYTE_TRAIN_GPU='L4:9': not a GPU count") and "expected L4:1 to L4:8" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpu", "words"),
+    [
+        (["--train-processes", "2"], "L4:1", "--train-processes 2 is for local runs; on a cluster the train GPUs set the processes"),
+        (["--prompts-per-iter", "1", "--group-size", "2"], "L4:4", "4 train processes (GRPO_FLYTE_TRAIN_GPU=L4:4 x"),
+    ],
+)
+def test_cluster_train_processes_are_checked_before_submitting(monkeypatch, capsys, argv, gpu, words):
+    from grpo_flyte import cli, envs, submit
+
+    monkeypatch.setattr(envs.settings, "train_gpu", gpu)
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    assert cli.main([*argv, "--iterations", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words in err, err

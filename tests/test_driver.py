@@ -214,3 +214,32 @@ def test_the_eta_counts_iterations_and_evaluations_still_due():
     line = progress_line(history[2], 10, 128.0)
     assert line.endswith("| ETA 2m08s")
     assert "ETA" not in progress_line(history[2].model_copy(update={"iteration": 10}), 10, 0.0)  # the last one
+
+
+@pytest.mark.parametrize(("mode", "distributed"), [("remote", True), ("local", False)])
+def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(monkeypatch, mode, distributed):
+    """envs.train_dist_env declared (GRPO_FLYTE_TRAIN_GPU=A100:4): on a cluster the driver calls
+    train_step_distributed (a sync plugin task, through .aio); a local run keeps train_step."""
+    import asyncio
+    import types
+
+    from grpo_flyte import driver
+
+    calls = []
+
+    async def record(name, *args, **kwargs):
+        calls.append((name, args[2], kwargs))
+        return name
+
+    async def local_step(*args, **kwargs):
+        return await record("train_step", *args, **kwargs)
+
+    fake = types.SimpleNamespace(aio=lambda *a, **k: record("train_step_distributed", *a, **k))
+    monkeypatch.setattr(driver, "DISTRIBUTED_STEP", fake)
+    monkeypatch.setattr(driver, "train_step", local_step)
+    monkeypatch.setattr(driver.flyte, "ctx", lambda: types.SimpleNamespace(mode=mode))
+    config = RunConfig(iterations=3)
+    adapter = driver.AdapterRef(version=0, dir=Dir(path="/nowhere"))
+    got = asyncio.run(driver.train_batch(config, Dir(path="/base"), adapter, [], 0))
+    assert got == ("train_step_distributed" if distributed else "train_step")
+    assert calls == [(got, config.train, {"total_iterations": 3})]

@@ -72,6 +72,8 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         "generate_tokens_per_s",
         "score_tokens_per_s",
         "train_tokens_per_s",
+        "train_world_size",
+        "train_restore_s",
     }
     evaluated = {"eval_reward", "eval_accuracy", "eval_format_rate", "eval_size", "eval_reward_ci95", "eval_s"}
     assert evaluated <= rows[0].keys() and "mean_reward" not in rows[0]

@@ -349,7 +349,8 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
     from importlib import metadata
 
     extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    pins = {"vllm": envs.VLLM_VERSION, "torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    pins = {"vllm": envs.VLLM_VERSION, "torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION,
+            "bitsandbytes": envs.BITSANDBYTES_VERSION}  # fmt: skip
     assert {f"{name}=={version}" for name, version in pins.items()} <= set(extras["gpu"])
     image_packages = repr(envs.image._layers)
     assert all(f"{name}=={version}" in image_packages for name, version in pins.items())
@@ -370,7 +371,65 @@ def test_the_local_extra_stays_inside_the_tested_versions():
 
     extras = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     local = {req.name: req.specifier for req in map(Requirement, extras["local"])}
-    tested = {"torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION}
+    tested = {"torch": envs.TORCH_VERSION, "transformers": envs.TRANSFORMERS_VERSION, "peft": envs.PEFT_VERSION,
+              "bitsandbytes": envs.BITSANDBYTES_VERSION}  # fmt: skip
     for name, version in tested.items():
         assert version in local[name], (name, str(local[name]))
         assert not local[name].contains("5.23.0" if name == "transformers" else "99.0"), (name, str(local[name]))  # bounded above
+
+
+# --------------------------------------------------------------------------- several train GPUs (issue 27)
+
+_DIST_PROBE = textwrap.dedent(
+    """
+    import json
+    from pathlib import Path
+    import flyte.extras
+    from flyte.models import SerializationContext
+    from google.protobuf.json_format import MessageToDict
+    import grpo_flyte, grpo_flyte.driver
+    from grpo_flyte import envs
+    ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
+    out = {"depends_on": [e.name for e in envs.driver_env.depends_on]}
+    for env in (envs.train_env, envs.train_dist_env, envs.driver_env):
+        for spec in flyte.extras.serialize_env(env, ctx):
+            tt = spec.task_template
+            out[tt.id.name] = {"type": tt.type, "custom": MessageToDict(tt.custom), "image": tt.container.image,
+                               "resources": MessageToDict(tt.container.resources), "retries": tt.metadata.retries.retries,
+                               "gpu": tt.extended_resources.gpu_accelerator.device, "args": list(tt.container.args)}
+    out["layers"] = repr(envs.train_dist_env.image._layers)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize(("gpu", "nodes", "task_type"), [("A100:4", 2, "pytorch"), ("L4:2", 1, "python-task")])
+def test_several_train_gpus_serialize_an_elastic_train_step(gpu, nodes, task_type):
+    """GRPO_FLYTE_TRAIN_GPU=A100:4 and 2 nodes: a PyTorchJob (the plugin's task type) of 2 replicas
+    with 4 processes per node; one node is an ordinary pod that runs torch's elastic launcher (the
+    plugin's choice). The image is the one the other pools use, carrying the plugin; init_adapter
+    and merge_adapter stay on the warm pool with one GPU."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
+    env.update(GRPO_FLYTE_TRAIN_GPU=gpu, GRPO_FLYTE_TRAIN_NODES=str(nodes))
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIST_PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    count = int(gpu.split(":")[1])
+    step = out["grpo_flyte-train-dist.train_step_distributed"]
+    assert step["type"] == task_type and step["retries"] == 2
+    elastic = step["custom"]["elasticConfig"]
+    assert elastic["nprocPerNode"] == count and elastic["minReplicas"] == elastic["maxReplicas"] == nodes
+    assert elastic.get("maxRestarts", 0) == 0 and step["custom"]["workerReplicas"]["replicas"] == nodes
+    assert {r["name"]: r["value"] for r in step["resources"]["requests"]}["GPU"] == str(count)
+    assert "mod" in step["args"] and "grpo_flyte.trainer" in step["args"] and "train_step_distributed" in step["args"]
+    assert step["image"] == out["grpo_flyte-train.init_adapter"]["image"] == out["grpo_flyte-driver.train_rl"]["image"]
+    assert "flyteplugins-pytorch" in out["layers"]
+    warm = out["grpo_flyte-train.init_adapter"]
+    assert {r["name"]: r["value"] for r in warm["resources"]["requests"]}["GPU"] == "1"
+    assert "grpo_flyte-train-dist" in out["depends_on"]  # in the run's image cache
+
+
+def test_one_train_gpu_declares_no_distributed_step_and_loads_no_torch():
+    assert envs.train_dist_env is None and "grpo_flyte-train-dist" not in [e.name for e in envs.driver_env.depends_on]

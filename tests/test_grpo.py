@@ -531,3 +531,13 @@ def test_scheduled_lr_without_warmup_or_total():
     assert grpo.scheduled_lr(0, 4, 2e-4, "linear", 0.0) == pytest.approx(2e-4)  # no warmup: full rate at step 0
     assert grpo.scheduled_lr(3, 0, 2e-4, "cosine", 0.5) == 2e-4  # total unknown: the base rate
     assert grpo.scheduled_lr(12, 10, 1.0, "linear", 0.0) == 0.0  # past the end (a run extended): never negative
+
+
+def test_rank_share_deals_the_longest_first_round_robin():
+    lengths = [3, 9, 5, 7, 1]  # longest first: positions 1 (9), 3 (7), 2 (5), 0 (3), 4 (1)
+    assert grpo.rank_share(lengths, 0, 2) == [1, 2, 4]
+    assert grpo.rank_share(lengths, 1, 2) == [0, 3]
+    assert grpo.rank_share(lengths, 0, 1) == [0, 1, 2, 3, 4]
+    assert grpo.rank_share([4], 1, 2) == []  # a rank may get nothing; it still joins the all-reduce
+    with pytest.raises(ValueError, match="rank 2 of a world of 2"):
+        grpo.rank_share(lengths, 2, 2)

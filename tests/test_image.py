@@ -23,7 +23,9 @@ from packaging.utils import canonicalize_name
 from grpo_flyte import envs
 
 # flyte's Debian base (bookworm, glibc 2.36): wheels for any manylinux up to 2.36 install there.
-PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in (17, 27, 28, 31, 34, 35, 36)] + ["manylinux2014_x86_64", "linux_x86_64"]
+# Every glibc up to 2.36 (bitsandbytes 0.50.2 is manylinux_2_24 only, for one).
+PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 37)] + [
+    "manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64", "linux_x86_64"]  # fmt: skip
 # What the image's Python evaluates requirement markers with.
 MARKERS = {"python_version": "3.11", "python_full_version": "3.11.0", "sys_platform": "linux", "platform_system": "Linux",
            "platform_machine": "x86_64", "implementation_name": "cpython", "platform_python_implementation": "CPython",

@@ -452,3 +452,30 @@ def test_a_run_that_fails_on_every_attempt_says_what_is_kept_and_how_to_continue
         f"python -m grpo_flyte.driver --local --resume --run-dir {run_dir}"
     ) in caplog.text
     assert "meets again" not in caplog.text
+
+
+# --------------------------------------------------------------------------- bigger models' flags (issue 27)
+
+
+def _files(run_dir: Path) -> set[str]:
+    """The run folder's files, Flyte's raw data (adapter versions, payloads) left out."""
+    return {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.relative_to(run_dir).parts[0] != "flyte"}
+
+
+@pytest.mark.parametrize(("flags", "world"), [(["--load-in-4bit"], 1), (["--train-processes", "2"], 2)], ids=["4bit", "2-processes"])
+def test_a_run_with_a_bigger_model_flag_writes_every_file_and_resumes_after_a_kill(tmp_path, tiny_model_dir, finished, flags, world):
+    """Killed while publishing iteration 1's adapter, resumed: the folder holds what a normal run's
+    holds, every iteration once, and the metrics say how many processes trained."""
+    run_dir = tmp_path / "run"
+    args = [*_args(tiny_model_dir, run_dir, 2), *flags]
+    killed = subprocess.run([sys.executable, str(DRILL), "v0001", "1", *args], capture_output=True, text=True, timeout=300, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    _check_whole_files(run_dir)
+    assert cli_main([*args, "--resume"]) == 0
+    _check_whole_files(run_dir)
+    assert _files(run_dir) == _files(finished)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert [r["train_world_size"] for r in rows[1:]] == [world, world] and all(r["train_restore_s"] >= 0 for r in rows[1:])
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert (saved["lora"]["load_in_4bit"], saved["train"]["train_processes"]) == ("--load-in-4bit" in flags, world)

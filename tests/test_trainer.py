@@ -303,3 +303,183 @@ def test_each_importance_sampling_mode_weighs_the_step_and_reports_its_guards(fr
     ]
     stats = trainer.grpo_step(model, optimizer, exact, config.train, config.sampling)
     assert stats.is_clipped_fraction == 0.0 and stats.is_ess == pytest.approx(1.0, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- data-parallel steps (--train-processes)
+
+
+@warm_env.task
+async def one_step(config: RunConfig, base: Dir, groups: int) -> tuple[str, float, int, float]:
+    """init_adapter, then one train_step on `groups` hand-made groups: (adapter folder, loss, world size, kl)."""
+    trainer._warm.clear()
+    adapter = await trainer.init_adapter(config.base, config.lora, config.seed, base)
+    scored = [sg for i in range(0, groups, 2) for sg in _scored_groups()]
+    scored = [sg.model_copy(update={"group": sg.group.model_copy(update={"index": i})}) for i, sg in enumerate(scored)]
+    result = await trainer.train_step(config.base, config.lora, config.train, config.sampling, base, adapter, scored)
+    return result.adapter.dir.path, result.stats.loss, result.stats.world_size, result.stats.kl or 0.0
+
+
+def test_a_two_process_step_equals_the_one_process_step(tmp_path, llama_dir):
+    """Two gloo processes, each forwarding its share of every minibatch, all-reducing the LoRA
+    gradients: the same adapter as one process (float32, largest difference <= 1e-4), the same loss
+    and KL; the optimizer state is written once, by rank 0."""
+    from safetensors.torch import load_file
+
+    settings = dict(model=str(llama_dir), dtype="float32", group_size=2, prompts_per_iter=4, learning_rate=1e-2, max_new_tokens=8)
+    settings.update(beta=0.1, updates_per_iter=2, micro_batch_tokens=64)  # a KL reference pass, old log-probs, several micro-batches
+    out = {}
+    for processes in (1, 2):
+        config = RunConfig(**settings, train_processes=processes)
+        run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / f"raw-{processes}")).run(
+            one_step, config=config, base=Dir(path=str(llama_dir)), groups=6
+        )
+        folder, loss, world, kl = run.outputs()
+        assert world == processes and (Path(folder) / "optimizer.pt").is_file()
+        out[processes] = (load_file(str(Path(folder) / "adapter_model.safetensors")), loss, kl)
+    (one, loss1, kl1), (two, loss2, kl2) = out[1], out[2]
+    assert one.keys() == two.keys()
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-4
+    assert any(float(one[k].abs().max()) > 0 for k in one if "lora_B" in k)  # the step moved the adapter
+    assert loss2 == pytest.approx(loss1, abs=1e-5) and kl2 == pytest.approx(kl1, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- QLoRA (--load-in-4bit)
+
+
+@pytest.fixture(scope="module")
+def llama32_dir(tmp_path_factory, embedded_dir):
+    """A one-layer random Llama whose linear layers all have a multiple of 32 output features, as
+    bitsandbytes' CPU kernel packs them (released models all do; see models._not_4bit)."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("llama32")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(path)  # a merged model is saved with one
+    return path
+
+
+def _four_bit(llama_dir, **settings):
+    config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8, load_in_4bit=True, **settings)
+    model = trainer.peft_model(config.base, config.lora, str(llama_dir))
+    trainer.reset_lora(model, seed=0)
+    return model, trainer._optimizer(model, config.train), config
+
+
+def test_a_4bit_step_trains_the_lora_weights_on_a_frozen_nf4_base(llama32_dir):
+    llama_dir = llama32_dir
+    import bitsandbytes as bnb
+
+    model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2)
+    q_proj = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit) and q_proj.base_layer.weight.quant_state.quant_type == "nf4"
+    assert q_proj.base_layer.weight.quant_state.nested  # double quantization
+    ids = torch.tensor([A.prompt_ids + A.completion_ids])
+
+    def base_logits():  # the base alone (the adapter disabled); NF4 weights are repacked on a CPU, so compare outputs
+        with torch.no_grad(), model.disable_adapter():
+            return model(input_ids=ids).logits
+
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    base_before = base_logits()
+    stats = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    assert stats.num_updates == 1
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    now = dict(model.named_parameters())
+    # every target layer learned (B starts at 0), q/k/v included, whose gradient passes back through the 4-bit o_proj
+    assert all(float(now[n].abs().max()) > 0 for n in lora if "lora_B" in n)
+    assert torch.equal(base_logits(), base_before)
+
+
+def test_the_kl_reference_of_a_4bit_run_is_the_4bit_base(llama32_dir):
+    """The reference log-probs are the same NF4 weights with the adapter disabled (no 16-bit copy):
+    equal to a 4-bit base loaded alone, and not to the 16-bit base."""
+    from grpo_flyte.models import load_base
+
+    llama_dir = llama32_dir
+    model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, beta=0.1)
+    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)  # the adapter is no longer the base
+    ref, _ = trainer._reference_pass(model, [A, B], [0, 1], set(), config.train, config.sampling, iteration=1)
+    with torch.no_grad():
+        expected = []
+        for sixteen in (False, True):
+            base = load_base(str(llama_dir), "float32", load_in_4bit=not sixteen)
+            ids = torch.tensor([A.prompt_ids + A.completion_ids])
+            logp = torch.log_softmax(base(input_ids=ids).logits[0].float() / config.sampling.temperature, dim=-1)
+            p = len(A.prompt_ids)
+            expected.append(torch.stack([logp[p - 1 + t, tok] for t, tok in enumerate(A.completion_ids)]))
+    assert ref[0].tolist() == pytest.approx(expected[0].tolist(), abs=1e-5)
+    assert float((ref[0] - expected[1]).abs().max()) > 1e-3
+
+
+def test_merging_a_4bit_adapter_uses_the_16bit_base(tmp_path, llama32_dir):
+    """--export-merged after a 4-bit run: the 16-bit base's weights plus the adapter's delta, never
+    the dequantized NF4 weights."""
+    from safetensors.torch import load_file
+
+    llama_dir = llama32_dir
+    model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, lora_target_modules=("q_proj",))
+    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    trainer.merge_into_base(str(llama_dir), str(tmp_path / "adapter"), tmp_path / "merged")
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    base = load_file(str(llama_dir / "model.safetensors"))
+    lora = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    a = next(v for k, v in lora.items() if "q_proj.lora_A" in k)
+    b = next(v for k, v in lora.items() if "q_proj.lora_B" in k)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    scale = config.lora.lora_alpha / config.lora.lora_rank
+    assert merged[key].dtype == base[key].dtype and float((b @ a).abs().max()) > 0
+    assert torch.allclose(merged[key], base[key] + scale * (b @ a), atol=1e-6)
+
+
+def _rank_step(kwargs: dict):
+    """One process of the cluster's train step (train_step_distributed without the upload)."""
+    import asyncio
+
+    return asyncio.run(trainer.rank_step(**kwargs))
+
+
+def test_the_cluster_train_step_launched_as_the_elastic_plugin_launches_it_equals_the_local_step(tmp_path, llama_dir):
+    """train_step_distributed's body under torch's elastic launcher, as flyteplugins-pytorch's
+    Elastic runs it in a pod (2 processes, gloo here): rank 0 answers with the adapter of the
+    one-process step, its world size, and the time it took to restore the adapter and optimizer
+    state from the input folder (such a step has no warm replica)."""
+    from uuid import uuid4
+
+    from safetensors.torch import load_file
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = RunConfig(model=str(llama_dir), dtype="float32", group_size=2, prompts_per_iter=4, learning_rate=1e-2, max_new_tokens=8)
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        one_step, config=config, base=Dir(path=str(llama_dir)), groups=2
+    )
+    expected = load_file(str(Path(run.outputs()[0]) / "adapter_model.safetensors"))
+    v0 = Path(run.outputs()[0]).parent / "v0000"
+    kwargs = dict(model=config.base, lora=config.lora, train=config.train, sampling=config.sampling, base_model=Dir(path=str(llama_dir)),
+                  adapter=trainer.AdapterRef(version=0, dir=Dir(path=str(v0))), scored=_scored_groups(), scored_payload=[],
+                  total_iterations=1, out=tmp_path / "v0001")  # fmt: skip
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id=uuid4().hex, rdzv_backend="c10d",
+                          rdzv_endpoint="localhost:0", max_restarts=0)  # fmt: skip
+    results = elastic_launch(launch, _rank_step)(kwargs)
+    assert results[1] is None and results[0].adapter.version == 1
+    stats = results[0].stats
+    assert stats.world_size == 2 and stats.restore_s > 0
+    got = load_file(str(tmp_path / "v0001" / "adapter_model.safetensors"))
+    assert max(float((got[k] - expected[k]).abs().max()) for k in expected) <= 1e-4
+
+
+def test_a_damaged_adapter_in_a_multi_process_step_is_the_adapter_error_not_retried(tmp_path, llama_dir):
+    """A process's AdapterError comes back as the AdapterError (one line naming the folder, which
+    the task does not retry), not as a crashed process."""
+    from grpo_flyte.errors import AdapterError
+
+    config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8)
+    (tmp_path / "v0000").mkdir()
+    (tmp_path / "v0000" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    job = trainer.RankJob(str(llama_dir), str(tmp_path / "v0000"), config.base, config.lora, config.train, config.sampling,
+                          [A, B], (0, 0), 1)  # fmt: skip
+    with pytest.raises(AdapterError, match="v0000' cannot be loaded"):
+        trainer.launch_ranks(job, tmp_path / "v0001", 2)

@@ -36,6 +36,7 @@ from grpo_flyte.config import (
     shown_default,
 )
 from grpo_flyte.errors import GrpoFlyteError, UserError
+from grpo_flyte.models import quiet_bitsandbytes
 from grpo_flyte.run_folder import run_local
 from grpo_flyte.submit import resume_remote, run_remote
 
@@ -183,6 +184,7 @@ def quiet_libraries() -> None:
     before those libraries are imported (they read these once); a value you set wins."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet_bitsandbytes()
 
 
 def main(argv: list[str] | None = None) -> int:

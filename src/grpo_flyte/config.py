@@ -36,6 +36,8 @@ DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
 DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
+# Local data-parallel train processes at most (--train-processes).
+MAX_TRAIN_PROCESSES = 64
 # A pipelined run's generate replica holds up to MAX_STALENESS + 2 adapter folders (rollout._adapter_dirs).
 MAX_STALENESS = 6
 SYSTEM_PROMPT = (
@@ -271,6 +273,15 @@ class LoraConfig(_Part):
         ),
     )
 
+    load_in_4bit: bool = Field(
+        False,
+        description=(
+            "QLoRA: the train pool loads the base in 4 bits (NF4, double quantization, 16-bit compute; needs bitsandbytes) "
+            "and trains the adapter on top; the KL reference is the same 4-bit base. Generation and --export-merged use the "
+            "16-bit base."
+        ),
+    )
+
     @field_validator("lora_target_modules")
     @classmethod
     def _all_linear_alone(cls, targets: tuple[str, ...]) -> tuple[str, ...]:
@@ -367,6 +378,16 @@ class TrainConfig(_Part):
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute activations in the backward pass instead of keeping them: less memory for long sequences, ~30% more time.",
+    )
+    train_processes: int = Field(
+        1,
+        ge=1,
+        le=MAX_TRAIN_PROCESSES,
+        description=(
+            "Local runs: the train step runs data-parallel in this many processes (torch.distributed, gloo), each "
+            "forwarding a share of every optimizer step's rollouts; the step equals the one-process step. At most the "
+            "rollouts per optimizer step. On a cluster the train GPU count sets it (GRPO_FLYTE_TRAIN_GPU)."
+        ),
     )
 
     @field_validator("scale_rewards", mode="before")
@@ -481,6 +502,18 @@ class RunConfig(_Part):
             raise ValueError(f"adapters_to_keep={self.adapters_to_keep} with max_staleness={k}: expected at least {k + 1}")
         if self.engine.adapter_cache_size < k + 2:
             raise ValueError(f"adapter_cache_size={self.engine.adapter_cache_size} with max_staleness={k}: expected at least {k + 2}")
+        return self
+
+    @model_validator(mode="after")
+    def _a_share_for_every_process(self) -> RunConfig:
+        """Every train process forwards a share of each optimizer step's rollouts: more processes
+        than rollouts per step would leave some with nothing to do."""
+        per_step = self.rollouts_per_iter // self.train.updates_per_iter
+        if self.train.train_processes > per_step:
+            raise ValueError(
+                f"train_processes={self.train.train_processes} with {per_step} rollouts per optimizer step "
+                f"(prompts_per_iter x group_size / updates_per_iter): expected at most {per_step}"
+            )
         return self
 
     def flat(self) -> dict[str, Any]:

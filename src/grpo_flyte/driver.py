@@ -41,7 +41,7 @@ from grpo_flyte.reward import score_group, score_groups
 from grpo_flyte.rollout import generate, generate_eval
 from grpo_flyte.storage import as_payload, from_payload, publish_dir, replica_cache, save_checkpoint
 from grpo_flyte.tracking import Tracker, WandbRun, new_run_id
-from grpo_flyte.trainer import init_adapter, merge_adapter, train_step
+from grpo_flyte.trainer import DISTRIBUTED_STEP, init_adapter, merge_adapter, train_step
 from grpo_flyte.types import (
     REPORT_FILE,
     AdapterRef,
@@ -161,9 +161,11 @@ async def train_batch(
 ) -> TrainStepResult:
     """One GRPO step from `adapter` on the scored groups of `iteration` (0-based)."""
     inline, payload = await as_payload(scored, f"scored-{iteration + 1:04d}")
-    return await train_step(
-        config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload, total_iterations=config.iterations
-    )
+    args = (config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload)
+    if DISTRIBUTED_STEP is not None and flyte.ctx() and flyte.ctx().mode != "local":
+        # several train GPUs configured (envs.train_dist_env), on a cluster: the data-parallel step (a sync task)
+        return await DISTRIBUTED_STEP.aio(*args, total_iterations=config.iterations)
+    return await train_step(*args, total_iterations=config.iterations)
 
 
 async def run_iteration(

@@ -23,6 +23,7 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 TRANSFORMERS_VERSION = "5.19.0"  # vLLM 0.32 takes >= 5.16.1, < 5.20
 PEFT_VERSION = "0.21.2"
+BITSANDBYTES_VERSION = "0.50.2"  # 0.50 has CPU kernels too (the local extra pins the same)
 
 
 class DeploySettings(BaseSettings):
@@ -31,7 +32,14 @@ class DeploySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GRPO_FLYTE_", extra="ignore")
 
     rollout_gpu: str = Field("L4:1", description="GPU of each generate replica, as flyte.Resources(gpu=...).")
-    train_gpu: str = Field("L4:1", description="GPU of the train task.")
+    train_gpu: str = Field(
+        "L4:1",
+        description=(
+            "GPUs of the train task, as flyte.Resources(gpu=...); more than one (e.g. L4:4) runs the train step "
+            "data-parallel over them, one process per GPU (flyteplugins-pytorch's Elastic)."
+        ),
+    )
+    train_nodes: int = Field(1, description="Nodes the train step runs over, each with train_gpu (above 1: a PyTorchJob through Elastic).")
     rollout_replicas_min: int = Field(1, ge=1, description="Warm generate replicas kept at least.")
     rollout_replicas_max: int = Field(4, ge=1, description="Generate replicas at most.")
     rollout_concurrency: int = Field(
@@ -74,6 +82,43 @@ class DeploySettings(BaseSettings):
         return {f"{prefix}{name.upper()}": str(value) for name, value in self.model_dump().items() if value is not None}
 
 
+def gpu_count(gpu: str) -> int:
+    """The count of a flyte.Resources GPU string: 'L4:4' -> 4, 'L4' -> 1."""
+    count = gpu.rpartition(":")[2] if ":" in gpu else "1"
+    return int(count) if count.isdigit() else 0
+
+
+def train_settings_problem(settings: DeploySettings) -> str | None:
+    """Why the train GPUs or nodes cannot be given to the train task (None: they can): checked
+    before anything is submitted (submit.check_submission), so that a mistyped count is one line
+    there, not a failure at import."""
+    from typing import get_args
+
+    from flyte._resources import Accelerators  # flyte.Resources' accepted GPU strings (1-8 per node); no public name
+
+    prefix = settings.model_config["env_prefix"]
+    if settings.train_gpu not in get_args(Accelerators):
+        name = settings.train_gpu.rpartition(":")[0] or settings.train_gpu
+        accepted = [a for a in get_args(Accelerators) if a.startswith(f"{name}:")]
+        hint = f"{accepted[0]} to {accepted[-1]}" if accepted else "e.g. L4:1 to L4:8"
+        return (
+            f"{prefix}TRAIN_GPU={settings.train_gpu!r}: not a GPU count flyte.Resources (and so the train plugin) accepts; expected {hint}"
+        )
+    if settings.train_nodes < 1:
+        return f"{prefix}TRAIN_NODES={settings.train_nodes}: expected 1 or more"
+    return None
+
+
+def train_world_size(settings: DeploySettings) -> int:
+    """Processes of a cluster train step: one per train GPU, on every train node."""
+    return gpu_count(settings.train_gpu) * settings.train_nodes
+
+
+def _one_of(gpu: str) -> str:
+    """The same GPU type, one of it: 'L4:4' -> 'L4:1'."""
+    return f"{gpu.rpartition(':')[0] or gpu}:1"
+
+
 def from_source_checkout() -> bool:
     """Whether this package runs from a source checkout (editable install or src/ on the path),
     which Flyte's code bundle ships with each run, rather than from an installed wheel."""
@@ -102,6 +147,9 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         f"transformers=={TRANSFORMERS_VERSION}",
         f"peft=={PEFT_VERSION}",
         "accelerate>=1.0",
+        f"bitsandbytes=={BITSANDBYTES_VERSION}",  # --load-in-4bit
+        # the multi-GPU train task (Elastic); its version follows flyte's
+        "flyteplugins-pytorch>=2.12.1,<2.13",
         "unionai-reuse>=0.2.0,<0.3",
         "pydantic-settings>=2.6",
         "pyyaml>=6",
@@ -134,6 +182,10 @@ def _single_replica_policy(idle_ttl: int) -> flyte.ReusePolicy:
 
 
 settings = DeploySettings()
+train_problem = train_settings_problem(settings)
+# A train GPU setting flyte would refuse leaves the default in the spec; the CLI refuses to submit
+# with it (train_problem), in one line.
+_train_gpu = settings.train_gpu if train_problem is None else DeploySettings.model_fields["train_gpu"].default
 image = build_image(settings)
 # Secrets only where configured: Flyte resolves every named secret when it creates a pod.
 _hf_token = [flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")] if settings.hf_token_secret else []
@@ -178,7 +230,8 @@ train_env = flyte.TaskEnvironment(
     name="grpo_flyte-train",
     description="LoRA adapter initialization and GRPO optimizer steps.",
     image=image,
-    resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=settings.train_gpu, shm="auto"),
+    # with several train GPUs, train_dist_env takes the steps: this pool keeps one for the rest
+    resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), shm="auto"),
     secrets=_hf_token,
     env_vars=_gpu_env,
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
@@ -186,6 +239,26 @@ train_env = flyte.TaskEnvironment(
     # adapter, so a cold replica gives the same result).
     reusable=_single_replica_policy(idle_ttl=600),
 )
+
+
+# Several train GPUs (or nodes): the train step runs data-parallel, one process per GPU, through
+# flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod; a PyTorchJob over
+# several nodes). Such a plugin task cannot be reusable: each step starts its pods, loads the base
+# and restores the adapter and optimizer state from its input folder (train_restore_s).
+train_dist_env = None
+if train_problem is None and train_world_size(settings) > 1:
+    from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
+
+    train_dist_env = flyte.TaskEnvironment(
+        name="grpo_flyte-train-dist",
+        description="The GRPO train step, data-parallel over the train GPUs (and nodes).",
+        image=image,
+        resources=flyte.Resources(cpu=settings.train_cpu * gpu_count(_train_gpu), memory=settings.train_memory, gpu=_train_gpu, shm="auto"),
+        secrets=_hf_token,
+        env_vars=_gpu_env,
+        # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
+        plugin_config=Elastic(nnodes=settings.train_nodes, nproc_per_node=gpu_count(_train_gpu), max_restarts=0),
+    )
 
 driver_env = flyte.TaskEnvironment(
     name="grpo_flyte-driver",
@@ -195,7 +268,7 @@ driver_env = flyte.TaskEnvironment(
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_env,
-    # The driver submits tasks of the other three environments; depends_on puts their images in
-    # the run's image cache.
-    depends_on=[rollout_env, reward_env, train_env],
+    # The driver submits tasks of the other environments (three, or four with several train GPUs);
+    # depends_on puts their images in the run's image cache.
+    depends_on=[rollout_env, reward_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
 )

@@ -140,6 +140,19 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     return batches
 
 
+def rank_share(lengths: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """The positions (into `lengths`) that process `rank` of `world_size` forwards, in order.
+
+    Data-parallel training: sequences sorted longest first are dealt round-robin, so every rank
+    gets a share of about the same number of tokens (ranks differ by at most one sequence, each no
+    longer than the ones before it); each rank plans its own micro-batches from its share.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of a world of {world_size}: expected 0 <= rank < world_size")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return sorted(order[rank::world_size])
+
+
 @dataclass
 class PaddedBatch:
     """Tensors for one micro-batch, right-padded.

@@ -78,6 +78,8 @@ def iteration_metrics(
         entropy=stats.entropy,
         grad_norm=stats.grad_norm,
         lr=stats.lr,
+        train_world_size=stats.world_size,
+        train_restore_s=stats.restore_s,
         completion_len_mean=statistics.fmean(lengths),
         completion_len_max=max(lengths),
         truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),

@@ -231,6 +231,55 @@ def best_device() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
+def quiet_bitsandbytes() -> None:
+    """Before anything imports bitsandbytes (peft and transformers do when it is installed): keep
+    its note at import that an optional faster CPU kernel (the `kernels` package, fetched from the
+    Hub) is missing off the console; its own CPU kernels work."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def load_base(model_path: str, dtype: str, load_in_4bit: bool = False):
+    """The base model for training, on `best_device`: in `dtype` or, with `load_in_4bit`, with its
+    linear layers in NF4 (QLoRA: 4-bit NormalFloat, double quantization of the scales) computing in
+    `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`."""
+    quiet_bitsandbytes()
+    from transformers import AutoModelForCausalLM
+
+    if not load_in_4bit:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch_dtype(dtype),
+    )
+    # A 4-bit model cannot be moved after loading: it is placed as it loads (on this process's GPU).
+    device = torch.cuda.current_device() if best_device() == "cuda" else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
+    )
+    if device == "cpu":
+        _keep_nf4_differentiable(model)
+    return model
+
+
+def _keep_nf4_differentiable(model) -> None:
+    """Turn off bitsandbytes' CPU inference repacking on every 4-bit layer. On a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks a layer's weights for a faster kernel the first time it
+    runs in eval mode without gradients (the trainer's reference pass does), and from then on the
+    layer passes no gradient to its input: the LoRA layers before it would silently stop learning
+    (a test checks the gradients reach them). The repacking also requires output features in
+    multiples of 32."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
 def _require(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:

@@ -47,7 +47,21 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
             f"--wandb-project {config.wandb_project!r} on a cluster needs flyteplugins-wandb (the run's W&B link in the "
             "Flyte UI): pip install 'grpo-flyte[wandb]'"
         )
+    if config.lora.load_in_4bit and local:
+        check_bitsandbytes()
     return examples, split
+
+
+def check_bitsandbytes() -> None:
+    """--load-in-4bit loads the train pool's base with bitsandbytes: it must import here (a local
+    run trains here; the cluster's image installs it)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- missing, or installed but broken (a wrong CUDA build): either way unusable
+        raise UserError(
+            f"--load-in-4bit needs bitsandbytes, which does not import here ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
+            "pip install 'grpo-flyte[local]'"
+        ) from None
 
 
 def _installed(module: str) -> bool:

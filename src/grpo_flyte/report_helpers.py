@@ -32,7 +32,7 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Completion length", ("completion_len_mean", "completion_len_max")),
     ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
     ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
-    ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s", "batch_wait_s")),
+    ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s", "batch_wait_s", "train_restore_s")),
     ("Staleness (generation ahead of training)", ("staleness_mean", "staleness_max", "stale_dropped")),
 )
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.

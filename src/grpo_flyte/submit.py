@@ -53,7 +53,21 @@ def check_submission(config: RunConfig) -> None:
     """What only a cluster run needs, checked before anything is submitted: the W&B key as a
     Flyte secret, a LoRA rank vLLM serves, and custom rewards and environments the pods can import."""
     from grpo_flyte.engines import VLLM_LORA_RANKS
-    from grpo_flyte.envs import from_source_checkout, settings
+    from grpo_flyte.envs import from_source_checkout, settings, train_problem, train_world_size
+
+    if train_problem is not None:
+        raise UserError(train_problem)
+    if config.train.train_processes > 1:
+        raise UserError(
+            f"--train-processes {config.train.train_processes} is for local runs; on a cluster the train GPUs set the "
+            f"processes: GRPO_FLYTE_TRAIN_GPU={settings.train_gpu.rpartition(':')[0] or 'L4'}:{config.train.train_processes}"
+        )
+    per_step = config.rollouts_per_iter // config.train.updates_per_iter
+    if train_world_size(settings) > per_step:
+        raise UserError(
+            f"{train_world_size(settings)} train processes (GRPO_FLYTE_TRAIN_GPU={settings.train_gpu} x GRPO_FLYTE_TRAIN_NODES="
+            f"{settings.train_nodes}) with {per_step} rollouts per optimizer step: expected at most {per_step} processes"
+        )
 
     if config.wandb_project and not settings.wandb_secret:
         raise UserError(

@@ -8,6 +8,7 @@ new adapter directory. Token ids come from `generate`; nothing is re-tokenized.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -20,9 +21,9 @@ from flyte.io import Dir
 
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
-from grpo_flyte.envs import train_env
+from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import AdapterError, input_errors_not_retried
-from grpo_flyte.models import ALL_LINEAR, best_device, resolve_dtype, shareable_base, torch_dtype
+from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -30,12 +31,16 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
-def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: float, targets: tuple[str, ...]):
+def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: float, targets: tuple[str, ...], load_in_4bit: bool = False):
+    quiet_bitsandbytes()
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    logger.info("loading the base model for training from %s (once per replica)", model_path)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
+    logger.info("loading the base model for training from %s%s (once per replica)", model_path, " in 4 bits" if load_in_4bit else "")
+    # No peft.prepare_model_for_kbit_training on a 4-bit base: it would cast the embeddings and norms
+    # to float32 (on a small model the embeddings are a fifth of the weights: memory the 4-bit base
+    # is meant to save) and turn on reentrant gradient checkpointing, which --gradient-checkpointing
+    # already controls (non-reentrant: frozen inputs need no gradient).
+    base = load_base(model_path, dtype, load_in_4bit)
     modules = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
@@ -45,7 +50,13 @@ def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: f
 
 def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
     return _peft_model(
-        model_path, resolve_dtype(model.dtype), lora.lora_rank, lora.lora_alpha, lora.lora_dropout, tuple(lora.lora_target_modules)
+        model_path,
+        resolve_dtype(model.dtype),
+        lora.lora_rank,
+        lora.lora_alpha,
+        lora.lora_dropout,
+        tuple(lora.lora_target_modules),
+        lora.load_in_4bit,
     )
 
 
@@ -304,9 +315,11 @@ def _reference_pass(
     train: TrainConfig,
     sampling: SamplingConfig,
     iteration: int,
+    mine: set[int] | None = None,
 ):
     """Once per iteration, without gradients: per sequence, the reference log-probs (the adapter
     disabled: no second copy of the model) and, for the sequences in `need_old`, the old ones.
+    `mine`: the sequences this process forwards (data-parallel), None for all.
 
     Reference log-probs are computed for every trained sequence when beta > 0, for an evenly
     spread sample of KL_MONITOR_SEQUENCES of them on the iterations `kl_measured` names, and for
@@ -321,6 +334,8 @@ def _reference_pass(
         with_ref = set(trained)
     else:
         with_ref = {trained[i * n // KL_MONITOR_SEQUENCES] for i in range(KL_MONITOR_SEQUENCES)}
+    if mine is not None:  # the sample is chosen over all processes' sequences, each computes its own
+        with_ref, need_old = with_ref & mine, need_old & mine
     ref: list = [None] * len(sequences)
     old: list = [None] * len(sequences)
     todo = sorted(with_ref | need_old)
@@ -345,6 +360,34 @@ class _Totals:
         self.loss = self.grad_norm = self.kl = self.entropy = self.is_sum = 0.0
         self.is_max = self.lr = self.weight_sum = self.weight_square_sum = 0.0
         self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.is_cut = self.updates = 0
+
+    def all_reduce(self, device) -> None:
+        """Sum the sums (and take the maximum ratio) over the data-parallel processes, as tensors on
+        `device` (NCCL reduces GPU tensors only). The updates, the learning rate and the gradient
+        norm (taken after the gradients' all-reduce) are the same in every process already."""
+        import torch
+        import torch.distributed as dist
+
+        names = (
+            "loss",
+            "kl",
+            "entropy",
+            "is_sum",
+            "weight_sum",
+            "weight_square_sum",
+            "tokens",
+            "clipped",
+            "kl_tokens",
+            "is_tokens",
+            "is_cut",
+        )
+        sums = torch.tensor([float(getattr(self, n)) for n in names], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        for n, value in zip(names, sums.tolist(), strict=True):
+            setattr(self, n, type(getattr(self, n))(value))
+        most = torch.tensor([float(self.is_max)], dtype=torch.float64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        self.is_max = float(most)
 
     def stats(self) -> StepStats:
         return StepStats(
@@ -405,12 +448,24 @@ def _micro_batch_loss(
 
 
 def grpo_step(
-    model, optimizer, sequences: list[grpo.TrainSequence], train: TrainConfig, sampling: SamplingConfig, steps: tuple[int, int] = (0, 0)
+    model,
+    optimizer,
+    sequences: list[grpo.TrainSequence],
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    steps: tuple[int, int] = (0, 0),
+    rank: int = 0,
+    world_size: int = 1,
 ) -> StepStats:
     """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
 
     `steps`: (the run's optimizer step this call starts at, the run's total; 0: unknown), for the
     learning-rate schedule (`grpo.scheduled_lr`); minibatch k is step first + k.
+
+    Data-parallel (`world_size` > 1, in a torch.distributed process group): every process is given
+    all the sequences and forwards its share of each minibatch's (`grpo.rank_share`); the loss
+    normalizer counts the whole minibatch, so the LoRA gradients summed over the processes
+    (all-reduce) are the one-process gradients, and every process takes the same optimizer step.
 
     Every sequence is dealt into a minibatch and counts in its normalizer; only those
     `grpo.in_loss` keeps are forwarded, in length-grouped micro-batches whose losses sum to the
@@ -422,15 +477,17 @@ def grpo_step(
 
     minibatches = grpo.split_minibatches(len(sequences), train.updates_per_iter) if sequences else []
     trained = [[i for i in mb if grpo.in_loss(sequences[i], train.beta)] for mb in minibatches]
+    shares = [[mb[j] for j in grpo.rank_share([sequences[i].length for i in mb], rank, world_size)] for mb in trained]
     iteration = steps[0] // train.updates_per_iter + 1  # 1-based, for the KL monitor
+    mine = {i for share in shares for i in share} if world_size > 1 else None
     ref, old = _reference_pass(
-        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling, iteration
+        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling, iteration, mine
     )
     model.train()
     _set_checkpointing(model, train.gradient_checkpointing)
     totals = _Totals()
-    for k, (minibatch, forward) in enumerate(zip(minibatches, trained, strict=True)):
-        if not forward:
+    for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
+        if not forward:  # the same in every process
             continue
         optimizer.zero_grad(set_to_none=True)
         norm = grpo.LossNormalizer(
@@ -438,8 +495,8 @@ def grpo_step(
             num_tokens=sum(sequences[i].num_trained for i in minibatch if not sequences[i].masked),
             max_completion_tokens=sampling.max_new_tokens,
         )
-        for local in grpo.plan_micro_batches([sequences[i].length for i in forward], train.micro_batch_tokens):
-            ids = [forward[j] for j in local]
+        for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
+            ids = [share[j] for j in local]
             loss = _micro_batch_loss(
                 model,
                 [sequences[i] for i in ids],
@@ -452,6 +509,8 @@ def grpo_step(
             )
             loss.backward()
             totals.loss += loss.item()
+        if world_size > 1:
+            _all_reduce_gradients(model)
         totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(_trainable(model), train.max_grad_norm))
         lr = grpo.scheduled_lr(steps[0] + k, steps[1], train.learning_rate, train.lr_scheduler_type, train.warmup_ratio)
         for group in optimizer.param_groups:
@@ -461,7 +520,23 @@ def grpo_step(
         totals.updates += 1
     optimizer.zero_grad(set_to_none=True)
     model.eval()
-    return totals.stats() if totals.updates else StepStats()
+    if world_size > 1:
+        totals.all_reduce(next(model.parameters()).device)
+    return totals.stats().model_copy(update={"world_size": world_size}) if totals.updates else StepStats(world_size=world_size)
+
+
+def _all_reduce_gradients(model) -> None:
+    """Sum each LoRA gradient over the data-parallel processes (a process that forwarded nothing
+    adds zeros), in one flat buffer."""
+    import torch
+    import torch.distributed as dist
+
+    params = _trainable(model)
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = chunk.view_as(p).clone()
 
 
 @train_env.task(retries=2)
@@ -485,20 +560,29 @@ async def train_step(
     sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
 
+    steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+    job = RankJob(model_path, adapter_path, model, lora, train, sampling, sequences, steps, version)
+
     def build(out: Path) -> tuple[Any, Any, StepStats, tuple]:
+        if train.train_processes > 1:
+            _warm.clear()  # the processes hold the new weights, not this one's model
+            return None, None, launch_ranks(job, out, train.train_processes), ()
         peft = peft_model(model, lora, model_path)
         optimizer = _warm.take(peft, adapter.dir.path, adapter_path, train)
+        restore_s = 0.0
         if optimizer is None:
+            restored = time.perf_counter()
             optimizer = load_adapter_state(peft, adapter_path, train)
-        steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+            restore_s = time.perf_counter() - restored
         stats = grpo_step(peft, optimizer, sequences, train, sampling, steps)
         save_adapter(peft, optimizer, version, out)
         record_base(out, model.model)
-        return peft, optimizer, stats, _files_of(str(out))
+        return peft, optimizer, stats.model_copy(update={"restore_s": restore_s}), _files_of(str(out))
 
     with input_errors_not_retried():  # e.g. a damaged adapter stays damaged
         new_dir, (peft, optimizer, stats, files) = await publish_dir(build, f"v{version:04d}")
-    _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
+    if peft is not None:
+        _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
     return TrainStepResult(
         adapter=AdapterRef(version=version, dir=new_dir),
         num_rollouts=num_rollouts,
@@ -506,6 +590,192 @@ async def train_step(
         stats=stats,
         train_s=time.perf_counter() - started,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankJob:
+    """What every process of a data-parallel train step is given: the same inputs (each takes its
+    own share of the work, `grpo.rank_share`)."""
+
+    model_path: str
+    adapter_path: str
+    model: ModelConfig
+    lora: LoraConfig
+    train: TrainConfig
+    sampling: SamplingConfig
+    sequences: list[grpo.TrainSequence]
+    steps: tuple[int, int]
+    version: int
+
+
+def train_rank(job: RankJob, out: str) -> StepStats | None:
+    """One process of a data-parallel train step, started by torch.distributed's launcher (its
+    RANK, WORLD_SIZE, LOCAL_RANK and rendezvous variables set): load the base, restore the adapter
+    and optimizer state from their folder (a fresh process has nothing warm), take the step with the
+    gradients all-reduced, and rank 0 alone writes the new adapter into `out`. Rank 0 returns the
+    step's statistics, the others None."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    cuda = best_device() == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:  # the processes share the cores: one OpenMP team each would oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        rank = dist.get_rank()
+        peft = peft_model(job.model, job.lora, job.model_path)
+        restored = time.perf_counter()
+        optimizer = load_adapter_state(peft, job.adapter_path, job.train)
+        restore_s = time.perf_counter() - restored
+        stats = grpo_step(peft, optimizer, job.sequences, job.train, job.sampling, job.steps, rank=rank, world_size=world_size)
+        if rank == 0:
+            save_adapter(peft, optimizer, job.version, Path(out))
+            record_base(Path(out), job.model.model)
+        dist.barrier()  # the adapter is whole before any process reports the step done
+    finally:
+        dist.destroy_process_group()
+    return stats.model_copy(update={"restore_s": restore_s}) if rank == 0 else None
+
+
+def _recorded_train_rank(job: RankJob, out: str) -> StepStats | None:
+    """`train_rank`, its exception recorded for the launcher (torch elastic's `record`): a failed
+    process is then reported with its error, not only its exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(train_rank)(job, out)
+
+
+def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
+    """The train step in `processes` local processes (gloo on a CPU), launched by torch's
+    elastic launcher (what torchrun runs); rank 0's statistics."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=processes,
+        run_id=f"grpo-flyte-train-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port
+        max_restarts=0,  # a failed step fails the task; Flyte's retries start it again
+        monitor_interval=0.1,
+    )
+    # It warns on every call that it cannot register signal handlers from a thread other than the
+    # main one (it runs on this process's torch thread). The processes are this process's children:
+    # Ctrl-C reaches them too; after a SIGTERM or a kill of this process they finish the step and exit.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.ERROR)
+    try:
+        results = elastic_launch(config, _recorded_train_rank)(job, str(out))
+    except ChildFailedError as exc:
+        failure = next(iter(exc.failures.values()))
+        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
+        kind, _, detail = str(message or "").partition(": ")
+        if kind == AdapterError.__name__:  # a damaged adapter stays damaged: not retried, as in one process
+            raise AdapterError(detail) from None
+        # anything else may pass the next attempt (a process killed for memory, say)
+        raise RuntimeError(
+            f"train process {failure.local_rank} of {processes} failed: {message or f'exit code {failure.exitcode}'}"
+        ) from None
+    return results[0]
+
+
+async def _distributed_step(
+    model: ModelConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
+    scored: list[ScoredGroup],
+    scored_payload: list[Dir],
+    total_iterations: int,
+) -> TrainStepResult | None:
+    """One process of the cluster's data-parallel train step (train_step_distributed): rank 0
+    uploads the new adapter and answers for all."""
+    import tempfile
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        result = await rank_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, Path(out))
+        if result is None:  # not rank 0: only its answer is the task's
+            return None
+        new_dir = await Dir.from_local(out)
+    return result.model_copy(
+        update={"adapter": AdapterRef(version=adapter.version + 1, dir=new_dir), "train_s": time.perf_counter() - started}
+    )
+
+
+async def rank_step(
+    model: ModelConfig,
+    lora: LoraConfig,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    base_model: Dir,
+    adapter: AdapterRef,
+    scored: list[ScoredGroup],
+    scored_payload: list[Dir],
+    total_iterations: int,
+    out: Path,
+) -> TrainStepResult | None:
+    """Everything one process of a data-parallel train step does but the upload: read the inputs,
+    take the step (`train_rank`); rank 0 writes the adapter into `out` and returns the result
+    (its adapter names `out`), the others None."""
+    started = time.perf_counter()
+    model_path = await _model_dirs.get(base_model)
+    fetched = time.perf_counter()
+    adapter_path = await _adapter_dirs.get(adapter.dir)
+    download_s = time.perf_counter() - fetched
+    scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
+    sequences, num_rollouts = build_sequences(scored, train)
+    version = adapter.version + 1
+    steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+    stats = train_rank(RankJob(model_path, adapter_path, model, lora, train, sampling, sequences, steps, version), str(out))
+    if stats is None:
+        return None
+    return TrainStepResult(
+        adapter=AdapterRef(version=version, dir=Dir(path=str(out))),
+        num_rollouts=num_rollouts,
+        num_contributing=num_contributing(sequences),
+        # reading the adapter folder back is part of restoring it (the base's download is not)
+        stats=stats.model_copy(update={"restore_s": stats.restore_s + download_s}),
+        train_s=time.perf_counter() - started,
+    )
+
+
+if train_dist_env is not None:
+
+    @train_dist_env.task(retries=2)
+    def train_step_distributed(
+        model: ModelConfig,
+        lora: LoraConfig,
+        train: TrainConfig,
+        sampling: SamplingConfig,
+        base_model: Dir,
+        adapter: AdapterRef,
+        scored: list[ScoredGroup],
+        scored_payload: list[Dir] = [],  # noqa: B006 (as train_step)
+        total_iterations: int = 0,
+    ) -> TrainStepResult | None:
+        """train_step over the train GPUs: the Elastic plugin runs this in one process per GPU (a
+        sync function, as the plugin calls it), each with torch.distributed's variables set."""
+        import asyncio
+
+        with input_errors_not_retried():
+            return asyncio.run(
+                _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
+            )
+
+    DISTRIBUTED_STEP = train_step_distributed
+else:
+    DISTRIBUTED_STEP = None
 
 
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:

@@ -187,6 +187,8 @@ class StepStats(BaseModel):
     is_ess: float = 1.0  # effective sample size of the importance weights, as a fraction of the tokens
     is_clipped_fraction: float = 0.0  # tokens whose weight the cap truncated or masked
     lr: float = 0.0  # the learning rate of the last optimizer step (see lr_scheduler_type)
+    world_size: int = 1  # processes the step ran in (data-parallel: --train-processes, or the train GPUs)
+    restore_s: float = 0.0  # seconds reading the adapter and optimizer state back (0: a warm replica kept them)
 
 
 class TrainStepResult(BaseModel):
@@ -223,6 +225,8 @@ class TrainMetrics(BaseModel):
     entropy: float
     grad_norm: float
     lr: float = 0.0  # the learning rate of the iteration's last optimizer step
+    train_world_size: int = 1  # processes the train step ran in
+    train_restore_s: float = 0.0  # seconds of train_s spent reading the adapter and optimizer state back
     completion_len_mean: float
     completion_len_max: int
     truncated_fraction: float

@@ -1,0 +1,139 @@
+"""QLoRA: the train pool's parameter memory and seconds per GRPO step, 16-bit base vs --load-in-4bit.
+
+The embedded SmolLM2-135M-Instruct loads as the train pool loads it (`trainer.peft_model`, the
+default LoRA on q/k/v/o), once in bfloat16 and once with its linear layers in NF4 (double
+quantization, bfloat16 compute). Parameter memory is every byte the model holds: parameters,
+buffers and, for the 4-bit layers, their quantization state (the absmax scales, themselves
+quantized, and the code books). `param_memory_ratio` is 16-bit / 4-bit (target >= 3);
+`linear_memory_ratio` is the same over the decoder's linear layers alone, the part that 4 bits
+shrink (the embeddings and norms stay in 16 bits: a fifth of this small model, a few percent of a
+7B one).
+
+Then the same GRPO step (`trainer.grpo_step`, default config, one optimizer step) on one fixed
+batch of token ids, the two models alternately, median seconds per step. On a CPU the 4-bit
+layers dequantize their weights in every forward and backward, so the step is slower there.
+
+    python benchmarks/qlora_memory.py            # 8 sequences, 3 rounds, ~5 minutes on a 2-core CPU
+    python benchmarks/qlora_memory.py --quick    # 2 sequences, 1 round, no warm-up
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+
+import _common
+
+from grpo_flyte import grpo, trainer
+from grpo_flyte.config import RunConfig
+from grpo_flyte.models import embedded_model_dir, resolve_dtype
+
+TARGET = 3.0
+
+
+def model_bytes(model) -> dict[str, int]:
+    """Bytes the model holds: all of it, and its decoder's linear layers (base weights only)."""
+    import bitsandbytes as bnb
+    import torch
+
+    def quant_state_bytes(module) -> int:
+        state = getattr(module.weight, "quant_state", None)
+        if state is None:
+            return 0
+        return sum(v.numel() * v.element_size() for v in state.as_dict(packed=True).values() if isinstance(v, torch.Tensor))
+
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    linear = 0
+    for name, module in model.named_modules():
+        extra = quant_state_bytes(module) if isinstance(module, bnb.nn.Linear4bit) else 0
+        total += extra
+        # the decoder's own linear layers (a 4-bit one is an nn.Linear too), not LoRA's nor the output layer
+        if isinstance(module, torch.nn.Linear) and ".layers." in name and "lora_" not in name:
+            linear += module.weight.numel() * module.weight.element_size() + extra
+    return {"total": total, "linear": linear}
+
+
+def batch(num: int, vocab: int, seed: int = 0) -> list[grpo.TrainSequence]:
+    """`num` rollouts: 48-token prompts, 16 to 64-token completions, advantages +-1."""
+    rng = random.Random(seed)
+    return [
+        grpo.TrainSequence(
+            [rng.randrange(vocab) for _ in range(48)],
+            [rng.randrange(vocab) for _ in range(rng.randint(16, 64))],
+            1.0 if i % 2 == 0 else -1.0,
+            None,
+        )
+        for i in range(num)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(__doc__, "qlora_memory.json")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    _common.quiet_logs()
+
+    rounds = 1 if args.quick else args.rounds
+    num = 2 if args.quick else 8
+    model_path = str(embedded_model_dir())
+    models, memory, configs = {}, {}, {}
+    for side, four in (("16-bit", False), ("4-bit", True)):
+        config = RunConfig(dtype="bfloat16", load_in_4bit=four, eval_size=0)
+        trainer._peft_model.cache_clear()  # one model per side, both kept
+        model = trainer.peft_model(config.base, config.lora, model_path)
+        trainer.reset_lora(model, config.seed)
+        models[side], configs[side], memory[side] = model, config, model_bytes(model)
+        print(f"{side}: {memory[side]['total'] / 2**20:.1f} MiB in all, {memory[side]['linear'] / 2**20:.1f} MiB of decoder linear layers")
+    ratio = memory["16-bit"]["total"] / memory["4-bit"]["total"]
+    linear_ratio = memory["16-bit"]["linear"] / memory["4-bit"]["linear"]
+
+    sequences = batch(num, models["16-bit"].get_base_model().config.vocab_size)
+    optimizers = {side: trainer._optimizer(models[side], configs[side].train) for side in models}
+
+    def step(side: str):
+        def run() -> dict:
+            started = time.perf_counter()
+            stats = trainer.grpo_step(models[side], optimizers[side], sequences, configs[side].train, configs[side].sampling)
+            return {"s": time.perf_counter() - started, "loss": stats.loss}
+
+        return run
+
+    if not args.quick:
+        print("warm-up: one step of each side (excluded)")
+        step("16-bit")(), step("4-bit")()
+    print(f"{rounds} rounds of {num} sequences, order rotating")
+    runs = _common.alternate({side: step(side) for side in models}, rounds)
+    seconds = {side: _common.median_s(runs[side]) for side in runs}
+    slowdowns = _common.paired_ratios(runs["4-bit"], runs["16-bit"])
+
+    print(
+        f"\nparameter memory 16-bit / 4-bit = {ratio:.2f}x ({_common.verdict(ratio, TARGET, higher_is_better=True)}); "
+        f"decoder linear layers alone {linear_ratio:.2f}x"
+    )
+    print(
+        f"seconds per step: 16-bit {seconds['16-bit']:.2f} s, 4-bit {seconds['4-bit']:.2f} s "
+        f"({statistics.median(slowdowns):.2f}x the 16-bit time, {resolve_dtype('bfloat16')} compute)"
+    )
+    _common.write_result(
+        _common.out_file(args),
+        {
+            "benchmark": "qlora_memory",
+            "machine": _common.machine(),
+            "model": "SmolLM2-135M-Instruct (embedded)",
+            "num_sequences": num,
+            "memory_bytes": memory,
+            "param_memory_ratio": ratio,
+            "linear_memory_ratio": linear_ratio,
+            "target": TARGET,
+            "seconds_per_step": seconds,
+            "step_time_ratio_4bit_over_16bit": statistics.median(slowdowns),
+            "runs": runs,
+        },
+    )
+    return 0 if ratio >= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
