@@ -272,6 +272,7 @@ class JudgeConfig(_Part):
 
     judge_model: str | None = Field(
         None,
+        min_length=1,
         description=(
             "The 'judge' reward's model, on a warm pool of its own: 'embedded', a local model directory or a Hugging "
             "Face repo id (needed when --rewards names judge)."

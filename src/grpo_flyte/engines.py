@@ -236,7 +236,6 @@ class VLLMGenerator:
 
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
         from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
 
         params = [
             SamplingParams(
@@ -250,7 +249,7 @@ class VLLMGenerator:
                 seed=r.seed,
                 stop=list(r.stop) or None,
                 include_stop_str_in_output=True,
-                structured_outputs=StructuredOutputsParams(regex=r.regex) if r.regex else None,
+                structured_outputs=structured_outputs(r.regex),
             )
             for r in requests
         ]
@@ -261,6 +260,15 @@ class VLLMGenerator:
             use_tqdm=False,
         )
         return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
+
+
+def structured_outputs(regex: str | None):
+    """vLLM's constraint that the completion match `regex` (its structured outputs), or None."""
+    if regex is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex)
 
 
 def vllm_completion_to_rollout(completion) -> Rollout:
