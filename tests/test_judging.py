@@ -124,9 +124,9 @@ def test_a_group_that_fits_is_one_prompt():
 
 
 def test_a_group_that_does_not_fit_is_split_in_order_and_covers_every_completion():
-    per = HEADER_TOKENS + REPLY_TOKENS_PER_SCORE  # 14 tokens besides the completion's own
-    # fixed 100, budget 200: 100 + (30+14) + (30+14) = 188 fits two, a third would be 232
-    assert chunk_indices(100, [30, 30, 30, 30, 30], budget=200) == [[0, 1], [2, 3], [4]]
+    per = HEADER_TOKENS + REPLY_TOKENS_PER_SCORE  # tokens besides the completion's own
+    # budget 100 + 2 * (30 + per): two completions of 30 fit, a third does not
+    assert chunk_indices(100, [30, 30, 30, 30, 30], budget=100 + 2 * (30 + per)) == [[0, 1], [2, 3], [4]]
     assert chunk_indices(100, [200 - 100 - 3 * per - 2, 1, 1], budget=200) == [[0, 1, 2]]  # exactly at the budget
     assert chunk_indices(100, [200 - 100 - 3 * per - 1, 1, 1], budget=200) == [[0, 1], [2]]  # one token over it
     sizes = [5, 80, 3, 40, 40, 7, 60]

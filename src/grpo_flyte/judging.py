@@ -20,10 +20,11 @@ from grpo_flyte.types import JudgeVerdict, RewardParts, ScoredGroup
 REPLY_PREFIX = '{"scores": ['
 # A score as the judge writes one: 0, 0.5, 0.75, 1, 1.0 (two decimals at most).
 SCORE_PATTERN = r"(0(\.[0-9]{1,2})?|1(\.0{1,2})?)"
-# Reply tokens: the closing brackets, then a score and its separator per completion (a generous
-# bound for any BPE tokenizer: '0.75, ' is at most 6 tokens).
+# Reply tokens: the closing brackets, then a score and its separator per completion. vLLM holds
+# a score to two decimals ('0.75, ' is at most 6 tokens); an unconstrained small judge writes
+# scores like 0.7856530388620062, which must fit too or the reply is cut before it parses.
 REPLY_BASE_TOKENS = 8
-REPLY_TOKENS_PER_SCORE = 6
+REPLY_TOKENS_PER_SCORE = 16
 # Each completion's header in the prompt ('\n\nAnswer 12:\n'), in tokens at most.
 HEADER_TOKENS = 8
 # The judge sees this much of each completion's text in a report (the scores table).
