@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import re
-from pathlib import Path
 
 import pytest
 from flyte.io import Dir
