@@ -260,7 +260,7 @@ _SPECS_PROBE = textwrap.dedent(
     from grpo_flyte import envs
     ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
     out = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.train_env, envs.driver_env):
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env):
         for spec in flyte.extras.serialize_env(env, ctx):
             tt = spec.task_template
             out[tt.id.name] = {
@@ -282,7 +282,7 @@ def _serialize_in(env: dict[str, str]) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     specs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(specs) == 8, sorted(specs)
+    assert len(specs) == 9, sorted(specs)
     return specs
 
 
@@ -294,6 +294,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     user = {
         "GRPO_FLYTE_ROLLOUT_GPU": "A100:1",
         "GRPO_FLYTE_TRAIN_GPU": "H100:1",
+        "GRPO_FLYTE_JUDGE_GPU": "H100:1",
         "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
         "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8",
         "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
@@ -303,6 +304,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     submitted = _serialize_in({**clean, **user})
     assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
     assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
+    assert submitted["grpo_flyte-judge.judge_group"]["gpu"] == "nvidia-tesla-h100"
     pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
     assert {k: pod_env[k] for k in user} == user
     seen_by_the_pod = _serialize_in({**clean, **pod_env})
