@@ -76,6 +76,7 @@ def test_one_call_scores_the_whole_group(scripted):
 def test_an_unparsable_reply_is_sampled_once_more(scripted):
     def replies(n, attempt, request):
         assert request.regex is not None and request.greedy == (attempt == 0)  # the retry samples
+        assert request.stop == ("}",)  # a reply ends with its object, not at the token budget
         return "Answer 1 is best." if attempt == 0 else "1, 0]}"
 
     scripted(replies)

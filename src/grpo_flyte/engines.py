@@ -5,7 +5,9 @@
   decodes several groups that share an adapter and sampling settings in one batch.
 - `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
   replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
-  the GPU).
+  the GPU). The LLM judge (grpo_flyte.judge) has a slot of its own: a judge engine serves the
+  model without an adapter, its replies held to a regex by vLLM's structured outputs, and a local
+  run, one process, holds it beside the policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
   batch. Every row draws from its own random stream seeded by (request seed, row), so a completion

@@ -25,6 +25,7 @@ from grpo_flyte.errors import RewardError, input_errors_not_retried
 from grpo_flyte.judging import (
     HEADER_TOKENS,
     REPLY_BASE_TOKENS,
+    REPLY_END,
     REPLY_TOKENS_PER_SCORE,
     chunk_indices,
     parse_scores,
@@ -76,6 +77,7 @@ async def _ask(key: engines.EngineKey, tokenizer, judging: JudgeConfig, question
         seed=0,
         greedy=True,
         regex=scores_regex(len(texts)),
+        stop=(REPLY_END,),  # an unconstrained judge stops at the object's end, not at the token budget
     )
     for _ in range(2):
         [[reply]] = await engines.generate_groups(key, None, [request])

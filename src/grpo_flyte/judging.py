@@ -18,6 +18,7 @@ from grpo_flyte.reward_fns import JUDGE_REWARD
 from grpo_flyte.types import JudgeVerdict, RewardParts, ScoredGroup
 
 REPLY_PREFIX = '{"scores": ['
+REPLY_END = "}"  # no score holds one: the first closes the reply's object
 # A score as the judge writes one: 0, 0.5, 0.75, 1, 1.0 (two decimals at most).
 SCORE_PATTERN = r"(0(\.[0-9]{1,2})?|1(\.0{1,2})?)"
 # Reply tokens: the closing brackets, then a score and its separator per completion. vLLM holds

@@ -18,7 +18,8 @@ get the whole episode as messages; every function also gets `episodes` (each epi
 and `env_rewards` (the environment's own reward of each, or None).
 
 The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags`, `length`
-and `env` (the environment's reward), or `module:function` for your own. The reward of a completion is the weighted sum;
+and `env` (the environment's reward), `judge` (an LLM judge on its own pool, grpo_flyte.judge:
+not called here), or `module:function` for your own. The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
 Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
