@@ -47,7 +47,7 @@ SYSTEM_PROMPT = (
 DEFAULT_RUBRIC = (
     "Score each answer by whether it is a correct, helpful answer to the question: a correct final "
     "answer, reached by sound steps and stated clearly, scores near 1; a wrong, missing or "
-    "off-topic answer scores near 0. Compare the answers with each other: a better answer gets a "
+    "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
     "higher score."
 )
 # A --judge-rubric value ending so is a file to read (rubric text is never a lone file name).
