@@ -184,3 +184,27 @@ def test_a_judge_that_cannot_reply_fails_the_run_naming_it_with_on_reward_error_
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--run-dir", str(run_dir)]
     assert cli_main([*args, "--rewards", "judge=1.0", "--judge-model", str(tiny_model_dir)]) == 1
     assert "reward 'judge': the judge's reply to 3 completions is not" in caplog.text
+
+
+def test_train_rl_from_python_judges_each_group_once_and_needs_the_judge_models_folder(tmp_path, tiny_model_dir, caplog):
+    """The Python API: train_rl takes the judge's model as a Dir; without one, a judge run stops at
+    once with one error, not retried."""
+    import flyte
+
+    from grpo_flyte.driver import train_rl
+
+    config = make_config(
+        iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0,
+        rewards={"judge": 1.0, "correct": 1.0}, judge_model="tiny", on_reward_error="zero",
+    )  # fmt: skip
+    model = Dir(path=str(tiny_model_dir))
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        train_rl, config=config, base_model=model, judge_model=model
+    )
+    [row] = run.outputs()[0].history
+    assert (row.train.num_groups, row.train.judge_calls, row.train.judge_invalid) == (2, 2, 2)
+    assert row.train.reward_means["judge"] == 0.0 and "correct" in row.train.reward_means
+    caplog.clear()
+    with pytest.raises(Exception, match="rewards name 'judge' but train_rl got no judge_model folder"):
+        flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw2")).run(train_rl, config=config, base_model=model)
+    assert "retrying" not in caplog.text  # bad input: the driver is not retried
