@@ -28,7 +28,7 @@ returned a deleted temp folder). With `raw_scheme="local://"` (fsspec's local fi
 protocol flyte treats as remote) the pods upload and download through fsspec as they would with
 `s3://`.
 
-Not rehearsed: the three environments are reusable, and on a cluster unionai-reuse's executor runs
+Not rehearsed: the four worker environments are reusable, and on a cluster unionai-reuse's executor runs
 these same args inside a warm replica (a fresh `a0` per call here); secrets (HF_TOKEN) are not
 injected; the image's own ENV lines are left out; no GPU (the GPU pools' GRPO_FLYTE_REQUIRE_CUDA is
 turned off for the rehearsal).
@@ -127,7 +127,7 @@ def submit(out: Path, model: str, rewards: str) -> None:
     bundle = submitted[-1].code_bundle
     ctx = SerializationContext(code_bundle=bundle, version=bundle.computed_version, root_dir=roots[-1])
     tasks = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.train_env):
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env):
         for spec in flyte.extras.serialize_env(env, ctx):
             container = spec.task_template.container
             tasks[spec.task_template.id.name] = {"args": list(container.args), "env": {kv.key: kv.value for kv in container.env}}

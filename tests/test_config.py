@@ -262,6 +262,7 @@ CUSTOM_CHECKS = {
     "model": [],
     "env": ["calc", "my_env.Class", "a:b:c"],
     "push_to_hub": ["no-slash", "a/b/c"],
+    "judge_rubric": ["no-such-rubric.txt", "rubrics/missing.md"],
 }
 
 

@@ -197,6 +197,46 @@ def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
     assert llm.removed == [1]
     gen.generate_many([sampled], "/adapters/v2")  # still loaded: same id, nothing evicted
     assert llm.calls[-1][2].id == 2 and llm.removed == [1]
+    assert params[0].structured_outputs is None  # unconstrained unless a request has a regex
+
+
+def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vllm, monkeypatch):
+    import sys
+    import types
+
+    sampling_params = types.ModuleType("vllm.sampling_params")
+    sampling_params.StructuredOutputsParams = lambda **kw: SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_params)
+    from grpo_flyte.engines import VLLMGenerator
+
+    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
+    key = engines.judge_engine_key("/judge", "bfloat16", "vllm", max_model_len=4096)
+    assert (key.slot, key.max_lora_rank, key.max_model_len) == ("judge", 0, 4096)
+    assert engines.judge_engine_key("/judge", "bfloat16", "hf", max_model_len=4096).slot == "judge"
+    gen = VLLMGenerator("/judge", "bfloat16", max_adapters=0, max_lora_rank=0, max_model_len=4096)
+    llm = fake_vllm.instances[0]
+    assert "enable_lora" not in llm.kwargs and "max_lora_rank" not in llm.kwargs
+    request = SamplingRequest(
+        prompt_ids=[1, 7], group_size=1, temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0, greedy=True, regex="1\\]"
+    )
+    gen.generate_many([request], None)
+    _, params, lora = llm.calls[0]
+    assert lora is None and params[0].structured_outputs.regex == "1\\]"
+
+
+def test_the_judge_has_its_own_engine_slot(monkeypatch):
+    """A local run holds the policy's engine and the judge's at once: neither evicts the other."""
+    built = []
+    monkeypatch.setattr(engines.EngineKey, "build", lambda self: built.append(self) or SimpleNamespace(close=lambda: None))
+    policy = engines.EngineKey("hf", "/policy", "float32", 4, 0, 0)
+    judge = engines.EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
+    try:
+        for key in (policy, judge, policy, judge):
+            engines.get_engine(key)
+        assert built == [policy, judge]
+    finally:
+        engines._slot.clear()
+        engines._judge_slot.clear()
 
 
 # --------------------------------------------------------------------------- vLLM LoRA ranks

@@ -1,4 +1,4 @@
-"""The four TaskEnvironments, serialized offline with flyte.extras.serialize_env (no cluster)."""
+"""The five TaskEnvironments, serialized offline with flyte.extras.serialize_env (no cluster)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import grpo_flyte.driver
 from grpo_flyte import envs
 
 SRC = Path(grpo_flyte.__file__).resolve().parents[1]
-ALL_ENVS = [envs.rollout_env, envs.reward_env, envs.train_env, envs.driver_env]
+ALL_ENVS = [envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env]
 
 
 @pytest.fixture(scope="module")
 def specs():
-    """task name ("<env>.<function>") -> flyteidl2 TaskTemplate, for every task of the four envs."""
+    """task name ("<env>.<function>") -> flyteidl2 TaskTemplate, for every task of the five envs."""
     ctx = SerializationContext(version="test", root_dir=SRC)
     out = {}
     for env in ALL_ENVS:
@@ -43,6 +43,7 @@ def test_env_names_are_prefixed():
     assert [e.name for e in ALL_ENVS] == [
         "grpo_flyte-rollout",
         "grpo_flyte-reward",
+        "grpo_flyte-judge",
         "grpo_flyte-train",
         "grpo_flyte-driver",
     ]
@@ -54,6 +55,7 @@ def test_every_expected_task_is_declared(specs):
         "grpo_flyte-rollout.generate_eval",  # held-out evaluation runs on the same warm pool
         "grpo_flyte-reward.score_group",
         "grpo_flyte-reward.score_groups",
+        "grpo_flyte-judge.judge_group",  # the 'judge' reward's LLM, on a warm pool of its own
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",
         "grpo_flyte-train.merge_adapter",
@@ -83,6 +85,25 @@ def test_generate_is_a_warm_actor_pool(specs):
     assert spec["scaledown_ttl_seconds"] == 120
 
 
+def test_judge_group_is_a_warm_gpu_actor_pool_like_generate(specs):
+    """The judge loads its model once per replica and batches concurrent calls: a reusable pool
+    with concurrency > 1, a GPU that must be usable, its own replicas."""
+    tt = specs["grpo_flyte-judge.judge_group"]
+    assert tt.type == "actor"
+    custom = MessageToDict(tt.custom)
+    assert custom["name"] == "grpo_flyte-judge"
+    spec = custom["spec"]
+    assert (spec["min_replica_count"], spec["replica_count"]) == (1, envs.settings.judge_replicas_max)
+    assert spec["parallelism"] == envs.settings.judge_concurrency > 1
+    assert (spec["ttl_seconds"], spec["scaledown_ttl_seconds"]) == (300, 120)
+    assert _requests(tt)["GPU"] == "1"
+    assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
+    assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"
+    assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
+    args = list(tt.container.args)
+    assert args[args.index("mod") + 1] == "grpo_flyte.judge"
+
+
 def _env(tt) -> dict[str, str]:
     return {kv.key: kv.value for kv in tt.container.env}
 
@@ -97,7 +118,9 @@ def test_generate_has_one_l4_gpu_requires_cuda_and_asks_no_secret_by_default(spe
     assert list(tt.security_context.secrets) == []  # Flyte resolves a named secret when it makes the pod
 
 
-@pytest.mark.parametrize("task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-train.train_step"])
+@pytest.mark.parametrize(
+    "task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-judge.judge_group", "grpo_flyte-train.train_step"]
+)
 def test_each_run_gets_its_own_warm_pools(specs, task):
     tt = specs[task]
     assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
@@ -134,8 +157,8 @@ def test_driver_has_report_and_depends_on_the_workers(specs):
     assert tt.metadata.generates_deck.value is True
     assert "GPU" not in _requests(tt)
     deps = envs.driver_env.depends_on
-    assert len(deps) == 3
-    for env in (envs.rollout_env, envs.reward_env, envs.train_env):
+    assert len(deps) == 4
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env):
         assert any(d is env for d in deps), env.name
     # only the driver reports
     for name, other in specs.items():
@@ -237,7 +260,7 @@ _SPECS_PROBE = textwrap.dedent(
     from grpo_flyte import envs
     ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
     out = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.train_env, envs.driver_env):
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env):
         for spec in flyte.extras.serialize_env(env, ctx):
             tt = spec.task_template
             out[tt.id.name] = {
@@ -259,7 +282,7 @@ def _serialize_in(env: dict[str, str]) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     specs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(specs) == 8, sorted(specs)
+    assert len(specs) == 9, sorted(specs)
     return specs
 
 
@@ -271,6 +294,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     user = {
         "GRPO_FLYTE_ROLLOUT_GPU": "A100:1",
         "GRPO_FLYTE_TRAIN_GPU": "H100:1",
+        "GRPO_FLYTE_JUDGE_GPU": "H100:1",
         "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
         "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8",
         "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
@@ -280,6 +304,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     submitted = _serialize_in({**clean, **user})
     assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
     assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
+    assert submitted["grpo_flyte-judge.judge_group"]["gpu"] == "nvidia-tesla-h100"
     pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
     assert {k: pod_env[k] for k in user} == user
     seen_by_the_pod = _serialize_in({**clean, **pod_env})

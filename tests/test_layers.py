@@ -19,16 +19,17 @@ LAYERS = {
     # sandbox, the reward functions and the multi-turn environments, each owning its registry of names
     "errors": 0, "types": 0, "files": 0, "torch_thread": 0, "decoding": 0, "grpo": 0, "tracking": 0,
     "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2,
-    # 3: the run's config (it checks reward and environment names with their registries); the report renderer
-    "config": 3, "report_helpers": 3, "__init__": 4,
+    # 3: the run's config (it checks reward and environment names with their registries); the report
+    # renderer; the LLM judge's prompt, reply parsing and chunking
+    "config": 3, "report_helpers": 3, "judging": 3, "__init__": 4,
     # 4-5: models, prompts, data, metrics, progress text, storage, engines, the task environments
     "models": 4, "prompts": 4, "data": 4, "metrics": 4, "progress": 4, "storage": 5, "hub": 5, "engines": 5, "envs": 5,
     # 6: the task modules, side by side; the loop's checkpointed state; the checks before start
-    "rollout": 6, "reward": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
+    "rollout": 6, "reward": 6, "judge": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
     # 7-10: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
     "driver": 7, "run_folder": 8, "submit": 8, "cli": 9, "__main__": 10,
 }  # fmt: skip
-TASK_MODULES = {"rollout", "reward", "trainer"}
+TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 
 
 def _imports(path: Path) -> set[str]:

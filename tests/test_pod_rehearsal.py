@@ -28,10 +28,11 @@ from pod_rehearsal import RAW_SCHEMES, Rehearsal, image_python, local_path, run_
 from tiny_model import scored_pair
 
 from grpo_flyte.config import RunConfig
+from grpo_flyte.judge import judge_group
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, Rollout, RolloutGroup, ScoredGroup
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, JudgeVerdict, Rollout, RolloutGroup, ScoredGroup
 
 REWARD_MODULE = "def digits(completions, **kwargs):\n    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n"
 SHIPPED, STRAY = "team_rewards:digits", "stray_rewards:digits"
@@ -202,3 +203,22 @@ def test_generate_pod_samples_a_group_on_the_tiny_model(rehearsal, base_model, a
         assert 1 <= len(rollout.completion_ids) <= CONFIG.sampling.max_new_tokens
         assert len(rollout.sampling_logprobs) == len(rollout.completion_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp in rollout.sampling_logprobs)
+
+
+@pytest.mark.parametrize("on_reward_error", ["zero", "fail"])
+def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal, base_model, on_reward_error):
+    """The judge's pod: the judge model comes in as a Dir, the bundle brings grpo_flyte.judge. The
+    tiny random model never writes the scores' JSON: with 'zero' the group is counted invalid after
+    one retry; with 'fail' the pod fails, not retried (the same judge would fail the same way)."""
+    config = RunConfig(rewards={"judge": 1.0}, judge_model="tiny", on_reward_error=on_reward_error, backend="hf")
+    pod = rehearsal.run(judge_group, config.judge, config.engine, config.scoring, base_model, GROUP)
+    if on_reward_error == "zero":
+        assert pod.error is None, pod.log[-4000:]
+        verdict = pod.outputs
+        assert isinstance(verdict, JudgeVerdict)
+        assert (verdict.calls, verdict.retries, verdict.invalid, verdict.failed) == (1, 1, 1, [True] * 3)
+        assert (pod.workdir / "grpo_flyte" / "judge.py").is_file()
+    else:
+        assert pod.outputs is None
+        assert pod.error.error.message.startswith("reward 'judge': the judge's reply to 3 completions is not")
+        assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)

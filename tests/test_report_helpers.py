@@ -251,6 +251,26 @@ def test_best_completion_is_shown():
     assert "<dd>2+2?</dd>" in document and "<dd>4</dd>" in document and "<dd>0.875</dd>" in document
 
 
+def test_the_judges_scores_for_the_best_completions_group_are_shown_escaped():
+    best = {
+        "question": "2+2?",
+        "answer": "4",
+        "completion": "#### 4",
+        "reward": 1.0,
+        "judge_scores": [0.25, 1.0, 0.0],
+        "group_texts": ["#### 5", "#### 4", "<script>alert(1)</script>"],
+        "index": 1,
+    }
+    document = _render([_row(1)], best_completion=best)
+    table = document.split('<table class="judge">', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td><code>(.*?)</code></td></tr>", table)
+    assert rows == [("1", "0.25", "#### 5"), ("2 (best)", "1", "#### 4"), ("3", "0", "&lt;script&gt;alert(1)&lt;/script&gt;")]
+    assert "<script>" not in document
+    # without a judge, no such table
+    plain = {k: v for k, v in best.items() if k not in ("judge_scores", "group_texts", "index")}
+    assert '<table class="judge">' not in _render([_row(1)], best_completion=plain)
+
+
 def test_write_report_atomic_writes_and_leaves_no_temp(tmp_path):
     target = tmp_path / "report.html"
     write_report_atomic(target, "<p>one</p>")

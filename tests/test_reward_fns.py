@@ -261,7 +261,7 @@ def test_config_accepts_exactly_the_builtin_reward_functions():
     [
         (
             {"corect": 1.0},
-            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env or 'module:function'",
+            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env, 'judge' or 'module:function'",
         ),
         ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
         ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),

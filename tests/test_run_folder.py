@@ -438,10 +438,10 @@ def test_a_run_that_fails_on_every_attempt_says_what_is_kept_and_how_to_continue
 
     run_iteration = driver.run_iteration
 
-    async def second_iteration_lost(config, base_model, adapter, dataset, iteration):
+    async def second_iteration_lost(config, base_model, adapter, dataset, iteration, judge_model=None):
         if iteration == 1:
             raise ConnectionError("the worker pod went away")
-        return await run_iteration(config, base_model, adapter, dataset, iteration)
+        return await run_iteration(config, base_model, adapter, dataset, iteration, judge_model)
 
     monkeypatch.setattr(driver, "run_iteration", second_iteration_lost)
     run_dir = tmp_path / "run"

@@ -25,7 +25,7 @@ from pydantic.fields import FieldInfo
 
 from grpo_flyte.errors import ConfigError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
-from grpo_flyte.reward_fns import check_reward_name
+from grpo_flyte.reward_fns import JUDGE_REWARD, check_reward_name
 
 PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
 EMBEDDED_MODEL = "embedded"
@@ -44,6 +44,17 @@ SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."
 )
+# The judge's rubric unless --judge-rubric gives another (the judge scores every completion of a
+# group against it, each relative to its siblings).
+DEFAULT_RUBRIC = (
+    "Score each answer by whether it is a correct, helpful answer to the question: a correct final "
+    "answer, reached by sound steps and stated clearly, scores near 1; a wrong, missing or "
+    "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
+    "higher score."
+)
+# A --judge-rubric value ending so is a file to read (rubric text is never a lone file name).
+RUBRIC_FILE_TYPES = (".txt", ".md")
+MAX_RUBRIC_CHARS = 20_000
 # Appended to the question in the user turn: a small model follows an instruction there more
 # often than one in the system prompt (measured: docs/measurements.md, the learning section).
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
@@ -256,6 +267,57 @@ class RewardConfig(_Part):
             if not math.isfinite(weight):
                 raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
         return rewards
+
+
+class JudgeConfig(_Part):
+    """The LLM judge (the 'judge' reward): its model, its rubric and its context budget."""
+
+    judge_model: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "The 'judge' reward's model, on a warm pool of its own: 'embedded', a local model directory or a Hugging "
+            "Face repo id (needed when --rewards names judge)."
+        ),
+    )
+    judge_rubric: str = Field(
+        DEFAULT_RUBRIC,
+        min_length=1,
+        description=(
+            "What the judge scores, as text or a .txt/.md file (read when the config is made); the judge scores "
+            "every completion of a group in [0, 1] relative to the others, in one call."
+        ),
+    )
+    judge_context_tokens: int = Field(
+        4096,
+        ge=256,
+        le=131_072,
+        description=(
+            "The judge's context in tokens: the rubric, the prompt and every completion of a group, with room for its "
+            "reply; a group that does not fit is split into chunks scored separately (judge_split_groups)."
+        ),
+    )
+
+    @field_validator("judge_rubric")
+    @classmethod
+    def _rubric_text(cls, rubric: str) -> str:
+        """A rubric file's text (so a cluster's pods, which cannot read this machine's files, get the text)."""
+        candidate = rubric.strip()
+        if "\n" in candidate or not candidate.lower().endswith(RUBRIC_FILE_TYPES):
+            return rubric
+        path = Path(candidate).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise ValueError(
+                f"rubric file {candidate!r} cannot be read ({reason}); expected rubric text or a readable UTF-8 file"
+            ) from None
+        if not text.strip():
+            raise ValueError(f"rubric file {candidate!r} is empty; expected the rubric's text in it")
+        if len(text) > MAX_RUBRIC_CHARS:
+            raise ValueError(f"rubric file {candidate!r} has {len(text)} characters; expected at most {MAX_RUBRIC_CHARS}")
+        return text.strip()
 
 
 class LoraConfig(_Part):
@@ -477,6 +539,7 @@ class RunConfig(_Part):
     train: TrainConfig = Field(default_factory=TrainConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -515,6 +578,20 @@ class RunConfig(_Part):
                 f"(prompts_per_iter x group_size / updates_per_iter): expected at most {per_step}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _judge_has_a_model(self) -> RunConfig:
+        if JUDGE_REWARD in self.scoring.rewards and self.judge.judge_model is None:
+            raise ValueError(
+                "rewards name 'judge' but no judge_model is set; expected --judge-model embedded, a local model directory "
+                "or a Hugging Face repo id"
+            )
+        return self
+
+    @property
+    def judging(self) -> bool:
+        """Whether the LLM judge scores this run's completions."""
+        return JUDGE_REWARD in self.scoring.rewards
 
     def flat(self) -> dict[str, Any]:
         """Every leaf field by its flat name: the report's config card, W&B, comparisons on resume."""

@@ -5,7 +5,9 @@
   decodes several groups that share an adapter and sampling settings in one batch.
 - `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
   replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
-  the GPU).
+  the GPU). The LLM judge (grpo_flyte.judge) has a slot of its own: a judge engine serves the
+  model without an adapter, its replies held to a regex by vLLM's structured outputs, and a local
+  run, one process, holds it beside the policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
   batch. Every row draws from its own random stream seeded by (request seed, row), so a completion
@@ -65,6 +67,9 @@ class SamplingRequest(BaseModel):
     min_new_tokens: int = 0  # no end-of-sequence before this many tokens (vLLM's min_tokens)
     stop: tuple[str, ...] = ()  # multi-turn: strings that end a model turn (kept in it)
     continues: bool = False  # multi-turn: a later turn extends this context (the transformers engine keeps its cache)
+    # The judge: a regular expression the completion must match (vLLM's structured outputs; the
+    # transformers backend does not constrain, and its caller parses and retries).
+    regex: str | None = None
 
     def sampling(self) -> Sampling:
         """The settings a batch shares: requests batch together only when these are equal."""
@@ -74,7 +79,7 @@ class SamplingRequest(BaseModel):
 class Generator(Protocol):
     tokenizer: object
 
-    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]: ...
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]: ...
 
     def close(self) -> None: ...
 
@@ -170,21 +175,28 @@ class HFGenerator:
             _, old = self.adapters.popitem(last=False)
             self.model.delete_adapter(old)
 
-    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
-        """One batched decode for several groups sharing an adapter and sampling settings."""
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
+        """One batched decode for several groups sharing an adapter (None: the base model, e.g.
+        the judge) and sampling settings."""
+        import contextlib
+
         import torch
 
         from grpo_flyte.decoding import decode, hits_stop
 
-        self._activate(adapter_path)
-        self.prefixes.use(adapter_path)
+        if adapter_path is not None:
+            self._activate(adapter_path)
+        model = self.model if adapter_path is not None else self.base
+        # the base model's layers hold the loaded adapters (PEFT injects them): off for a None adapter
+        base_only = self.model.disable_adapter() if adapter_path is None and self.model is not None else contextlib.nullcontext()
+        self.prefixes.use(adapter_path)  # None: the base model's contexts
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
         seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
         owners = [r for r in requests for _ in range(r.group_size)]  # each batch row's request
         continued = frozenset(i for i, r in enumerate(owners) if r.continues)
         sampling = requests[0].sampling()
-        with torch.inference_mode():
-            rows = decode(self.model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued)
+        with torch.inference_mode(), base_only:
+            rows = decode(model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued)
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
@@ -209,13 +221,12 @@ class VLLMGenerator:
             from vllm import LLM
         except ImportError as exc:
             raise ImportError("the vLLM backend needs: pip install 'grpo-flyte[gpu]'") from exc
+        # max_lora_rank 0: an engine that serves no adapter (the judge)
+        lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1, "max_cpu_loras": max_adapters}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
-            enable_lora=True,
-            max_lora_rank=max_lora_rank,
-            max_loras=1,
-            max_cpu_loras=max_adapters,
+            **(lora if max_lora_rank else {}),
             max_model_len=max_model_len,
             gpu_memory_utilization=memory_fraction,
             # Sampling log-probs after temperature, i.e. of the distribution actually sampled
@@ -227,9 +238,11 @@ class VLLMGenerator:
         self.max_adapters = max_adapters
         self._next_id = 1  # vLLM requires ids >= 1, unique per adapter
 
-    def _lora_request(self, adapter_path: str):
+    def _lora_request(self, adapter_path: str | None):
         from vllm.lora.request import LoRARequest
 
+        if adapter_path is None:
+            return None
         if adapter_path not in self.lora_ids:
             self.lora_ids[adapter_path] = self._next_id
             self._next_id += 1
@@ -252,7 +265,7 @@ class VLLMGenerator:
             return
         cleanup_dist_env_and_memory()
 
-    def generate_many(self, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+    def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
         from vllm import SamplingParams
 
         params = [
@@ -267,6 +280,7 @@ class VLLMGenerator:
                 seed=r.seed,
                 stop=list(r.stop) or None,
                 include_stop_str_in_output=True,
+                structured_outputs=structured_outputs(r.regex),
             )
             for r in requests
         ]
@@ -277,6 +291,15 @@ class VLLMGenerator:
             use_tqdm=False,
         )
         return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
+
+
+def structured_outputs(regex: str | None):
+    """vLLM's constraint that the completion match `regex` (its structured outputs), or None."""
+    if regex is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(regex=regex)
 
 
 def vllm_completion_to_rollout(completion) -> Rollout:
@@ -320,6 +343,9 @@ class EngineKey:
     max_lora_rank: int  # vLLM only (0 for hf)
     max_model_len: int  # vLLM only (0 for hf)
     memory_fraction: float = 0.85  # vLLM only: gpu_memory_utilization
+    # Which of the process's engine slots holds it: the judge's engine never evicts the policy's
+    # (one process runs both in a local run).
+    slot: Literal["generate", "judge"] = "generate"
 
     def build(self) -> Generator:
         logger.info("building the %s generator for %s (once per replica)", self.backend, self.model_path)
@@ -356,6 +382,7 @@ class EngineSlot:
 
 
 _slot = EngineSlot()
+_judge_slot = EngineSlot()
 
 
 def engine_key(
@@ -369,9 +396,17 @@ def engine_key(
     return EngineKey("hf", model_path, dtype, max_adapters, 0, 0)
 
 
+def judge_engine_key(model_path: str, dtype: str, backend: str, max_model_len: int, memory_fraction: float = 0.85) -> EngineKey:
+    """The judge's engine: the model as it is, no adapter, in the judge's slot."""
+    resolved = resolve_backend(backend)
+    if resolved == "vllm":
+        return EngineKey("vllm", model_path, dtype, 0, 0, max_model_len, memory_fraction, slot="judge")
+    return EngineKey("hf", model_path, dtype, 0, 0, 0, slot="judge")
+
+
 def get_engine(key: EngineKey) -> Generator:
     """This replica's engine for `key` (call on the torch thread)."""
-    return _slot.get(key)
+    return (_judge_slot if key.slot == "judge" else _slot).get(key)
 
 
 def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:
@@ -397,7 +432,7 @@ class EngineCall:
     """One group for the batcher: which engine and adapter, and what to sample."""
 
     key: EngineKey
-    adapter_path: str
+    adapter_path: str | None  # None: the model without an adapter (the judge)
     request: SamplingRequest
 
     def batches_with(self) -> tuple:
@@ -428,7 +463,7 @@ async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseExceptio
     return results  # type: ignore[return-value]
 
 
-def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str) -> list[list[Rollout]]:
+def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
     return get_engine(key).generate_many(requests, adapter_path)
 
 
@@ -447,7 +482,7 @@ async def replica_batcher() -> DynamicBatcher:
     return batcher
 
 
-async def generate_groups(key: EngineKey, adapter_path: str, requests: list[SamplingRequest]) -> list[list[Rollout]]:
+async def generate_groups(key: EngineKey, adapter_path: str | None, requests: list[SamplingRequest]) -> list[list[Rollout]]:
     """Each request's group of rollouts, through the replica's batcher (so they batch with others')."""
     batcher = await replica_batcher()
     futures = [await batcher.submit(EngineCall(key, adapter_path, r)) for r in requests]

@@ -1,4 +1,5 @@
-"""The task image and the four TaskEnvironments: rollout (warm GPU pool), reward, train, driver.
+"""The task image and the five TaskEnvironments: rollout (warm GPU pool), reward, judge (warm GPU
+pool, for the 'judge' reward), train, driver.
 
 Hardware is chosen at import time from environment variables (a Flyte environment cannot be
 re-homed after its tasks are declared), e.g. `GRPO_FLYTE_ROLLOUT_GPU=A100:1`. See `DeploySettings`.
@@ -58,6 +59,14 @@ class DeploySettings(BaseSettings):
     reward_cpu: int = Field(1, ge=1)
     reward_replicas_max: int = Field(2, ge=1, description="Warm scoring replicas at most.")
     reward_concurrency: int = Field(8, ge=1, description="Groups one scoring replica scores at once.")
+    judge_gpu: str = Field("L4:1", description="GPU of each judge replica (the 'judge' reward's model).")
+    judge_replicas_max: int = Field(2, ge=1, description="Judge replicas at most (one stays warm).")
+    judge_concurrency: int = Field(
+        16,
+        ge=2,
+        description="Concurrent judge calls per replica; the replica's batcher puts them in one engine batch (at least 2).",
+    )
+    judge_memory: str = "12Gi"
     train_memory: str = "12Gi"
     hf_token_secret: str | None = Field(
         None,
@@ -226,6 +235,24 @@ reward_env = flyte.TaskEnvironment(
     ),
 )
 
+judge_env = flyte.TaskEnvironment(
+    name="grpo_flyte-judge",
+    description="Warm LLM judges (the 'judge' reward): vLLM (GPU) or transformers (CPU), built once per replica.",
+    image=image,
+    resources=flyte.Resources(cpu=settings.rollout_cpu, memory=settings.judge_memory, gpu=settings.judge_gpu, shm="auto"),
+    secrets=_hf_token,
+    env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
+    # Like the generate pool: concurrent judge calls on a replica share one engine batch through
+    # its batcher (grpo_flyte.engines); the judge model loads once per replica.
+    reusable=flyte.ReusePolicy(
+        replicas=(1, settings.judge_replicas_max),
+        concurrency=settings.judge_concurrency,
+        idle_ttl=300,
+        scaledown_ttl=120,
+        scope="run",
+    ),
+)
+
 train_env = flyte.TaskEnvironment(
     name="grpo_flyte-train",
     description="LoRA adapter initialization and GRPO optimizer steps.",
@@ -268,7 +295,7 @@ driver_env = flyte.TaskEnvironment(
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_env,
-    # The driver submits tasks of the other environments (three, or four with several train GPUs);
+    # The driver submits tasks of the other environments (four, or five with several train GPUs);
     # depends_on puts their images in the run's image cache.
-    depends_on=[rollout_env, reward_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
+    depends_on=[rollout_env, reward_env, judge_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
 )

@@ -11,6 +11,7 @@ from typing import Any
 
 from grpo_flyte import grpo
 from grpo_flyte.config import RunConfig
+from grpo_flyte.judging import SHOWN_CHARS, judge_metrics
 from grpo_flyte.types import BestCompletion, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
 
 
@@ -83,7 +84,8 @@ def iteration_metrics(
         completion_len_mean=statistics.fmean(lengths),
         completion_len_max=max(lengths),
         truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),
-        **timings,
+        **{stage: seconds for stage, seconds in timings.items() if stage != "judge_s"},
+        **judge_metrics(scored, timings.get("judge_s", 0.0)),
         generate_tokens_per_s=_per_second(sum(r.num_model_tokens for r in rollouts), timings["generate_s"]),
         score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
         train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
@@ -133,12 +135,16 @@ def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
 def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
     sg, i = max(((sg, i) for sg in scored for i in range(len(sg.rewards))), key=lambda x: x[0].rewards[x[1]].reward)
     rollout = sg.group.rollouts[i]
+    judged = sg.judge is not None
     return BestCompletion(
         question=sg.group.example.question,
         answer=sg.group.example.answer,
         completion=rollout.text,
         reward=sg.rewards[i].reward,
         turns=rollout.episode.turns if rollout.episode else None,
+        judge_scores=list(sg.judge.scores) if judged else None,
+        group_texts=[r.text[:SHOWN_CHARS] for r in sg.group.rollouts] if judged else None,
+        index=i if judged else None,
     )
 
 

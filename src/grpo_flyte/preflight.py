@@ -13,7 +13,7 @@ from grpo_flyte.config import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
-from grpo_flyte.reward_fns import resolve_reward
+from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward
 from grpo_flyte.types import Example
 
 logger = logging.getLogger("grpo_flyte")
@@ -37,7 +37,8 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     if examples is not None or local:
         split = train_eval_split(config, examples)
     for name in config.scoring.rewards:
-        resolve_reward(name)
+        if name != JUDGE_REWARD:  # the judge is a model, checked with the base model
+            resolve_reward(name)
     if config.episode.multi_turn:
         load_environment(config.episode.env)
     if config.wandb_project and not _installed("wandb"):

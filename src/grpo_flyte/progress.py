@@ -196,10 +196,17 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     stale = (f"  staleness {t.staleness_mean:.1f}" if t.staleness_max else "") + (
         f"  stale dropped {t.stale_dropped}" if t.stale_dropped else ""
     )
+    # the LLM judge: its calls (one per group), unparsable replies, and its seconds as a stage
+    judged = (
+        f"  judge calls {t.judge_calls}" + (f"  judge invalid {t.judge_invalid}" if t.judge_invalid else "")
+        if t.judge_calls is not None
+        else ""
+    )
+    judge_s = f"judge {t.judge_s:.1f}s  " if t.judge_s is not None else ""
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
-        f"format {t.format_rate:.1%}{others}{errors}{episodes}{stale}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
-        f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  train {t.train_s:.1f}s  "
+        f"format {t.format_rate:.1%}{others}{errors}{judged}{episodes}{stale}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "
+        f"| generate {t.generate_s:.1f}s  score {t.score_s:.1f}s  {judge_s}train {t.train_s:.1f}s  "
         f"total {t.iteration_s:.1f}s"
         + (f"  | ETA {clock(eta_s)}" if eta_s is not None and row.iteration < total else "")
         + (f"\n  {held_out}" if held_out else "")

@@ -32,7 +32,11 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Completion length", ("completion_len_mean", "completion_len_max")),
     ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
     ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
-    ("Seconds per stage", ("generate_s", "score_s", "train_s", "eval_s", "batch_wait_s", "train_restore_s")),
+    ("Seconds per stage", ("generate_s", "score_s", "judge_s", "train_s", "eval_s", "batch_wait_s", "train_restore_s")),
+    (
+        "LLM judge: calls, retries, unparsable replies, split groups",
+        ("judge_calls", "judge_retries", "judge_invalid", "judge_split_groups"),
+    ),
     ("Staleness (generation ahead of training)", ("staleness_mean", "staleness_max", "stale_dropped")),
 )
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.
@@ -444,7 +448,23 @@ def _best_completion(best: Mapping | None) -> str:
     completion = _text(best.get("completion"))
     return (
         "<h2>Best completion of the last iteration</h2>"
-        f'<div class="card best"><dl>{items}</dl><pre class="completion">{completion}</pre></div>'
+        f'<div class="card best"><dl>{items}</dl><pre class="completion">{completion}</pre>{_judge_scores(best)}</div>'
+    )
+
+
+def _judge_scores(best: Mapping) -> str:
+    """The LLM judge's score of every completion in the best one's group ('' without a judge)."""
+    scores, texts, index = best.get("judge_scores"), best.get("group_texts") or [], best.get("index")
+    if not scores:
+        return ""
+    cells = []
+    for i, score in enumerate(scores):
+        label = f"{i + 1} (best)" if i == index else str(i + 1)
+        text = _text(texts[i] if i < len(texts) else None)
+        cells.append(f"<tr><td>{label}</td><td>{_format(score, 'num')}</td><td><code>{text}</code></td></tr>")
+    return (
+        "<h3>The judge's scores for this group</h3>"
+        f'<table class="judge"><thead><tr><th>Completion</th><th>Judge score</th><th>Starts</th></tr></thead><tbody>{"".join(cells)}</tbody></table>'
     )
 
 

@@ -12,7 +12,7 @@ import time
 from grpo_flyte.config import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.reward_fns import Group, score_completions
+from grpo_flyte.reward_fns import JUDGE_REWARD, Group, score_completions
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
@@ -35,7 +35,8 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
     rewards = score_completions(
         [r.answer_text for r in group.rollouts],
         about,
-        scoring.rewards,
+        # the judge is a model on its own pool (grpo_flyte.judge): the driver adds its scores
+        {name: weight for name, weight in scoring.rewards.items() if name != JUDGE_REWARD},
         on_error=scoring.on_reward_error,
         timeout_s=scoring.reward_timeout_s,
     )

@@ -18,7 +18,8 @@ get the whole episode as messages; every function also gets `episodes` (each epi
 and `env_rewards` (the environment's own reward of each, or None).
 
 The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags`, `length`
-and `env` (the environment's reward), or `module:function` for your own. The reward of a completion is the weighted sum;
+and `env` (the environment's reward), `judge` (an LLM judge on its own pool, grpo_flyte.judge:
+not called here), or `module:function` for your own. The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
 Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
@@ -204,12 +205,15 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "env": env_reward,
 }
 BUILTIN_REWARDS = tuple(REWARD_FUNCTIONS)
+# The LLM judge's reward: not a function of this module but a model on a pool of its own
+# (grpo_flyte.judge); the driver adds its scores to the other rewards'.
+JUDGE_REWARD = "judge"
 
 
 def check_reward_name(name: str) -> None:
-    """Raise ValueError unless `name` is a built-in reward or has the shape module:function."""
-    if name not in REWARD_FUNCTIONS and not is_user_attribute(name):
-        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(REWARD_FUNCTIONS)} or 'module:function'")
+    """Raise ValueError unless `name` is a built-in reward, the judge, or has the shape module:function."""
+    if name not in REWARD_FUNCTIONS and name != JUDGE_REWARD and not is_user_attribute(name):
+        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(REWARD_FUNCTIONS)}, {JUDGE_REWARD!r} or 'module:function'")
 
 
 @functools.cache

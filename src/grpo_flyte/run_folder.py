@@ -310,6 +310,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     check_cache_writable()
     model_dir = resolve_local_model(config.base.model)
     check_model_fits(config, model_dir, split)
+    judge_dir = resolve_local_model(config.judge.judge_model) if config.judging else None
     if not resuming:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -323,7 +324,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
         elif (run_dir / CONFIG_FILE).exists():  # another run started in this folder meanwhile
             raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
         write_text_atomic(run_dir / DATA_FILE, json.dumps(fingerprint, indent=2) + "\n")
-        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from)
+        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from, judge_dir)
 
 
 def one_line(exc: BaseException) -> str:
@@ -369,7 +370,14 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     return removed
 
 
-def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: list[Example] | None, resume_from: str | None) -> int:
+def _run_locked(
+    run_dir: Path,
+    config: RunConfig,
+    model_dir: Path,
+    examples: list[Example] | None,
+    resume_from: str | None,
+    judge_dir: Path | None = None,
+) -> int:
     import flyte
     from flyte.io import Dir
 
@@ -403,7 +411,10 @@ def _run_locked(run_dir: Path, config: RunConfig, model_dir: Path, examples: lis
             _wandb_dir(run_dir),
             sigterm_stops_like_ctrl_c(),
         ):
-            run = runner.run(train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from)
+            judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None else {}
+            run = runner.run(
+                train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from, **judge
+            )
             result = run.outputs()[0]
     except KeyboardInterrupt as exc:
         done = [i for i in finished_iterations(run_dir) if i > 0]

@@ -199,11 +199,12 @@ def run_remote(config: RunConfig) -> int:
     if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
         check_model_fits(config, resolve_local_model(config.base.model), split)
     base_model = resolve_remote_model(config.base.model)
+    inputs_judge = {"judge_model": resolve_remote_model(config.judge.judge_model)} if config.judging else {}
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
     task = train_rl.override(links=links) if links else train_rl
     with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
         inputs = examples_inputs(examples, Path(staging), lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
-        run = runner.run(task, config=config, base_model=base_model, **inputs)
+        run = runner.run(task, config=config, base_model=base_model, **inputs, **inputs_judge)
     print(run.url)
     return 0
 

@@ -157,10 +157,30 @@ class RewardParts(BaseModel):
     errors: list[str] = []
 
 
+class JudgeVerdict(BaseModel):
+    """The LLM judge's scores of one group (grpo_flyte.judge): one score in [0, 1] per completion,
+    relative to the others it was judged with.
+
+    `calls`: judge prompts sent (one per group; one per chunk of a group too long for the judge's
+    context), retries not counted; `retries`: second attempts after an unparsable reply; `invalid`:
+    chunks whose reply was still unparsable, their completions flagged in `failed` and scored by the
+    run's on_reward_error; `chunks` > 1 when the group was split.
+    """
+
+    scores: list[float]
+    failed: list[bool]
+    calls: int
+    retries: int = 0
+    invalid: int = 0
+    chunks: int = 1
+    judge_s: float = 0.0
+
+
 class ScoredGroup(BaseModel):
     group: RolloutGroup
     rewards: list[RewardParts]
     score_s: float = 0.0
+    judge: JudgeVerdict | None = None  # with the 'judge' reward: what the judge said of this group
 
     @property
     def reward_values(self) -> list[float]:
@@ -244,6 +264,13 @@ class TrainMetrics(BaseModel):
     staleness_max: int = 0
     stale_dropped: int = 0
     batch_wait_s: float = 0.0
+    # With the 'judge' reward (None otherwise): the judge's stage seconds (wall clock while a judge
+    # call was in flight), its prompts, retries, unparsable replies, groups split to fit its context.
+    judge_s: float | None = None
+    judge_calls: int | None = None
+    judge_retries: int | None = None
+    judge_invalid: int | None = None
+    judge_split_groups: int | None = None
     # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
     # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
     turns_mean: float | None = None
@@ -325,6 +352,11 @@ class BestCompletion(BaseModel):
     completion: str
     reward: float
     turns: list[EpisodeTurn] | None = None  # a multi-turn episode, turn by turn
+    # With the 'judge' reward: the judge's score of every completion of the best one's group (the
+    # best at `index`), and the start of each completion's text.
+    judge_scores: list[float] | None = None
+    group_texts: list[str] | None = None
+    index: int | None = None
 
 
 class RunResult(BaseModel):

@@ -1,0 +1,150 @@
+"""The `judge_group` task: an LLM judge scores one group of completions, on a warm, reusable pool.
+
+One judge prompt per group (RULER-style, see grpo_flyte.judging): the question once, every
+completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
+model once (its own engine slot, grpo_flyte.engines) and its batcher puts concurrent judge calls in
+one engine batch, as the generate pool does. vLLM constrains the reply to the scores' JSON; the
+transformers backend cannot, so an unparsable reply is sampled once more, and a chunk still
+unparsable fails the task (on_reward_error='fail') or scores 0 and is counted ('zero').
+
+Usable from your own workflow like the other tasks:
+
+    verdict = await judge_group(config.judge, config.engine, config.scoring, judge_model_dir, rollout_group)
+"""
+
+from __future__ import annotations
+
+import time
+
+from flyte.io import Dir
+
+from grpo_flyte import engines
+from grpo_flyte.config import EngineConfig, JudgeConfig, RewardConfig
+from grpo_flyte.envs import judge_env
+from grpo_flyte.errors import RewardError, input_errors_not_retried
+from grpo_flyte.judging import (
+    HEADER_TOKENS,
+    REPLY_BASE_TOKENS,
+    REPLY_END,
+    REPLY_TOKENS_PER_SCORE,
+    chunk_indices,
+    parse_scores,
+    render_judge_prompt,
+    reply_tokens,
+    scores_regex,
+)
+from grpo_flyte.models import resolve_dtype
+from grpo_flyte.storage import replica_cache
+from grpo_flyte.torch_thread import run_on_torch_thread
+from grpo_flyte.types import JudgeVerdict, RolloutGroup
+
+_judge_dirs = replica_cache("judge-models", capacity=1)
+# The retry of an unparsable reply samples (the first, greedy reply would only repeat itself).
+RETRY_TEMPERATURE = 0.7
+SHOWN_REPLY_CHARS = 120
+
+
+class _Chunk:
+    """One judge prompt's completions and what came of it."""
+
+    def __init__(self, indices: list[int]):
+        self.indices = indices
+        self.scores: list[float] | None = None
+        self.retried = False
+        self.reply = ""
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _cut(tokenizer, text: str, max_tokens: int) -> str:
+    """The start of `text` that is at most `max_tokens` tokens (a completion too long for the judge alone)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[: max(1, max_tokens)])
+
+
+async def _ask(key: engines.EngineKey, tokenizer, judging: JudgeConfig, question: str, texts: list[str], chunk: _Chunk) -> None:
+    """One judge prompt for the chunk's completions; once more, sampled, if the reply does not parse."""
+    prompt, chat = render_judge_prompt(tokenizer, judging.judge_rubric, question, texts)
+    ids = list(tokenizer(prompt, add_special_tokens=not chat)["input_ids"])
+    request = engines.SamplingRequest(
+        prompt_ids=ids,
+        group_size=1,
+        temperature=RETRY_TEMPERATURE,
+        top_p=1.0,
+        max_new_tokens=reply_tokens(len(texts)),
+        seed=0,
+        greedy=True,
+        regex=scores_regex(len(texts)),
+        stop=(REPLY_END,),  # an unconstrained judge stops at the object's end, not at the token budget
+    )
+    for _ in range(2):
+        [[reply]] = await engines.generate_groups(key, None, [request])
+        chunk.reply = reply.text
+        chunk.scores = parse_scores(reply.text, len(texts))
+        if chunk.scores is not None:
+            return
+        chunk.retried = True
+        request = request.model_copy(update={"greedy": False, "seed": 1})
+
+
+async def judge(key: engines.EngineKey, judging: JudgeConfig, on_error: str, group: RolloutGroup) -> JudgeVerdict:
+    """The judge's verdict on one group with the engine of `key` (the task body, without Flyte)."""
+    started = time.perf_counter()
+    tokenizer = (await run_on_torch_thread(engines.get_engine, key)).tokenizer
+    texts = [r.text for r in group.rollouts]
+    question = group.example.question
+    frame, _ = render_judge_prompt(tokenizer, judging.judge_rubric, question, [])
+    fixed = _token_count(tokenizer, frame) + REPLY_BASE_TOKENS
+    budget = judging.judge_context_tokens
+    chunks = [_Chunk(indices) for indices in chunk_indices(fixed, [_token_count(tokenizer, t) for t in texts], budget)]
+    room = budget - fixed - HEADER_TOKENS - REPLY_TOKENS_PER_SCORE  # one completion alone gets this much at most
+    if room < 1:
+        raise RewardError(
+            f"the judge's rubric and the question take {fixed} of judge_context_tokens={budget} tokens; expected room for a completion"
+        )
+
+    def shown(chunk: _Chunk) -> list[str]:
+        return [_cut(tokenizer, texts[i], room) if len(chunk.indices) == 1 else texts[i] for i in chunk.indices]
+
+    await engines.all_or_none([_ask(key, tokenizer, judging, question, shown(c), c) for c in chunks])
+    scores, failed = [0.0] * len(texts), [False] * len(texts)
+    for chunk in chunks:
+        if chunk.scores is None:
+            if on_error != "zero":
+                raise RewardError(
+                    f"reward 'judge': the judge's reply to {len(chunk.indices)} completions is not "
+                    f'{{"scores": [...]}} with {len(chunk.indices)} numbers in [0, 1], twice; the second starts '
+                    f"{chunk.reply[:SHOWN_REPLY_CHARS]!r} (on_reward_error='zero' scores such groups 0 and counts them instead)"
+                )
+            for i in chunk.indices:
+                failed[i] = True
+            continue
+        for i, score in zip(chunk.indices, chunk.scores, strict=True):
+            scores[i] = score
+    return JudgeVerdict(
+        scores=scores,
+        failed=failed,
+        calls=len(chunks),
+        retries=sum(c.retried for c in chunks),
+        invalid=sum(c.scores is None for c in chunks),
+        chunks=len(chunks),
+        judge_s=time.perf_counter() - started,
+    )
+
+
+@judge_env.task(retries=2)
+async def judge_group(
+    judging: JudgeConfig, engine: EngineConfig, scoring: RewardConfig, judge_model: Dir, group: RolloutGroup
+) -> JudgeVerdict:
+    """Score every completion of one group with the judge model in `judge_model`, relative to the
+    others, in one judge call (more when the group does not fit the judge's context). A judge that
+    cannot be loaded, or replies unparsably with on_reward_error='fail', fails the same way again:
+    not retried."""
+    with input_errors_not_retried():
+        model_path = await _judge_dirs.get(judge_model)
+        key = engines.judge_engine_key(
+            model_path, resolve_dtype("auto"), engine.backend, judging.judge_context_tokens, engine.vllm_memory_fraction
+        )
+        return await judge(key, judging, scoring.on_reward_error, group)

@@ -1,0 +1,210 @@
+"""The `judge_group` task and the 'judge' reward in a run: one judge call per group, the retry of an
+unparsable reply, chunks that land at their completions, the failure policy, config errors before
+any task starts, the metrics and the report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+
+import pytest
+from flyte.io import Dir
+
+from grpo_flyte import engines
+from grpo_flyte import judge as judge_module
+from grpo_flyte.cli import main as cli_main
+from grpo_flyte.config import JudgeConfig, RewardConfig, make_config
+from grpo_flyte.errors import ConfigError, RewardError
+from grpo_flyte.types import Example, Rollout, RolloutGroup
+
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
+
+
+def _group(texts: list[str]) -> RolloutGroup:
+    rollouts = [Rollout(completion_ids=[1], sampling_logprobs=[0.0], finish_reason="stop", text=t) for t in texts]
+    example = Example(question="What is 13 + 14?", answer="27")
+    return RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=0.0)
+
+
+class ScriptedJudge:
+    """Stands in for the judge's engine: replies from a script, and records every prompt's answers."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer = tokenizer
+        self.replies = replies  # (number of answers in the prompt, attempt) -> reply text
+        self.prompts: list[list[str]] = []
+
+    async def generate_groups(self, key, adapter_path, requests):
+        assert adapter_path is None  # the judge runs the model as it is
+        [request] = requests
+        text = self.tokenizer.decode(request.prompt_ids)
+        answers = re.findall(r"Answer (\d+):\n(.*?)(?=\n\nAnswer \d+:|<\|im_end\|>)", text, re.DOTALL)
+        self.prompts.append([a for _, a in answers])
+        attempt = sum(len(p) == len(answers) for p in self.prompts) - 1
+        reply = self.replies(len(answers), attempt, request)
+        return [[Rollout(completion_ids=[1], sampling_logprobs=[0.0], finish_reason="stop", text=reply)]]
+
+
+@pytest.fixture
+def scripted(monkeypatch, embedded_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+
+    def install(replies) -> ScriptedJudge:
+        fake = ScriptedJudge(tokenizer, replies)
+        monkeypatch.setattr(engines, "get_engine", lambda key: fake)
+        monkeypatch.setattr(engines, "generate_groups", fake.generate_groups)
+        return fake
+
+    return install
+
+
+KEY = engines.EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
+
+
+def test_one_call_scores_the_whole_group(scripted):
+    fake = scripted(lambda n, attempt, request: "0.9, 0.1, 0.5]}")
+    verdict = asyncio.run(judge_module.judge(KEY, JudgeConfig(judge_model="x"), "fail", _group(["27", "26", "twenty-seven"])))
+    assert fake.prompts == [["27", "26", "twenty-seven"]]
+    assert (verdict.scores, verdict.failed) == ([0.9, 0.1, 0.5], [False] * 3)
+    assert (verdict.calls, verdict.retries, verdict.invalid, verdict.chunks) == (1, 0, 0, 1)
+
+
+def test_an_unparsable_reply_is_sampled_once_more(scripted):
+    def replies(n, attempt, request):
+        assert request.regex is not None and request.greedy == (attempt == 0)  # the retry samples
+        assert request.stop == ("}",)  # a reply ends with its object, not at the token budget
+        return "Answer 1 is best." if attempt == 0 else "1, 0]}"
+
+    scripted(replies)
+    verdict = asyncio.run(judge_module.judge(KEY, JudgeConfig(judge_model="x"), "fail", _group(["27", "26"])))
+    assert (verdict.scores, verdict.calls, verdict.retries, verdict.invalid) == ([1.0, 0.0], 1, 1, 0)
+
+
+def test_a_group_still_unparsable_fails_or_scores_zero_and_is_counted(scripted):
+    scripted(lambda n, attempt, request: "0.5]}")  # one score for two answers, twice
+    with pytest.raises(
+        RewardError, match=r"reward 'judge'.*not \{\"scores\": \[\.\.\.\]\} with 2 numbers.*'0\.5\]\}'.*on_reward_error='zero'"
+    ):
+        asyncio.run(judge_module.judge(KEY, JudgeConfig(judge_model="x"), "fail", _group(["27", "26"])))
+    verdict = asyncio.run(judge_module.judge(KEY, JudgeConfig(judge_model="x"), "zero", _group(["27", "26"])))
+    assert (verdict.scores, verdict.failed, verdict.invalid, verdict.retries) == ([0.0, 0.0], [True, True], 1, 1)
+
+
+def test_a_group_too_long_for_the_context_is_split_and_each_chunk_lands_at_its_completions(scripted):
+    # each reply scores its answers by their position in the group: the answer text says it
+    def replies(n, attempt, request):
+        answers = fake.prompts[-1]
+        return ", ".join(f"0.{int(a.split()[0])}" for a in answers) + "]}"
+
+    fake = scripted(replies)
+    texts = [f"{i} " + "word " * 60 for i in range(6)]
+    verdict = asyncio.run(judge_module.judge(KEY, JudgeConfig(judge_model="x", judge_context_tokens=400), "fail", _group(texts)))
+    assert verdict.chunks > 1 and verdict.calls == verdict.chunks == len(fake.prompts)
+    assert [a.split()[0] for prompt in fake.prompts for a in prompt] == [str(i) for i in range(6)]  # in order, each once
+    assert verdict.scores == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+
+
+# --------------------------------------------------------------------------- config errors, before any task
+
+
+def test_the_judge_reward_needs_a_judge_model_and_a_readable_rubric(tmp_path):
+    with pytest.raises(ConfigError, match="rewards name 'judge' but no judge_model is set"):
+        make_config(rewards={"judge": 1.0})
+    with pytest.raises(ConfigError, match=r"--judge-rubric='missing.txt': rubric file 'missing.txt' cannot be read"):
+        make_config(rewards={"judge": 1.0}, judge_model="embedded", judge_rubric="missing.txt")
+    (tmp_path / "empty.md").write_text(" \n")
+    with pytest.raises(ConfigError, match="is empty"):
+        make_config(judge_rubric=str(tmp_path / "empty.md"))
+    rubric = tmp_path / "rubric.md"
+    rubric.write_text("Prefer answers that show their work.\n")
+    config = make_config(rewards={"judge": 1.0, "correct": 1.0}, judge_model="embedded", judge_rubric=str(rubric))
+    assert config.judge.judge_rubric == "Prefer answers that show their work."  # the text travels, not the path
+    assert config.judging
+
+
+def test_a_judge_config_error_stops_the_cli_with_one_line_before_any_work(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    rc = cli_main(["--local", "--rewards", "judge=1.0", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "judge_model" in err, err
+    rc = cli_main(["--local", "--rewards", "judge=1.0", "--judge-model", str(tmp_path / "nowhere"), "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0 and len(err.splitlines()) == 1 and "nowhere" in err, err
+    assert not run_dir.exists()
+
+
+# --------------------------------------------------------------------------- real runs (tiny model)
+
+
+def test_the_task_is_callable_from_your_own_code(tiny_model_dir):
+    """judge_group outside a run is a plain call: the tiny random model never writes the JSON, so
+    with on_reward_error='zero' its group is counted invalid after one retry."""
+    verdict = asyncio.run(
+        judge_module.judge_group(
+            JudgeConfig(judge_model="tiny"),
+            make_config().engine,
+            RewardConfig(on_reward_error="zero"),
+            Dir(path=str(tiny_model_dir)),
+            _group(["27", "26", "28"]),
+        )
+    )
+    assert (verdict.calls, verdict.retries, verdict.invalid, verdict.failed) == (1, 1, 1, [True] * 3)
+
+
+def test_a_local_run_with_the_judge_makes_one_call_per_group_per_iteration(tmp_path, tiny_model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="grpo_flyte")
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--run-dir", str(run_dir)]
+    judge = ["--rewards", "judge=1.0,format=0.5", "--judge-model", str(tiny_model_dir), "--on-reward-error", "zero"]
+    assert cli_main([*args, *judge]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1:]:
+        assert row["judge_calls"] == 2  # 2 groups of 3: one call each, not one per completion
+        assert row["judge_split_groups"] == 0
+        # the tiny random model never writes the scores' JSON: every group is retried, counted, scored 0
+        assert row["judge_invalid"] == row["judge_retries"] == 2
+        assert row["reward_errors"] == 6 and row["reward/judge"] == 0.0
+        assert row["judge_s"] > 0 and row["generate_s"] > 0
+    assert "judge_calls" not in rows[0]  # the held-out evaluation is not judged
+    report = (run_dir / "report.html").read_text()
+    assert "The judge's scores for this group" in report
+    table = report.split('<table class="judge">', 1)[1].split("</table>", 1)[0]
+    assert table.count("<tr>") == 4 and "(best)" in table  # a header and the group's 3 completions
+    assert "<code><" not in table  # model text is escaped
+    # the progress line: the judge's calls and its seconds as a stage beside generate, score and train
+    assert re.search(r"judge calls 2  judge invalid 2.*\| generate [\d.]+s  score [\d.]+s  judge [\d.]+s  train", caplog.text)
+
+
+def test_a_judge_that_cannot_reply_fails_the_run_naming_it_with_on_reward_error_fail(tmp_path, tiny_model_dir, caplog):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--run-dir", str(run_dir)]
+    assert cli_main([*args, "--rewards", "judge=1.0", "--judge-model", str(tiny_model_dir)]) == 1
+    assert "reward 'judge': the judge's reply to 3 completions is not" in caplog.text
+
+
+def test_train_rl_from_python_judges_each_group_once_and_needs_the_judge_models_folder(tmp_path, tiny_model_dir, caplog):
+    """The Python API: train_rl takes the judge's model as a Dir; without one, a judge run stops at
+    once with one error, not retried."""
+    import flyte
+
+    from grpo_flyte.driver import train_rl
+
+    config = make_config(
+        iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0,
+        rewards={"judge": 1.0, "correct": 1.0}, judge_model="tiny", on_reward_error="zero",
+    )  # fmt: skip
+    model = Dir(path=str(tiny_model_dir))
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        train_rl, config=config, base_model=model, judge_model=model
+    )
+    [row] = run.outputs()[0].history
+    assert (row.train.num_groups, row.train.judge_calls, row.train.judge_invalid) == (2, 2, 2)
+    assert row.train.reward_means["judge"] == 0.0 and "correct" in row.train.reward_means
+    caplog.clear()
+    with pytest.raises(Exception, match="rewards name 'judge' but train_rl got no judge_model folder"):
+        flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw2")).run(train_rl, config=config, base_model=model)
+    assert "retrying" not in caplog.text  # bad input: the driver is not retried
