@@ -17,7 +17,7 @@ from typing import Any
 
 STATUSES = ("running", "complete", "failed")
 
-# One (chart title, history keys) pair per chart. A chart is drawn only when at
+# One (chart title, history keys) pair per chart, with at most len(_SERIES_COLOURS) keys. A chart is drawn only when at
 # least one history row carries one of its keys, so optional metrics cost nothing.
 METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward, accuracy and format rate", ("mean_reward", "accuracy", "format_rate")),
@@ -32,7 +32,9 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Completion length", ("completion_len_mean", "completion_len_max")),
     ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
     ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
-    ("Seconds per stage", ("generate_s", "score_s", "judge_s", "train_s", "eval_s", "batch_wait_s", "train_restore_s")),
+    ("Seconds per stage", ("generate_s", "score_s", "judge_s", "train_s", "eval_s")),
+    # apart from the stages: one chart has as many series as there are colours at most
+    ("Seconds waiting: the trainer for its batch, a train step restoring its state", ("batch_wait_s", "train_restore_s")),
     (
         "LLM judge: calls, retries, unparsable replies, split groups",
         ("judge_calls", "judge_retries", "judge_invalid", "judge_split_groups"),
