@@ -48,9 +48,9 @@ from typing import Any
 import _common
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
-from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_reward
+from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_args, trl_reward, trl_rows
 
-from grpo_flyte.config import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
+from grpo_flyte.config import RunConfig
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.metrics import mean_ci95
 from grpo_flyte.models import embedded_model_dir, fast_bfloat16, resolve_dtype
@@ -139,64 +139,30 @@ class Budget(TrainerCallback):
 
 
 def trl_side(config: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
-    import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     started = time.perf_counter()
     dataset, _ = train_eval_split(config)
-    rows = [
-        {
-            "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{ex.question} {ANSWER_INSTRUCTION}"}],
-            "answer": ex.answer,
-        }
-        for ex in dataset
-    ]
-    settings = dict(TRL_FAST_BF16 if fast_bfloat16() else TRL_FAST_FP32)
-    dtype = settings.pop("model_dtype", None)
-    args = GRPOConfig(
-        output_dir=str(work / "trl-out"),
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        seed=config.seed,
-        per_device_train_batch_size=config.rollouts_per_iter,
-        gradient_accumulation_steps=1,
-        num_generations=config.sampling.group_size,
-        max_completion_length=config.sampling.max_new_tokens,
-        temperature=config.sampling.temperature,
-        top_p=config.sampling.top_p,
-        top_k=0,
-        beta=0.0,
-        num_iterations=1,
+    args, lora = trl_args(
+        config,
+        work / "trl-out",
+        TRL_FAST_BF16 if fast_bfloat16() else TRL_FAST_FP32,
         loss_type="grpo",
         scale_rewards="group",
         epsilon=config.train.epsilon,
         epsilon_high=config.train.epsilon_high,
         max_grad_norm=config.train.max_grad_norm,
         weight_decay=config.train.weight_decay,
-        learning_rate=config.train.learning_rate,
         lr_scheduler_type="constant",
         max_steps=1_000_000,  # the budget stops it
-        model_init_kwargs={"dtype": getattr(torch, dtype)} if dtype else None,
-        **settings,
-    )
-    lora = LoraConfig(
-        r=config.lora.lora_rank,
-        lora_alpha=config.lora.lora_alpha,
-        lora_dropout=config.lora.lora_dropout,
-        target_modules=list(config.lora.lora_target_modules),
-        task_type="CAUSAL_LM",
     )
     budget = Budget(started, budget_s, work / "trl-adapter")
     trainer = GRPOTrainer(
         model=str(embedded_model_dir()),
         reward_funcs=trl_reward,
         args=args,
-        train_dataset=Dataset.from_list(rows),
+        train_dataset=Dataset.from_list(trl_rows(dataset)),
         peft_config=lora,
         callbacks=[budget],
     )

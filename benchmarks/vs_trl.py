@@ -109,28 +109,28 @@ class StepTimer(TrainerCallback):
         self.seconds.append(time.perf_counter() - self._started)
 
 
-def build_trl(config: RunConfig, model_dir: Path, work: Path, settings: dict[str, Any], fixed_length: bool):
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer
-
-    dataset, _ = train_eval_split(config)
-    prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
-    rows = [
+def trl_rows(examples) -> list[dict[str, Any]]:
+    """The examples in TRL's conversational format, as grpo_flyte's chat prompt renders them."""
+    return [
         {
-            "prompt": [
-                {"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"{ex.question} {ANSWER_INSTRUCTION}"},
-            ],
+            "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"{ex.question} {ANSWER_INSTRUCTION}"}],
             "answer": ex.answer,
         }
-        for ex in prompts
+        for ex in examples
     ]
+
+
+def trl_args(config: RunConfig, output_dir: Path, settings: dict[str, Any], **overrides: Any):
+    """TRL's GRPOConfig for grpo_flyte's settings where both have them (CPU, no KL term, one
+    update per batch), plus `settings` (TRL_FAST_*) and `overrides`; and the LoRA config."""
+    import torch
+    from peft import LoraConfig
+    from trl import GRPOConfig
+
     settings = dict(settings)
     dtype = settings.pop("model_dtype", None)
     args = GRPOConfig(
-        output_dir=str(work),
+        output_dir=str(output_dir),
         use_cpu=True,
         report_to="none",
         save_strategy="no",
@@ -147,10 +147,9 @@ def build_trl(config: RunConfig, model_dir: Path, work: Path, settings: dict[str
         beta=0.0,
         num_iterations=1,
         learning_rate=config.train.learning_rate,
-        max_steps=1,
-        generation_kwargs={"min_new_tokens": config.sampling.max_new_tokens} if fixed_length else None,
         model_init_kwargs={"dtype": getattr(torch, dtype)} if dtype else None,
         **settings,
+        **overrides,
     )
     lora = LoraConfig(
         r=config.lora.lora_rank,
@@ -159,12 +158,28 @@ def build_trl(config: RunConfig, model_dir: Path, work: Path, settings: dict[str
         target_modules=list(config.lora.lora_target_modules),
         task_type="CAUSAL_LM",
     )
+    return args, lora
+
+
+def build_trl(config: RunConfig, model_dir: Path, work: Path, settings: dict[str, Any], fixed_length: bool):
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    dataset, _ = train_eval_split(config)
+    prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
+    args, lora = trl_args(
+        config,
+        work,
+        settings,
+        max_steps=1,
+        generation_kwargs={"min_new_tokens": config.sampling.max_new_tokens} if fixed_length else None,
+    )
     timer = StepTimer()
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=trl_reward,
         args=args,
-        train_dataset=Dataset.from_list(rows),
+        train_dataset=Dataset.from_list(trl_rows(prompts)),
         peft_config=lora,
         callbacks=[timer],
     )
