@@ -228,7 +228,7 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
     assert not cache.entries and cache.num_bytes == 0
 
 
-# The attention the generator decodes with (engines.decode_attention) changes the work, not the rows.
+# The attention the generator decodes with (models.attention_for) changes the work, not the rows.
 
 
 def test_grouped_attention_is_eager_attention_without_the_repeated_cache():
@@ -273,11 +273,11 @@ def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
 
 
 def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
-    from grpo_flyte import engines
+    from grpo_flyte import engines, models
     from grpo_flyte.decoding import GROUPED_ATTENTION
 
-    assert engines.decode_attention("cpu", plain=True) == GROUPED_ATTENTION
-    assert engines.decode_attention("cuda", plain=True) == engines.decode_attention("cpu", plain=False) == "sdpa"
+    assert models.attention_for("cpu", plain=True) == GROUPED_ATTENTION
+    assert models.attention_for("cuda", plain=True) == models.attention_for("cpu", plain=False) == "sdpa"
     for dtype in ("bfloat16", "float32"):
         engine = engines.HFGenerator(str(tiny_model_dir), dtype, 1)
         assert engine.base.config._attn_implementation == GROUPED_ATTENTION and str(engine.base.dtype) == f"torch.{dtype}"

@@ -384,6 +384,41 @@ def test_token_logprobs_and_entropy_hand_computed():
     assert token_logprobs_and_entropy(logits4, torch.tensor([2]), 1.0)[1].item() == pytest.approx(math.log(4), abs=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_and_entropy_chunks_match_the_whole_matrix(monkeypatch, temperature):
+    # 7 rows of 5 logits, 2 rows per chunk (the last chunk short): the values, the entropy and the
+    # gradient equal log_softmax over the whole matrix, in float64.
+    import grpo_flyte.grpo as grpo_module
+
+    monkeypatch.setattr(grpo_module, "VOCAB_CHUNK_ELEMENTS", 10)
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(7, 5, generator=gen, dtype=torch.float64)).requires_grad_()
+    targets = torch.tensor([0, 4, 2, 2, 1, 3, 0])
+    weights = torch.randn(7, generator=gen, dtype=torch.float64)
+    lp, h = token_logprobs_and_entropy(logits, targets, temperature)
+    (lp * weights).sum().backward()
+    whole = logits.detach().clone().requires_grad_()
+    logp = torch.log_softmax(whole / temperature, dim=-1)
+    expected = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    assert lp.dtype == torch.float64 and not h.requires_grad
+    assert torch.allclose(lp, expected, atol=1e-12)
+    assert torch.allclose(h, -(logp.exp() * logp).sum(-1), atol=1e-12)
+    assert torch.allclose(logits.grad, whole.grad, atol=1e-12)
+
+
+def test_token_logprobs_and_entropy_bfloat16_logits_in_float32():
+    # The trainer's logits are bfloat16: the arithmetic is float32 and the gradient bfloat16.
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]], dtype=torch.bfloat16, requires_grad=True)
+    lp, _ = token_logprobs_and_entropy(logits, torch.tensor([1, 0]), temperature=1.0)
+    lp.sum().backward()
+    assert lp.dtype == torch.float32
+    assert lp.tolist() == pytest.approx([math.log(0.75), math.log(0.5)], abs=1e-2)
+    # d log p_t / d logits = onehot_t - p: row 0 (p = 1/4, 3/4), row 1 (1/2, 1/2)
+    assert logits.grad.dtype == torch.bfloat16
+    assert logits.grad.float().tolist() == [pytest.approx([-0.25, 0.25], abs=1e-2), pytest.approx([0.5, -0.5], abs=1e-2)]
+
+
 # --------------------------------------------------------------------------- minibatches
 
 

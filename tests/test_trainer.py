@@ -161,6 +161,33 @@ def test_the_trainer_differentiates_the_models_own_logits(kind):
     assert logprobs.tolist() == pytest.approx(torch.stack(expected).tolist(), abs=1e-5)
 
 
+def test_on_a_cpu_the_trainer_attends_with_grouped_attention_and_differentiates_as_sdpa(llama_dir):
+    # models.load_base gives the trainer grouped attention on a CPU; on right-padded rows of four
+    # lengths its log-probs and LoRA gradients are those of transformers' fused attention.
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_flyte import models
+    from grpo_flyte.decoding import GROUPED_ATTENTION
+
+    base = models.load_base(str(llama_dir), "float32")
+    expected = GROUPED_ATTENTION if models.best_device() == "cpu" else "sdpa"
+    assert base.config._attn_implementation == expected
+    model = get_peft_model(base.double(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    sequences, sampling = [A, B, C, D], RunConfig(temperature=0.7).sampling
+    results = {}
+    for attention in (GROUPED_ATTENTION, "sdpa"):
+        model.base_model.model.set_attn_implementation(attention)
+        model.zero_grad()
+        logprobs, _, _ = trainer._completion_logprobs(model, sequences, sampling)
+        (logprobs * torch.linspace(-1, 1, len(logprobs), dtype=torch.float64)).sum().backward()
+        results[attention] = logprobs.detach(), [p.grad.clone() for p in trainer._trainable(model)]
+    (ours, our_grads), (theirs, their_grads) = results.values()
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    # eager attention's softmax is float32 whatever the model's type (grouped attention does as it does)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(our_grads, their_grads, strict=True))
+    assert all(g.abs().max() > 0 for g in our_grads)
+
+
 # --------------------------------------------------------------------------- the warm trainer
 
 warm_env = flyte.TaskEnvironment(name="grpo_flyte-test-warm")

@@ -36,7 +36,7 @@ from grpo_flyte import episodes, multiturn
 from grpo_flyte.config import EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.models import best_device, cuda_available, torch_dtype
+from grpo_flyte.models import best_device, cuda_available, set_attention, torch_dtype
 from grpo_flyte.prompts import is_chat, tokenize_prompt
 from grpo_flyte.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example, Rollout
@@ -100,21 +100,6 @@ def cut_at_eos(token_ids: list[int], logprobs: list[float], eos_ids: set[int]) -
     return token_ids, logprobs, "length"
 
 
-def decode_attention(device: str, plain: bool) -> str:
-    """The transformers attention the generator decodes with: on a CPU, `decoding.grouped_attention`
-    (eager attention that never copies the key/value cache per query head); 'sdpa', transformers'
-    default, elsewhere. A whole decode step of the embedded model (24 rows, a 150-token cache, one
-    thread) took 52 ms with it against 128 ms with sdpa in bfloat16, 122 ms against 166 ms in
-    float32 (docs/measurements.md): torch's fused CPU attention is slow for one query a row.
-
-    Only for models with a plain cache (`decoding.plain_cache`), whose contexts `decode` prefills
-    one at a time: left padding fed through eager-style attention gives the padded positions no key
-    to attend to, and their NaNs reach every row (the fused kernel returns zeros there)."""
-    from grpo_flyte.decoding import register_grouped_attention
-
-    return register_grouped_attention() if device == "cpu" and plain else "sdpa"
-
-
 class HFGenerator:
     """transformers + PEFT generation; one adapter active at a time, a few kept loaded, and the
     cache of the current adapter's unfinished multi-turn contexts."""
@@ -122,13 +107,12 @@ class HFGenerator:
     def __init__(self, model_path: str, dtype: str, max_adapters: int, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from grpo_flyte.decoding import PrefixCache, plain_cache
+        from grpo_flyte.decoding import PrefixCache
 
         self.device = best_device()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
-        if (attention := decode_attention(self.device, plain_cache(model))) != model.config._attn_implementation:
-            model.set_attn_implementation(attention)
+        set_attention(model, self.device)
         self.base = model.to(self.device).eval()
         self.model = None  # the PeftModel, once the first adapter is loaded
         self.adapters: OrderedDict[str, str] = OrderedDict()  # adapter path -> PEFT adapter name
