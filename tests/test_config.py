@@ -421,7 +421,7 @@ def test_an_unrelated_field_leaves_the_other_parts_unchanged():
         assert new.model_dump_json() == old.model_dump_json(), part  # what a task's cache key is built from
 
 
-@pytest.mark.parametrize("change", [{"load_in_4bit": True}, {"train_processes": 2}])
+@pytest.mark.parametrize("change", [{"load_in_4bit": True}, {"load_in_4bit": True, "embeddings_in_4bit": True}, {"train_processes": 2}])
 def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
     """--load-in-4bit and --train-processes are the train pool's: generate's parts (and so its
     Flyte cache key) stay the same; the generate pool keeps the 16-bit base."""
@@ -431,6 +431,12 @@ def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
     old, new = _generate_parts(before), _generate_parts(after)
     assert {k: v.model_dump_json() for k, v in new.items()} == {k: v.model_dump_json() for k, v in old.items()}
     assert (after.lora, after.train) != (before.lora, before.train)
+
+
+def test_embeddings_in_4bit_needs_the_4bit_base():
+    with pytest.raises(ConfigError, match=r"embeddings_in_4bit=True needs load_in_4bit=True \(--load-in-4bit\)"):
+        make_config(embeddings_in_4bit=True)
+    assert make_config(load_in_4bit=True, embeddings_in_4bit=True).lora.embeddings_in_4bit
 
 
 def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):

@@ -420,6 +420,43 @@ def test_a_4bit_step_trains_the_lora_weights_on_a_frozen_nf4_base(llama32_dir):
     assert torch.equal(base_logits(), base_before)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still_train(tmp_path, tied):
+    import bitsandbytes as bnb
+    import transformers
+
+    from grpo_flyte.models import load_base
+
+    path = tmp_path / "llama"
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=tied)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    ids = torch.tensor([A.prompt_ids + A.completion_ids])
+    loaded = {}
+    for embeddings in (False, True):
+        base = load_base(str(path), "float32", load_in_4bit=True, embeddings_in_4bit=embeddings)
+        with torch.no_grad():
+            logits = base(input_ids=ids).logits
+        size = sum(t.numel() * t.element_size() for t in base.parameters())
+        loaded[embeddings] = base, logits, size
+    (_, plain_logits, plain_size), (base, logits, size) = loaded.values()
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    assert isinstance(head, bnb.nn.Linear4bit) and head.weight.quant_state.quant_type == "nf4"
+    assert embedding.weight.quant_state.quant_type == "nf4" and embedding.weight.quant_state.nested
+    assert (head.weight is embedding.weight) == tied
+    assert size < plain_size - 128 * 64 * (1 if tied else 2)  # at least a byte a weight saved
+    # NF4 moves the logits a little, not the argmax of most positions
+    assert not torch.equal(logits, plain_logits) and (logits.argmax(-1) == plain_logits.argmax(-1)).float().mean() > 0.5
+    run = RunConfig(model=str(path), dtype="float32", max_new_tokens=8, load_in_4bit=True, embeddings_in_4bit=True, learning_rate=5e-2)
+    model = trainer.peft_model(run.base, run.lora, str(path))
+    trainer.reset_lora(model, seed=0)
+    optimizer = trainer._optimizer(model, run.train)
+    trainer.grpo_step(model, optimizer, [A, B], run.train, run.sampling)
+    assert all(float(p.abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
 def test_the_kl_reference_of_a_4bit_run_is_the_4bit_base(llama32_dir):
     """The reference log-probs are the same NF4 weights with the adapter disabled (no 16-bit copy):
     equal to a 4-bit base loaded alone, and not to the 16-bit base."""

@@ -343,6 +343,20 @@ class LoraConfig(_Part):
             "16-bit base."
         ),
     )
+    embeddings_in_4bit: bool = Field(
+        False,
+        description=(
+            "With --load-in-4bit: the input embedding matrix and the output layer in NF4 too (QLoRA leaves them in 16 bits). "
+            "Saves their memory (a fifth of a small model with a large vocabulary, a tenth of an 8B one) and moves the "
+            "trainer's distribution further from the generator's 16-bit one."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _embeddings_need_4bit(self) -> LoraConfig:
+        if self.embeddings_in_4bit and not self.load_in_4bit:
+            raise ValueError("embeddings_in_4bit=True needs load_in_4bit=True (--load-in-4bit): the rest of the base in 4 bits")
+        return self
 
     @field_validator("lora_target_modules")
     @classmethod

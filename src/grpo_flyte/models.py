@@ -7,6 +7,7 @@ with `gguf_file=` but marks it quantized and refuses `save_pretrained`, so it is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -238,11 +239,11 @@ def quiet_bitsandbytes() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-def load_base(model_path: str, dtype: str, load_in_4bit: bool = False):
+def load_base(model_path: str, dtype: str, load_in_4bit: bool = False, embeddings_in_4bit: bool = False):
     """The base model for training, on `best_device`: in `dtype` or, with `load_in_4bit`, with its
     linear layers in NF4 (QLoRA: 4-bit NormalFloat, double quantization of the scales) computing in
-    `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`. Its attention
-    is `set_attention`'s."""
+    `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`, unless
+    `embeddings_in_4bit` (`nf4_embeddings`). Its attention is `set_attention`'s."""
     quiet_bitsandbytes()
     from transformers import AutoModelForCausalLM
 
@@ -264,10 +265,60 @@ def load_base(model_path: str, dtype: str, load_in_4bit: bool = False):
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
     )
+    if embeddings_in_4bit:
+        nf4_embeddings(model, torch_dtype(dtype))
     if device == "cpu":
         _keep_nf4_differentiable(model)
     set_attention(model, best_device())
     return model
+
+
+def nf4_embeddings(model, compute_dtype) -> None:
+    """Put a 4-bit model's input embedding matrix and output layer in NF4 too (double quantization),
+    in place; a tied output layer shares the embedding's 4-bit weight, as it shared the 16-bit one.
+
+    The lookup dequantizes the matrix and indexes it (`_nf4_embedding`); the output layer is
+    bitsandbytes' Linear4bit. Both are frozen: LoRA never targets them here."""
+    import bitsandbytes as bnb
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+
+    def packed(weight):
+        return bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True).to(weight.device)
+
+    weight = packed(embedding.weight)
+    model.set_input_embeddings(_nf4_embedding()(weight, embedding.padding_idx, compute_dtype))
+    if head is not None:
+        out = bnb.nn.Linear4bit(
+            head.in_features, head.out_features, bias=head.bias is not None, compute_dtype=compute_dtype, quant_type="nf4"
+        )
+        out.weight = weight if tied else packed(head.weight)
+        if head.bias is not None:
+            out.bias = head.bias
+        model.set_output_embeddings(out)
+
+
+@functools.cache
+def _nf4_embedding():
+    """The embedding module of `nf4_embeddings` (a class made on first use: torch is imported lazily)."""
+    import bitsandbytes as bnb
+    import torch
+
+    class NF4Embedding(torch.nn.Module):
+        """An embedding matrix held as a bitsandbytes NF4 parameter: each lookup dequantizes it
+        whole (a transient 16-bit copy, as bitsandbytes' 4-bit linear layers make per pass) and
+        indexes it."""
+
+        def __init__(self, weight, padding_idx: int | None, compute_dtype) -> None:
+            super().__init__()
+            self.weight, self.padding_idx, self.compute_dtype = weight, padding_idx, compute_dtype
+
+        def forward(self, ids):
+            matrix = bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(self.compute_dtype)
+            return torch.nn.functional.embedding(ids, matrix, self.padding_idx)
+
+    return NF4Embedding
 
 
 def attention_for(device: str, plain: bool) -> str:

@@ -31,16 +31,26 @@ logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
-def _peft_model(model_path: str, dtype: str, rank: int, alpha: float, dropout: float, targets: tuple[str, ...], load_in_4bit: bool = False):
+def _peft_model(
+    model_path: str,
+    dtype: str,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: tuple[str, ...],
+    load_in_4bit: bool = False,
+    embeddings_in_4bit: bool = False,
+):
     quiet_bitsandbytes()
     from peft import LoraConfig, get_peft_model
 
-    logger.info("loading the base model for training from %s%s (once per replica)", model_path, " in 4 bits" if load_in_4bit else "")
+    bits = " in 4 bits, embeddings included" if embeddings_in_4bit else " in 4 bits" if load_in_4bit else ""
+    logger.info("loading the base model for training from %s%s (once per replica)", model_path, bits)
     # No peft.prepare_model_for_kbit_training on a 4-bit base: it would cast the embeddings and norms
     # to float32 (on a small model the embeddings are a fifth of the weights: memory the 4-bit base
     # is meant to save) and turn on reentrant gradient checkpointing, which --gradient-checkpointing
     # already controls (non-reentrant: frozen inputs need no gradient).
-    base = load_base(model_path, dtype, load_in_4bit)
+    base = load_base(model_path, dtype, load_in_4bit, embeddings_in_4bit)
     modules = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
@@ -57,6 +67,7 @@ def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
         lora.lora_dropout,
         tuple(lora.lora_target_modules),
         lora.load_in_4bit,
+        lora.embeddings_in_4bit,
     )
 
 
