@@ -462,7 +462,11 @@ def _files(run_dir: Path) -> set[str]:
     return {str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and p.relative_to(run_dir).parts[0] != "flyte"}
 
 
-@pytest.mark.parametrize(("flags", "world"), [(["--load-in-4bit"], 1), (["--train-processes", "2"], 2)], ids=["4bit", "2-processes"])
+@pytest.mark.parametrize(
+    ("flags", "world"),
+    [(["--load-in-4bit"], 1), (["--load-in-4bit", "--embeddings-in-4bit"], 1), (["--train-processes", "2"], 2)],
+    ids=["4bit", "4bit-embeddings", "2-processes"],
+)
 def test_a_run_with_a_bigger_model_flag_writes_every_file_and_resumes_after_a_kill(tmp_path, tiny_model_dir, finished, flags, world):
     """Killed while publishing iteration 1's adapter, resumed: the folder holds what a normal run's
     holds, every iteration once, and the metrics say how many processes trained."""
@@ -479,3 +483,4 @@ def test_a_run_with_a_bigger_model_flag_writes_every_file_and_resumes_after_a_ki
     assert [r["train_world_size"] for r in rows[1:]] == [world, world] and all(r["train_restore_s"] >= 0 for r in rows[1:])
     saved = json.loads((run_dir / "config.json").read_text())
     assert (saved["lora"]["load_in_4bit"], saved["train"]["train_processes"]) == ("--load-in-4bit" in flags, world)
+    assert saved["lora"]["embeddings_in_4bit"] == ("--embeddings-in-4bit" in flags)
