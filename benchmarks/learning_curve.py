@@ -10,7 +10,13 @@ and the seconds per iteration; writes them to <run-dir>/learning_curve.json.
     python benchmarks/learning_curve.py --iterations 5        # a quicker look
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
     python benchmarks/learning_curve.py --max-staleness 1     # generation ahead of training
+    python benchmarks/learning_curve.py --seeds 0 1 2         # one run per seed, and the spread over them
     python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations (the plumbing)
+
+With the default hyper-parameters one run's end point depends on its seed far more than its
+95% interval (over the held-out questions) says: some seeds collapse onto the format reward for
+a while (every answer '#### <number>', none right) and some do not. `--seeds` runs the same
+command once per seed and adds the mean and spread of the final figures over the seeds.
 """
 
 from __future__ import annotations
@@ -71,6 +77,37 @@ def summarize(run_dir: Path, wall_s: float) -> dict:
     }
 
 
+def combine(results: dict[int, dict]) -> dict:
+    """Per-seed results and, over the seeds, the mean and standard deviation of the final held-out
+    reward and accuracy and of `is_ess_mean`."""
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+    finals = [r["curve"][-1] for r in results.values()]
+    return {
+        "seeds": {str(seed): r for seed, r in results.items()},
+        "final_reward": spread([f["eval_reward"] for f in finals]),
+        "final_accuracy": spread([f["eval_accuracy"] for f in finals]),
+        "is_ess_mean": spread([r["is_ess_mean"] for r in results.values()]),
+    }
+
+
+def report_seeds(combined: dict) -> str:
+    lines = ["seed  final reward      accuracy  is_ess"]
+    for seed, r in combined["seeds"].items():
+        last = r["curve"][-1]
+        lines.append(
+            f"{seed:>4}  {last['eval_reward']:.3f} +- {last['eval_reward_ci95']:.3f}  {last['eval_accuracy']:7.1%}  {r['is_ess_mean']:.3f}"
+        )
+    reward, accuracy = combined["final_reward"], combined["final_accuracy"]
+    lines.append(
+        f"over {len(combined['seeds'])} seeds: reward {reward['mean']:.3f} (sd {reward['sd']:.3f}), "
+        f"accuracy {accuracy['mean']:.1%} (sd {accuracy['sd']:.1%}), is_ess {combined['is_ess_mean']['mean']:.3f}"
+    )
+    return "\n".join(lines)
+
+
 def report(result: dict) -> str:
     n = result["eval_questions"]
     lines = [f"held-out evaluation: {n} questions, greedy; +- is a 95% interval (1.96 standard errors)", ""]
@@ -103,29 +140,41 @@ def timing_line(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: every flag this parser does not know goes to the driver whole (--seed is not --seeds).
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=EvalConfig.model_fields["eval_size"].default)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON of results here")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="one run per seed (each in <run-dir>/seed-N), and their spread")
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4
         driver_flags = [*QUICK, *driver_flags]
+    if args.seeds and any(f == "--seed" or f.startswith("--seed=") for f in driver_flags):
+        parser.error("--seeds runs one seed per run: leave out --seed")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
-    started = time.perf_counter()
-    code = cli_main([
-        "--local", "--run-dir", str(run_dir), "--iterations", str(args.iterations),
-        "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size), *driver_flags,
-    ])  # fmt: skip
-    if code != 0:
-        return code
-    result = summarize(run_dir, time.perf_counter() - started)
-    for path in (run_dir / "learning_curve.json", *([args.out] if args.out else [])):
+    results = {}
+    for seed in args.seeds or [None]:
+        folder = run_dir if seed is None else run_dir / f"seed-{seed}"
+        started = time.perf_counter()
+        code = cli_main([
+            "--local", "--run-dir", str(folder), "--iterations", str(args.iterations),
+            "--eval-every", str(args.eval_every), "--eval-size", str(args.eval_size), *driver_flags,
+            *([] if seed is None else ["--seed", str(seed)]),
+        ])  # fmt: skip
+        if code != 0:
+            return code
+        results[seed] = summarize(folder, time.perf_counter() - started)
+        (folder / "learning_curve.json").write_text(json.dumps(results[seed], indent=2) + "\n")
+        print(report(results[seed]))
+    result = results[None] if args.seeds is None else combine(results)
+    for path in ([run_dir / "learning_curve.json"] if args.seeds else []) + ([args.out] if args.out else []):
         path.write_text(json.dumps(result, indent=2) + "\n")
-    print(report(result))
+    if args.seeds:
+        print("\n" + report_seeds(result))
     print(f"\nrun files: {run_dir}")
     return 0
 

@@ -67,3 +67,21 @@ def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
     assert "Traceback" not in done.stderr + done.stdout, (done.stdout + done.stderr)[-4000:]
     assert done.returncode in (0, 1) and out.is_file(), (done.returncode, (done.stdout + done.stderr)[-4000:])
     assert isinstance(json.loads(out.read_text()), dict)
+
+
+def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
+    import learning_curve
+
+    def result(reward: float, accuracy: float, ess: float) -> dict:
+        last = {"iteration": 20, "eval_reward": reward, "eval_reward_ci95": 0.05, "eval_accuracy": accuracy}
+        return {"curve": [{"iteration": 0, "eval_reward": 0.17, "eval_accuracy": 0.17}, last], "is_ess_mean": ess}
+
+    combined = learning_curve.combine({0: result(0.5, 0.3, 1.0), 1: result(0.3, 0.1, 0.98), 2: result(0.4, 0.2, 0.96)})
+    assert list(combined["seeds"]) == ["0", "1", "2"]
+    assert combined["final_reward"] == pytest.approx({"mean": 0.4, "sd": 0.1})
+    assert combined["final_accuracy"] == pytest.approx({"mean": 0.2, "sd": 0.1})
+    assert combined["is_ess_mean"]["mean"] == pytest.approx(0.98)
+    assert "over 3 seeds: reward 0.400 (sd 0.100)" in learning_curve.report_seeds(combined)
+    with pytest.raises(SystemExit) as stop:  # before any run starts
+        learning_curve.main(["--seeds", "0", "1", "--seed", "3"])
+    assert stop.value.code == 2
