@@ -203,23 +203,30 @@ _settings_env = settings.as_env_vars()
 # The pools given a GPU: no usable CUDA there fails the task at once (models.cuda_available).
 _gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
 
-rollout_env = flyte.TaskEnvironment(
-    name="grpo_flyte-rollout",
-    description="Warm vLLM (GPU) or transformers (CPU) generators; the engine is built once per replica.",
-    image=image,
-    resources=flyte.Resources(cpu=settings.rollout_cpu, memory=settings.rollout_memory, gpu=settings.rollout_gpu, shm="auto"),
-    secrets=_hf_token,
-    env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
-    # concurrency > 1: several generate calls run on one replica at once; the replica's batcher
-    # (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's
-    # consumer ever drives the engine.
-    reusable=flyte.ReusePolicy(
-        replicas=(settings.rollout_replicas_min, settings.rollout_replicas_max),
-        concurrency=settings.rollout_concurrency,
-        idle_ttl=300,
-        scaledown_ttl=120,
-        scope="run",  # each run its own pool: a warm engine holds one run's model and settings
-    ),
+
+def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[int, int], concurrency: int) -> flyte.TaskEnvironment:
+    """A warm pool of generators: vLLM (GPU) or transformers (CPU), the engine built once per replica.
+    concurrency > 1: several calls run on one replica at once; the replica's batcher
+    (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's consumer
+    ever drives the engine. Each run its own pool: a warm engine holds one run's model and settings."""
+    return flyte.TaskEnvironment(
+        name=name,
+        description=description,
+        image=image,
+        resources=flyte.Resources(cpu=settings.rollout_cpu, memory=memory, gpu=gpu, shm="auto"),
+        secrets=_hf_token,
+        env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
+        reusable=flyte.ReusePolicy(replicas=replicas, concurrency=concurrency, idle_ttl=300, scaledown_ttl=120, scope="run"),
+    )
+
+
+rollout_env = _engine_pool(
+    "grpo_flyte-rollout",
+    "Warm vLLM (GPU) or transformers (CPU) generators; the engine is built once per replica.",
+    settings.rollout_memory,
+    settings.rollout_gpu,
+    (settings.rollout_replicas_min, settings.rollout_replicas_max),
+    settings.rollout_concurrency,
 )
 
 reward_env = flyte.TaskEnvironment(
@@ -235,22 +242,14 @@ reward_env = flyte.TaskEnvironment(
     ),
 )
 
-judge_env = flyte.TaskEnvironment(
-    name="grpo_flyte-judge",
-    description="Warm LLM judges (the 'judge' reward): vLLM (GPU) or transformers (CPU), built once per replica.",
-    image=image,
-    resources=flyte.Resources(cpu=settings.rollout_cpu, memory=settings.judge_memory, gpu=settings.judge_gpu, shm="auto"),
-    secrets=_hf_token,
-    env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
-    # Like the generate pool: concurrent judge calls on a replica share one engine batch through
-    # its batcher (grpo_flyte.engines); the judge model loads once per replica.
-    reusable=flyte.ReusePolicy(
-        replicas=(1, settings.judge_replicas_max),
-        concurrency=settings.judge_concurrency,
-        idle_ttl=300,
-        scaledown_ttl=120,
-        scope="run",
-    ),
+# Like the generate pool; the judge model loads once per replica.
+judge_env = _engine_pool(
+    "grpo_flyte-judge",
+    "Warm LLM judges (the 'judge' reward): vLLM (GPU) or transformers (CPU), built once per replica.",
+    settings.judge_memory,
+    settings.judge_gpu,
+    (1, settings.judge_replicas_max),
+    settings.judge_concurrency,
 )
 
 train_env = flyte.TaskEnvironment(

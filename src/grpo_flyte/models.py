@@ -247,12 +247,18 @@ def load_base(model_path: str, dtype: str, load_in_4bit: bool = False, embedding
     quiet_bitsandbytes()
     from transformers import AutoModelForCausalLM
 
-    if not load_in_4bit:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
-        set_attention(model, best_device())
-        return model
+    model = (
+        _load_4bit(model_path, dtype, embeddings_in_4bit)
+        if load_in_4bit
+        else AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
+    )
+    set_attention(model, best_device())
+    return model
+
+
+def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
     import torch
-    from transformers import BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -269,7 +275,6 @@ def load_base(model_path: str, dtype: str, load_in_4bit: bool = False, embedding
         nf4_embeddings(model, torch_dtype(dtype))
     if device == "cpu":
         _keep_nf4_differentiable(model)
-    set_attention(model, best_device())
     return model
 
 
