@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -146,6 +147,61 @@ def test_sigterm_stops_like_ctrl_c_with_the_resume_command(tmp_path, tiny_model_
     assert _iterations(run_dir) == list(range(done + 2))
 
 
+# --------------------------------------------------------------------------- a user's files in the run folder
+
+# Names a user may keep in a run folder, of every shape that the clean-up of a killed writer's
+# temp files once matched by shape alone (a hidden name with a dash, `.name.*.tmp`; issue 43).
+USER_FILES = {
+    ".my-notes/notes.txt": "notes",
+    ".plot.v2.tmp": "a scratch plot",
+    ".metrics.jsonl.k2j4h1xz.tmp": "a copy of the metrics",
+    ".adapter-before-tuning/adapter_config.json": "{}",
+    ".grpo_flyte-tmp-notes/todo.txt": "the temp marker, no writer's process id",
+    "eval/.my-notes/answers.txt": "notes on the answers",
+    "eval/.iter-0001.jsonl.tmp": "a filtered copy",
+}
+
+
+def _plant_user_files(run_dir: Path) -> None:
+    for name, text in USER_FILES.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+
+
+def _user_files(run_dir: Path) -> dict[str, str | None]:
+    return {name: (run_dir / name).read_text() if (run_dir / name).is_file() else None for name in USER_FILES}
+
+
+def _temp_names(run_dir: Path) -> set[Path]:
+    """The temp files and staging folders of this package's writers anywhere in the run folder."""
+    return {p.resolve() for p in run_dir.rglob(".grpo_flyte-tmp-[0-9]*")}
+
+
+def _removed(caplog) -> set[Path]:
+    said = [r.getMessage() for r in caplog.records if r.getMessage().endswith(", left half-written by a run that was killed")]
+    return {Path(m.removeprefix("removed ").removesuffix(", left half-written by a run that was killed")) for m in said}
+
+
+def test_a_resume_removes_only_the_temp_names_of_dead_writers_of_this_package(tmp_path, tiny_model_dir, finished, caplog):
+    """A user's files of every shape the clean-up once matched survive a resume, and so does a temp
+    name whose writer still runs; a dead writer's temp file and staging folder go (issue 43)."""
+    run_dir = _copy(finished, tmp_path / "run").resolve()
+    _plant_user_files(run_dir)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True).stdout)
+    half_file = run_dir / f".grpo_flyte-tmp-{dead}-k2j4h1xz"
+    half_file.write_text('{"iteration": ')
+    half_dir = run_dir / "flyte" / "adapters" / f".grpo_flyte-tmp-{dead}-0a9b8c7d"
+    half_dir.mkdir()
+    (half_dir / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    live = run_dir / f".grpo_flyte-tmp-{os.getppid()}-zz11yy22"  # the process that started pytest
+    live.write_text("being written")
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main([*_args(tiny_model_dir, run_dir, 3), "--resume"]) == 0
+    assert _iterations(run_dir) == [0, 1, 2, 3]
+    assert _user_files(run_dir) == USER_FILES
+    assert _removed(caplog) == {half_file, half_dir} and _temp_names(run_dir) == {live}
+
+
 # --------------------------------------------------------------------------- the kill drill
 
 # (point, occurrence): spread over an iteration, the writes and publishes included
@@ -186,7 +242,7 @@ def _check_whole_files(run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("point", "nth"), KILL_POINTS, ids=[f"{p}-{n}" for p, n in KILL_POINTS])
-def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path, tiny_model_dir, point, nth):
+def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path, tiny_model_dir, point, nth, caplog):
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
@@ -194,17 +250,24 @@ def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path
     killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _check_whole_files(run_dir)
+    left = _temp_names(run_dir)
+    # a kill mid-write (a rename not done) or inside a step publishing its adapter leaves its temp file or staging folder
+    assert bool(left) == (point != "generate"), left
+    _plant_user_files(run_dir)
 
     # a kill before config.json was written left no run to resume: start it again
     again = [*args, "--resume"] if (run_dir / "config.json").exists() else args
-    assert cli_main(again) == 0
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main(again) == 0
+    assert _removed(caplog) == left  # what the kill left, and nothing else
+    assert _user_files(run_dir) == USER_FILES
     _check_whole_files(run_dir)
     assert _iterations(run_dir) == [0, 1, 2]
     state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
     assert state.iterations_done == 2 == state.history[-1].iteration
     assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == state.adapter.version
     load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
-    assert not list(run_dir.glob(".*.tmp")) and not list(run_dir.glob(".adapter-*"))
+    assert not _temp_names(run_dir)
 
 
 # With --max-staleness 1 a batch is generating while the trainer trains: kills inside that overlap.

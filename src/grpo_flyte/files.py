@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -11,6 +12,16 @@ from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# Every temp file and staging folder written here is named `.grpo_flyte-tmp-<pid>-<random>`: the
+# marker, the writer's process id and mkstemp's random part. No user names a file so, so the
+# clean-up after a kill (`leftovers`) deletes only what a writer of this package left.
+TEMP_MARKER = ".grpo_flyte-tmp-"
+_TEMP_NAME = re.compile(re.escape(TEMP_MARKER) + r"([1-9][0-9]{0,6})-\w+")  # pids stay below 2**22 on Linux
+
+
+def _temp_prefix() -> str:
+    return f"{TEMP_MARKER}{os.getpid()}-"
 
 
 def build_dir_atomic(final: Path, build: Callable[[Path], T], *, replace: bool = True) -> T:
@@ -21,7 +32,7 @@ def build_dir_atomic(final: Path, build: Callable[[Path], T], *, replace: bool =
     `final` is kept and the rename raises OSError (e.g. a concurrent builder won the race).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_temp_prefix(), dir=final.parent))
     try:
         value = build(staging)
         os.chmod(staging, 0o755)  # mkdtemp makes it private; these folders are meant to be read
@@ -44,9 +55,9 @@ def write_text_atomic(path: os.PathLike[str] | str, text: str) -> None:
 def write_bytes_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
     """`write_text_atomic` for bytes."""
     target = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(target)
+    directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_temp_prefix())
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -73,11 +84,33 @@ def _fsync_directory(directory: str) -> None:
 
 
 def leftovers(directory: Path) -> list[Path]:
-    """What `write_bytes_atomic` and `build_dir_atomic` leave in `directory` when the process dies
-    mid-write: their `.name.*.tmp` temp files and `.name-*` staging folders."""
+    """What `write_bytes_atomic` and `build_dir_atomic` left in `directory` when their process died
+    mid-write: the temp files and staging folders named with `TEMP_MARKER` whose writer no longer
+    runs. A name without the marker is never one, however temporary it looks (a user's)."""
     if not directory.is_dir():
         return []
-    return [p for p in sorted(directory.glob(".*")) if (p.is_file() and p.name.endswith(".tmp")) or (p.is_dir() and "-" in p.name)]
+    found = []
+    for path in sorted(directory.glob(TEMP_MARKER + "*")):
+        writer = _TEMP_NAME.fullmatch(path.name)
+        if writer and not _another_live_process(int(writer[1])):
+            found.append(path)
+    return found
+
+
+def _another_live_process(pid: int) -> bool:
+    """Whether a process other than this one has id `pid` (signal 0 checks, sending nothing: the
+    standard library, rather than psutil for one call). This process's own id counts as gone: it
+    has no write in flight at a clean-up, and a run restarted in a container often gets the id of
+    the one that was killed."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def unwritable(folder: Path) -> tuple[Path, str] | None:

@@ -360,10 +360,12 @@ def flyte_log_in(path: Path) -> Iterator[None]:
 
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
-    """Delete what a killed writer left half-done (`files.leftovers`) beside the run's files,
-    adapters and reports. Only the lock holder calls this."""
+    """Delete what a killed writer left half-done beside the run's files, held-out answers, checkpoint
+    and published folders (adapters, reports, payloads): only this package's temp names
+    (`files.leftovers`), never a file of the user's. Only the lock holder calls this."""
     removed = []
-    for parent in (run_dir, run_dir / EVAL_DIR, run_dir / FLYTE_DATA, run_dir / FLYTE_DATA / "adapters", run_dir / FLYTE_DATA / "reports"):
+    flyte_data = run_dir / FLYTE_DATA
+    for parent in (run_dir, run_dir / EVAL_DIR, flyte_data, flyte_data / "adapters", flyte_data / "reports", flyte_data / "payloads"):
         for path in leftovers(parent):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(path)
