@@ -497,7 +497,7 @@ def test_trl_names_set_the_same_options():
     assert (flat["truncated"], flat["scale_rewards"], flat["is_cap"]) == ("mask", "none", 3.0)
     assert flat["rewards"] == {"correct": 1.0, "tags": 0.5}
     assert make_config(mask_truncated_completions=False).train.truncated == "keep"
-    assert make_config(reward_weights=[2.0, 1.0]).scoring.rewards == {"correct": 2.0, "format": 1.0}  # the default rewards, in order
+    assert make_config(reward_weights=[2.0]).scoring.rewards == {"correct": 2.0}  # the default rewards, in order
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,11 @@ def test_score_group_called_directly_outside_flyte():
     scored = asyncio.run(score_group(*_parts(RunConfig()), group))
     assert isinstance(scored, ScoredGroup)
     assert scored.group == group
-    # in rollout order: 1.0 + 0.2, 1.0, 0.2, 0.0, 1.0 + 0.2
-    assert [p.reward for p in scored.rewards] == pytest.approx([1.2, 1.0, 0.2, 0.0, 1.2])
+    # in rollout order; the default reward is the answer alone, the format a flag beside it
+    assert [p.reward for p in scored.rewards] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert [p.correct for p in scored.rewards] == [True, True, False, False, True]
     assert [p.format for p in scored.rewards] == [True, False, True, False, True]
-    assert [p.scores for p in scored.rewards][:2] == [{"correct": 1.0, "format": 1.0}, {"correct": 1.0, "format": 0.0}]
+    assert [p.scores for p in scored.rewards][:2] == [{"correct": 1.0}, {"correct": 1.0}]
 
 
 def test_score_group_uses_the_config_weights_and_error_policy(tmp_path, monkeypatch):

@@ -55,6 +55,9 @@ def test_extract_answer(text, expected):
         ("so 5 + 7 = 12\n#### 12", "12"),
         ("#### 12. Then 99 more words", "12"),  # the first token after the marker, punctuation dropped
         ("first #### 3 then #### 5", "5"),
+        ("#### 13 + 14 = 27", "27"),  # the result of what follows the marker, not its first number
+        ("#### 12\nHope this helps!", None),  # a marker before the final line is working, not the answer
+        ("#### 12\n\n  \n", "12"),  # blank lines after it change nothing
         ("<reasoning>2 and 2</reasoning><answer> 4 </answer>", "4"),
         ("<answer>1</answer> #### 2", "1"),  # the answer tag wins over the marker
         ("no marker, 42", None),
@@ -78,7 +81,15 @@ def test_answer_span(text, expected):
         ("#### 13", "12", False),
         ("#### -5", "5", False),  # the sign matters
         ("#### 12 and then 99 more words", "12", True),
-        ("it is 42.", "42", True),  # no marked answer: the last number
+        ("it is 42.", "42", True),  # no marked answer: the final line's last number
+        # One rule for the graded answer and the format credit: the final line. The answer marked
+        # '#### 13 + 14 = 27' is 27 (graded 13 before, with full format credit); the base model's
+        # own '13 + 14 = 27' states 27 too.
+        ("#### 13 + 14 = 27", "27", True),
+        ("#### 13 + 14 = 27", "13", False),
+        ("the sum is 27\nI hope this helps!", "27", False),  # the final line states no answer
+        ("#### 27\nThat is 26 + 1", "27", False),  # the final line's number is 1
+        ("13 + 14 = 26\n#### 27", "27", True),
         ("The answer is 42 ####", "42", True),
         ("no idea", "42", False),
         # restating the question is not answering it: the last number is 14, not 13 + 14
@@ -131,6 +142,28 @@ def test_format_and_tags_rewards():
     assert tags_reward(texts) == [0.0, 1.0, 1.0, 0.5, 0.0]
 
 
+@pytest.mark.parametrize(
+    ("completion", "credited"),
+    [
+        ("#### 27", True),
+        ("13 + 14 = 27\n#### 27", True),  # working above a well-formed final line
+        ("#### 27.", True),
+        ("#### -3.5", True),
+        ("#### \\frac{3}{4}", True),
+        ("#### 27\n\n", True),
+        ("#### 13 + 14 = 27", False),  # the marker anywhere is not a well-formed answer line
+        ("#### 27 is the answer", False),
+        ("The answer: #### 27", False),
+        ("#### 27\nI hope this helps", False),  # the marker, then more text
+        ("####", False),
+        ("13 + 14 = 27", False),
+    ],
+)
+def test_format_credits_only_a_well_formed_final_answer_line(completion, credited):
+    assert format_reward([completion]) == [float(credited)]
+    assert _score([completion], answer="27")[0].format is credited  # the format metric is the same rule
+
+
 def test_length_reward_is_a_soft_penalty_over_the_last_quarter():
     # max_new_tokens=64: the window is 16 tokens, from 48 to 64
     assert length_reward(["x"] * 5, num_tokens=[10, 48, 52, 56, 64], max_new_tokens=64) == [0.0, 0.0, -0.25, -0.5, -1.0]
@@ -149,12 +182,25 @@ def _score(completions, weights=DEFAULT_REWARDS, on_error="fail", answer="12"):
     )
 
 
-def test_default_weights_reproduce_one_for_correct_plus_0_2_for_format():
-    parts = _score(["5 + 7 = 12\n#### 12", "5 + 7 = 12", "#### 13", "it is 13"])
-    assert [p.reward for p in parts] == pytest.approx([1.2, 1.0, 0.2, 0.0])
-    assert [p.correct for p in parts] == [True, True, False, False]
-    assert [p.format for p in parts] == [True, False, True, False]
-    assert parts[0].scores == {"correct": 1.0, "format": 1.0}
+def test_the_default_reward_pays_for_a_right_answer_only_and_form_is_a_metric():
+    parts = _score(["5 + 7 = 12\n#### 12", "5 + 7 = 12", "#### 13", "it is 13", "#### 5 + 7 = 13"])
+    assert [p.reward for p in parts] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert [p.correct for p in parts] == [True, True, False, False, False]
+    assert [p.format for p in parts] == [True, False, True, False, False]
+    assert parts[0].scores == {"correct": 1.0}
+
+
+def test_a_format_term_gated_on_the_answer_never_pays_form_alone():
+    """With format=0.2 one well-formed wrong answer in a group of 8 gets the advantage of one right
+    answer (the group's std scaling erases the weight: [2.47, -0.35 x 7] either way); correct_format
+    pays only a right answer on a well-formed line."""
+    group = ["#### 13"] + ["it is 13"] * 7
+    with_format = [p.reward for p in _score(group, weights={"correct": 1.0, "format": 0.2})]
+    assert with_format == pytest.approx([0.2] + [0.0] * 7)  # a wrong answer paid for its form
+    gated = [p.reward for p in _score(group, weights={"correct": 1.0, "correct_format": 0.2})]
+    assert gated == [0.0] * 8  # nothing to learn from form alone
+    right = [p.reward for p in _score(["#### 12", "5 + 7 = 12", "#### 13"], weights={"correct": 1.0, "correct_format": 0.2})]
+    assert right == pytest.approx([1.2, 1.0, 0.0])
 
 
 _counter = itertools.count()
@@ -261,7 +307,7 @@ def test_config_accepts_exactly_the_builtin_reward_functions():
     [
         (
             {"corect": 1.0},
-            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, tags, length, env, 'judge' or 'module:function'",
+            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, correct_format, tags, length, env, 'judge' or 'module:function'",
         ),
         ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
         ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),

@@ -34,7 +34,7 @@ GSM8K_DATASET = "gsm8k"
 DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 # Data files that look supported but are not (a .json array, tab-separated text, ...).
 UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
-DEFAULT_REWARDS = {"correct": 1.0, "format": 0.2}
+DEFAULT_REWARDS = {"correct": 1.0}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # Local data-parallel train processes at most (--train-processes).
 MAX_TRAIN_PROCESSES = 64
@@ -133,7 +133,7 @@ class DataConfig(_Part):
         min_length=1,
         description=(
             "The column holding the gold answer; text after a '####' (GSM8K's format) is the answer. "
-            "Needed, and must parse as math, only when the 'correct' reward is weighted."
+            "Needed, and must parse as math, only when the 'correct' or 'correct_format' reward is weighted."
         ),
     )
 
@@ -195,7 +195,7 @@ class SamplingConfig(_Part):
         description="Completion length limit in tokens; multi-turn: per model turn, and a turn cut there ends its episode "
         "(ended/turn_tokens: the environment never sees a half-written turn).",
     )
-    temperature: float = Field(0.7, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
+    temperature: float = Field(0.5, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
 
 
@@ -238,8 +238,9 @@ class RewardConfig(_Part):
     rewards: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_REWARDS),
         description=(
-            "Weighted rewards, name=weight: built-in 'correct' (math-verify equivalence, integer "
-            "fallback), 'format' (the '####' marker), 'tags' (<reasoning>/<answer>), 'length' (soft "
+            "Weighted rewards, name=weight: built-in 'correct' (the answer on the final line, math-verify "
+            "equivalence, integer fallback), 'format' (a well-formed '#### <answer>' final line, right or wrong), "
+            "'correct_format' (a right answer on such a line), 'tags' (<reasoning>/<answer>), 'length' (soft "
             "penalty near max_new_tokens), 'env' (a multi-turn environment's own reward), or 'module:function' for your own."
         ),
     )

@@ -22,7 +22,7 @@ from grpo_flyte.config import (
 )
 from grpo_flyte.errors import DatasetError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
-from grpo_flyte.reward_fns import MARKER, usable_golds
+from grpo_flyte.reward_fns import ANSWER_REWARDS, MARKER, usable_golds
 from grpo_flyte.types import Example, Message
 
 logger = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ def load_dataset_id(
 def load_rows(config: RunConfig) -> list[Example]:
     """The rows of the config's dataset when it is a file, a folder or a Hub id, each prompt once."""
     data, timeout_s = config.data, config.scoring.reward_timeout_s
-    need = "correct" in config.scoring.rewards
+    need = any(name in ANSWER_REWARDS for name in config.scoring.rewards)
     if is_file_dataset(data.dataset):
         rows = load_file(data.dataset, data.question_column, data.answer_column, timeout_s, need)
     else:

@@ -56,6 +56,8 @@ _ANY_DIGIT = re.compile(r"\d")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _TAGGED = re.compile(r"\s*<reasoning>.+?</reasoning>\s*<answer>.+?</answer>\s*", re.DOTALL)
 _TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+# The final line of a completion that marks its answer well: '#### 27', '#### -3.5.', '#### \\frac{3}{4}'.
+_WELL_FORMED = re.compile(r"####[ \t]*[^\s=]+?\.?")
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -63,13 +65,15 @@ RewardFn = Callable[..., Sequence[float]]
 # --------------------------------------------------------------------------- answers
 
 
-def extract_answer(completion: str) -> str | None:
-    """The integer after the last '####', else the last integer in the text; None if there is none."""
-    if MARKER in completion:
-        match = _INTEGER.search(completion.rsplit(MARKER, 1)[1])
+def extract_answer(text: str) -> str | None:
+    """The integer after the last '####', else the last integer in the text; None if there is none.
+
+    The integer fallback of `is_correct`, applied to the answer a completion states (`final_answer`)."""
+    if MARKER in text:
+        match = _INTEGER.search(text.rsplit(MARKER, 1)[1])
         if match:
             return normalize_integer(match.group(0))
-    numbers = _INTEGER.findall(completion)
+    numbers = _INTEGER.findall(text)
     return normalize_integer(numbers[-1]) if numbers else None
 
 
@@ -97,29 +101,49 @@ def plain_number(text: str) -> str:
     return text
 
 
+def final_line(completion: str) -> str:
+    """The completion's last line that is not blank, stripped ('' for a blank completion)."""
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def answer_span(completion: str) -> str | None:
-    """Where a completion states its answer: the last <answer>...</answer>, else the first token
-    after the last '####' (trailing punctuation dropped); None when it states none."""
+    """Where a completion marks its answer: the last <answer>...</answer>; else the final line's
+    '####' answer (see `final_answer`); None when it marks none.
+
+    Only the final line counts: '#### 5' followed by more text is not the answer the completion
+    ends on, and a marker earlier in the text is working, not the answer."""
     tagged = _ANSWER_TAG.findall(completion)
     if tagged and tagged[-1].strip():
         return tagged[-1].strip()
-    if MARKER in completion:
-        tail = completion.rsplit(MARKER, 1)[1].split()
-        if tail and tail[0].rstrip(".,;:!"):
-            return tail[0].rstrip(".,;:!")
+    line = final_line(completion)
+    if MARKER not in line:
+        return None
+    # '#### 13 + 14 = 27' states 27: the result of what follows the marker, not its first number
+    tail = line.rsplit(MARKER, 1)[1].rsplit("=", 1)[-1].split()
+    if tail and tail[0].rstrip(".,;:!"):
+        return tail[0].rstrip(".,;:!")
     return None
 
 
 def final_answer(completion: str) -> str | None:
-    """The answer a completion states: its `answer_span`, else its last number; None if neither.
+    """The answer a completion states, by one rule: its `answer_span` (the <answer> tag, or the
+    final line's '####' answer), else the last number of its final line; None if neither.
 
-    Never the whole text: a completion that only restates the question ('13 + 14 =') states no
-    result, and its last number (14) is what it is judged on."""
+    The final line, never the whole text: a completion that ends on a restated question
+    ('13 + 14 =') states no result, and its last number (14) is what it is judged on; one that ends
+    on other words ('Hope this helps!') states none."""
     span = answer_span(completion)
     if span is not None:
         return span
-    numbers = _NUMBER.findall(completion)
+    numbers = _NUMBER.findall(final_line(completion))
     return numbers[-1].rstrip(",") if numbers else None
+
+
+def well_formed(completion: str) -> bool:
+    """Whether the completion ends on a well-formed answer line: '#### <answer>' and nothing else
+    on its final line (a trailing period allowed), the line `final_answer` reads."""
+    return _WELL_FORMED.fullmatch(final_line(completion)) is not None
 
 
 def _parse_math(text: str) -> list:
@@ -144,8 +168,8 @@ def gold_is_usable(answer: str) -> bool:
 def is_correct(completion: str, answer: str) -> bool:
     """Whether the answer the completion states equals the gold answer.
 
-    The stated answer is `final_answer`'s: the <answer> tag, else what follows the last '####',
-    else the last number; a completion that states none is wrong. math-verify compares it
+    The stated answer is `final_answer`'s: the <answer> tag, else the final line's '####' answer,
+    else the final line's last number; a completion that states none is wrong. math-verify compares it
     numerically and symbolically: 72 = 72.0, 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000, 1e3 = 1000;
     digits of other scripts count as digits. When math-verify finds no expression on either side,
     the plain integer match decides.
@@ -172,8 +196,17 @@ def correct_reward(completions: list[str], *, answer: str, **_: Any) -> list[flo
 
 
 def format_reward(completions: list[str], **_: Any) -> list[float]:
-    """1 when the completion contains the '####' answer marker, else 0."""
-    return [float(MARKER in c) for c in completions]
+    """1 when the completion ends on a well-formed '#### <answer>' line (`well_formed`), else 0.
+
+    Form alone, right or wrong: weighted beside 'correct' it pays a wrong but well-formed answer
+    (see the README on why the default leaves it out)."""
+    return [float(well_formed(c)) for c in completions]
+
+
+def correct_format_reward(completions: list[str], *, answer: str, **_: Any) -> list[float]:
+    """1 when the answer is right and stated on a well-formed '#### <answer>' final line, else 0:
+    a format term that only a right answer earns, so form alone never pays."""
+    return [float(well_formed(c) and is_correct(c, answer)) for c in completions]
 
 
 def tags_reward(completions: list[str], **_: Any) -> list[float]:
@@ -200,11 +233,14 @@ def env_reward(completions: list[str], *, env_rewards: Sequence[float | None] = 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "correct": correct_reward,
     "format": format_reward,
+    "correct_format": correct_format_reward,
     "tags": tags_reward,
     "length": length_reward,
     "env": env_reward,
 }
 BUILTIN_REWARDS = tuple(REWARD_FUNCTIONS)
+# The built-in rewards that compare with the gold answer: every row needs a usable one.
+ANSWER_REWARDS = ("correct", "correct_format")
 # The LLM judge's reward: not a function of this module but a model on a pool of its own
 # (grpo_flyte.judge); the driver adds its scores to the other rewards'.
 JUDGE_REWARD = "judge"
@@ -488,7 +524,7 @@ def score_completions(
             RewardParts(
                 reward=sum(weights[name] * score for name, score in applied.items()),
                 correct=correct[i],
-                format=MARKER in c,
+                format=well_formed(c),
                 scores=applied,
                 errors=[name for name in weights if failures[name][i]],
             )

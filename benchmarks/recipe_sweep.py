@@ -1,0 +1,138 @@
+"""How the default recipe was chosen: a sweep of one setting at a time around a center, each cell over seeds.
+
+Every cell is `learning_curve.py`'s run (the embedded SmolLM2-135M-Instruct, the arithmetic task,
+20 iterations of 8 prompts x 8 completions, 200 held-out questions before training and every 5
+iterations) with the center's settings and one change. A cell's figure is over its seeds, never
+one run: the mean paired accuracy gain with its t-interval over the seeds, the worst seed's gain,
+the lowest held-out accuracy any seed saw during its run, and how many seeds pass the gate
+(`learning_curve.gate_failures` at +10 points).
+
+    python benchmarks/recipe_sweep.py                         # every cell, seeds 0 1 2, two runs at a time
+    python benchmarks/recipe_sweep.py --cells center lr=2e-4  # some cells
+    python benchmarks/recipe_sweep.py --run-dir runs/sweep    # reuses the runs a folder already holds
+    python benchmarks/recipe_sweep.py --quick                 # the plumbing: 2 cells, 1 seed, tiny runs
+
+The center is RunConfig's default recipe, written out here so that the table keeps its meaning
+when a default changes. Writes benchmarks/recipe_sweep.json (every run's curve) and prints the
+table that docs/measurements.md holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, combine, driver_args, run_parallel, summarize
+
+# The default recipe (RunConfig's defaults), the sweep's center: flag -> value.
+CENTER = {
+    "--rewards": "correct=1.0", "--temperature": "0.5", "--learning-rate": "5e-4", "--lr-scheduler-type": "constant",
+    "--warmup-ratio": "0", "--loss-type": "grpo", "--scale-rewards": "group", "--max-new-tokens": "64",
+}  # fmt: skip
+# Each cell: the flags whose values differ from the center's.
+CELLS: dict[str, dict[str, str]] = {
+    "center": {},
+    "temperature=0.3": {"--temperature": "0.3"},
+    "temperature=0.7": {"--temperature": "0.7"},
+    "lr=2e-4": {"--learning-rate": "2e-4"},
+    "lr=1e-3": {"--learning-rate": "1e-3"},
+    "cosine, warmup 0.1": {"--lr-scheduler-type": "cosine", "--warmup-ratio": "0.1"},
+    "loss dr_grpo": {"--loss-type": "dr_grpo", "--scale-rewards": "none"},
+    "loss dapo": {"--loss-type": "dapo"},
+    "+format=0.2": {"--rewards": "correct=1.0,format=0.2"},
+    "+correct_format=0.2": {"--rewards": "correct=1.0,correct_format=0.2"},
+    "max_new_tokens=32": {"--max-new-tokens": "32"},
+    "max_new_tokens=128": {"--max-new-tokens": "128"},
+    "old recipe (format=0.2, temperature=0.7)": {"--rewards": "correct=1.0,format=0.2", "--temperature": "0.7"},
+}
+SEEDS = (0, 1, 2)
+GATE_GAIN = 0.10
+
+
+def cell_flags(cell: str) -> list[str]:
+    """The driver flags of a cell: the center's, with the cell's values in their place (each flag once:
+    a dict flag given twice would merge, not replace)."""
+    return [part for name, value in {**CENTER, **CELLS[cell]}.items() for part in (name, value)]
+
+
+def folder_name(cell: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in cell)
+
+
+def table(cells: dict[str, dict]) -> str:
+    lines = [
+        "| cell | seeds | paired accuracy gain (mean +- t-interval) | worst seed | lowest held-out accuracy seen | final accuracy | seeds passing the gate |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for cell, c in cells.items():
+        gain, low, final = c["accuracy_gain"], c["lowest_eval_accuracy"], c["final_accuracy"]
+        n = len(c["seeds"])
+        starts = {r["curve"][0]["eval_accuracy"] for r in c["seeds"].values()}
+        start = f" (start {min(starts):.1%})" if len(starts) == 1 else ""
+        ci = f" +- {gain['ci95']:.1%}" if gain["ci95"] is not None else ""
+        passing = n - len(c["gate"]["failures"])
+        lines.append(
+            f"| {cell} | {n} | {gain['mean']:+.1%}{ci} | {gain['min']:+.1%} | {low['min']:.1%}{start} | {final['mean']:.1%} | {passing}/{n} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _common.parser(__doc__, "recipe_sweep.json")
+    p.add_argument("--cells", nargs="+", default=None, choices=list(CELLS), metavar="CELL", help="default: every cell")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time, each a process with its share of the cores")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder; a run already there is reused")
+    args = p.parse_args(argv)
+    cells = args.cells or list(CELLS)
+    iterations, eval_every, eval_size, extra = ITERATIONS, EVAL_EVERY, EVAL_SIZE, []
+    if args.quick:
+        cells, args.seeds = cells[:2], args.seeds[:1]
+        iterations, eval_every, eval_size, extra = 2, 1, 4, QUICK
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-"))
+    settings = argparse.Namespace(iterations=iterations, eval_every=eval_every, eval_size=eval_size)
+    jobs, folders = [], {}
+    for cell in cells:
+        for seed in args.seeds:
+            folder = folders[cell, seed] = run_dir / folder_name(cell) / f"seed-{seed}"
+            if not (folder / "learning_curve.json").exists():
+                jobs.append((f"{cell} seed {seed}", folder, driver_args(folder, settings, [*cell_flags(cell), *extra], seed)))
+    print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, {len(jobs)} runs to make, {args.jobs} at a time; runs in {run_dir}")
+    _common.flush()
+    started = time.perf_counter()
+    walls = run_parallel(jobs, args.jobs)
+    results = {}
+    for cell in cells:
+        per_seed = {}
+        for seed in args.seeds:
+            folder = folders[cell, seed]
+            label = f"{cell} seed {seed}"
+            if label in walls:
+                (folder / "learning_curve.json").write_text(json.dumps(summarize(folder, walls[label]), indent=2) + "\n")
+            per_seed[seed] = json.loads((folder / "learning_curve.json").read_text())
+        results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
+    print("\n" + table(results))
+    print(f"\n{(time.perf_counter() - started) / 60:.1f} min; runs in {run_dir}")
+    _common.write_result(
+        _common.out_file(args),
+        {
+            "benchmark": "recipe_sweep",
+            "machine": _common.machine(),
+            "iterations": iterations,
+            "eval_every": eval_every,
+            "eval_size": eval_size,
+            "center": CENTER,
+            "gate_gain": GATE_GAIN,
+            "cells": results,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
