@@ -122,7 +122,7 @@ def flush() -> None:
 
 
 def arithmetic_reward(completion: str, answer: str) -> float:
-    """The default reward (correct=1.0, format=0.2) of one completion, as the score_group task gives it."""
+    """The default reward (RunConfig's `rewards`) of one completion, as the score_group task gives it."""
     from grpo_flyte.config import DEFAULT_REWARDS
     from grpo_flyte.reward_fns import Group, score_completions
 

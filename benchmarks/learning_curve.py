@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON of results here")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="one run per seed (each in <run-dir>/seed-N), and their spread")
     parser.add_argument("--jobs", type=int, default=1, help="with --seeds: runs at a time, each a process with its share of the cores")
-    parser.add_argument("--gate", type=float, default=None, metavar="GAIN", help="with --seeds: check the gate (see above); exit 1 if a seed fails")
+    parser.add_argument(
+        "--gate", type=float, default=None, metavar="GAIN", help="with --seeds: check the gate (see above); exit 1 if a seed fails"
+    )
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4

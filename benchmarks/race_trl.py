@@ -1,10 +1,12 @@
 """Time-to-accuracy race: grpo_flyte --local against TRL's GRPOTrainer, the same wall-clock budget each.
 
-Both sides train the embedded SmolLM2-135M-Instruct on the arithmetic task with the same rewards
-(correct=1.0, format=0.2) and, where both have them, the same settings: 8 prompts x 8 completions a
-step, learning rate 5e-4 (constant), LoRA r=16 alpha=32 on q/k/v/o, temperature 0.7, top-p 1, 64 new
-tokens, no KL term, the per-sequence GRPO loss (TRL's loss_type='grpo'), epsilon 0.2, gradient
-clip 1.0. One side runs after the other on the same machine:
+Both sides train the embedded SmolLM2-135M-Instruct on the arithmetic task with the same reward
+(grpo_flyte's default: the answer alone, `correct=1.0`) and, where both have them, the same
+settings (grpo_flyte's defaults): 8 prompts x 8 completions a step, the default learning rate
+(constant, no warm-up), LoRA r=16 alpha=32 on q/k/v/o, the default temperature, top-p 1, 64 new
+tokens, no KL term, the per-sequence GRPO loss (TRL's loss_type='grpo'), epsilon 0.2, gradient clip
+1.0. One side runs after the other on the same machine, once per seed (`--seeds`: the end point of
+one run moves with its seed, so the race reports each seed and the mean and worst over them):
 - grpo_flyte: `python -m grpo_flyte.driver --local` in a subprocess, killed when the budget is
   spent; its adapter is the newest version in the run folder (the last iteration finished in time).
 - TRL: GRPOTrainer in this process with TRL's fastest settings on this CPU (vs_trl.py's: bfloat16
@@ -25,9 +27,9 @@ Settings that could not be matched, and why:
 - grpo_flyte corrects each token by the generator/trainer importance weight; TRL does so only with
   vLLM generation, which this CPU comparison does not use.
 
-    python benchmarks/race_trl.py                  # 15 minutes a side, 100 held-out questions
-    python benchmarks/race_trl.py --budget-min 5   # a shorter race
-    python benchmarks/race_trl.py --quick          # seconds a side, tiny steps, 4 questions
+    python benchmarks/race_trl.py                  # 10 minutes a side, seeds 0 1 2, 200 held-out questions
+    python benchmarks/race_trl.py --budget-min 5 --seeds 0   # a shorter race
+    python benchmarks/race_trl.py --quick          # seconds a side, tiny steps, 4 questions, one seed
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ from grpo_flyte.models import embedded_model_dir, fast_bfloat16, resolve_dtype
 from grpo_flyte.torch_thread import on_torch_thread
 
 POLL_S = 0.5
+EVAL_SIZE = 200
+SEEDS = (0, 1, 2)
 
 
 def race_config(quick: bool, seed: int) -> RunConfig:
     """The shared settings (grpo_flyte's defaults are the race's)."""
     sizes = {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8, "min_informative_groups": 0} if quick else {}
-    return RunConfig(iterations=1, eval_size=4 if quick else 100, seed=seed, beta=0.0, lr_scheduler_type="constant", **sizes)
+    return RunConfig(iterations=1, eval_size=4 if quick else EVAL_SIZE, seed=seed, beta=0.0, lr_scheduler_type="constant", **sizes)
 
 
 def grpo_flyte_side(config: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
@@ -237,10 +241,59 @@ def summary(before: list[tuple[float, bool]], after: list[tuple[float, bool]], s
     }
 
 
+def race_seed(quick: bool, seed: int, budget_s: float, before: list[tuple[float, bool]] | None) -> tuple[dict[str, Any], list]:
+    """One seed's race: both sides, then one evaluator on the untrained adapter (unless `before` is
+    given: it is the same for every seed) and both trained ones."""
+    config = race_config(quick, seed)
+    work = Path(tempfile.mkdtemp(prefix="grpo_flyte-race-"))
+    try:
+        print(f"seed {seed}: grpo_flyte ...")
+        _common.flush()
+        ours = grpo_flyte_side(config, budget_s, work)
+        print(f"  {ours['steps']} steps in {ours['seconds']:.0f} s")
+        print(f"seed {seed}: TRL ...")
+        _common.flush()
+        theirs = on_torch_thread(trl_side, config, budget_s, work)
+        print(f"  {theirs['steps']} steps in {theirs['seconds']:.0f} s")
+        adapters = {"grpo_flyte": ours["adapter"], "trl": theirs["adapter"]}
+        if before is None:
+            adapters["untrained"] = untrained_adapter(config, work / "v0000")
+        scores = on_torch_thread(evaluate, config, adapters)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    before = scores.get("untrained", before)
+    result = {side: summary(before, scores[side], run) for side, run in (("grpo_flyte", ours), ("trl", theirs))}
+    diff, diff_ci = mean_ci95([float(a[1]) - float(b[1]) for a, b in zip(scores["grpo_flyte"], scores["trl"], strict=True)])
+    result.update(paired_accuracy_diff=diff, paired_accuracy_diff_ci95=diff_ci)
+    verdict = "grpo_flyte ahead" if diff > 0 else "TRL ahead" if diff < 0 else "a tie"
+    interval = "no interval" if diff_ci is None or math.isnan(diff_ci) else f"+- {diff_ci:.3f}"
+    print(
+        f"seed {seed}: held-out accuracy after {budget_s / 60:.1f} min: grpo_flyte {result['grpo_flyte']['accuracy_after']:.1%} "
+        f"({result['grpo_flyte']['steps']} steps), TRL {result['trl']['accuracy_after']:.1%} ({result['trl']['steps']} steps), "
+        f"before {result['trl']['accuracy_before']:.1%}; paired difference {diff:+.3f} {interval} ({verdict})"
+    )
+    return result, before
+
+
+def over_seeds(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Each side's held-out accuracy after the race, and the paired difference: mean and worst seed."""
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+    return {
+        "grpo_flyte_accuracy_after": spread([r["grpo_flyte"]["accuracy_after"] for r in per_seed.values()]),
+        "trl_accuracy_after": spread([r["trl"]["accuracy_after"] for r in per_seed.values()]),
+        "paired_accuracy_diff": spread([r["paired_accuracy_diff"] for r in per_seed.values()]),
+        "grpo_flyte_steps": spread([r["grpo_flyte"]["steps"] for r in per_seed.values()]),
+        "trl_steps": spread([r["trl"]["steps"] for r in per_seed.values()]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "race_trl.json")
-    p.add_argument("--budget-min", type=float, default=15.0, help="wall-clock minutes per side (default 15)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-min", type=float, default=10.0, help="wall-clock minutes per side (default 10)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="one race per seed (default 0 1 2)")
     args = p.parse_args(argv)
     _common.quiet_logs()
     try:
@@ -249,39 +302,23 @@ def main(argv: list[str] | None = None) -> int:
         print("TRL is not installed: pip install 'grpo-flyte[bench]'")
         return 1
     budget_s = 10.0 if args.quick else args.budget_min * 60
-    config = race_config(args.quick, args.seed)
-    work = Path(tempfile.mkdtemp(prefix="grpo_flyte-race-"))
+    seeds = args.seeds[:1] if args.quick else args.seeds
+    config = race_config(args.quick, seeds[0])
     print(
-        f"race: {budget_s / 60:.1f} min a side; {config.prompts_per_iter} prompts x {config.sampling.group_size} completions a step, "
-        f"{config.sampling.max_new_tokens} new tokens; {config.evaluation.eval_size} held-out questions; TRL {trl.__version__}"
+        f"race: {budget_s / 60:.1f} min a side, seeds {' '.join(map(str, seeds))}; {config.prompts_per_iter} prompts x "
+        f"{config.sampling.group_size} completions a step, {config.sampling.max_new_tokens} new tokens; "
+        f"{config.evaluation.eval_size} held-out questions; TRL {trl.__version__}"
     )
-    try:
-        machine = _common.machine()
-        print("grpo_flyte ...")
-        _common.flush()
-        ours = grpo_flyte_side(config, budget_s, work)
-        print(f"  {ours['steps']} steps in {ours['seconds']:.0f} s")
-        print("TRL ...")
-        _common.flush()
-        theirs = on_torch_thread(trl_side, config, budget_s, work)
-        print(f"  {theirs['steps']} steps in {theirs['seconds']:.0f} s")
-        scores = on_torch_thread(
-            evaluate,
-            config,
-            {"untrained": untrained_adapter(config, work / "v0000"), "grpo_flyte": ours["adapter"], "trl": theirs["adapter"]},
-        )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-    before = scores["untrained"]
-    result = {side: summary(before, scores[side], run) for side, run in (("grpo_flyte", ours), ("trl", theirs))}
-    diff, diff_ci = mean_ci95([float(a[1]) - float(b[1]) for a, b in zip(scores["grpo_flyte"], scores["trl"], strict=True)])
-    verdict = "grpo_flyte ahead" if diff > 0 else "TRL ahead" if diff < 0 else "a tie"
-    interval = "no interval" if diff_ci is None or math.isnan(diff_ci) else f"+- {diff_ci:.3f}"
+    machine = _common.machine()
+    per_seed, before = {}, None
+    for seed in seeds:
+        per_seed[seed], before = race_seed(args.quick, seed, budget_s, before)
+    spread = over_seeds(per_seed)
+    ours, theirs, diff = spread["grpo_flyte_accuracy_after"], spread["trl_accuracy_after"], spread["paired_accuracy_diff"]
     print(
-        f"\nheld-out accuracy after {budget_s / 60:.1f} min: grpo_flyte {result['grpo_flyte']['accuracy_after']:.1%} "
-        f"({result['grpo_flyte']['steps']} steps), TRL {result['trl']['accuracy_after']:.1%} ({result['trl']['steps']} steps), "
-        f"before {result['trl']['accuracy_before']:.1%}; paired difference {diff:+.3f} {interval} ({verdict})"
+        f"\nover {len(seeds)} seeds, held-out accuracy after {budget_s / 60:.1f} min: grpo_flyte mean {ours['mean']:.1%} "
+        f"(worst seed {ours['min']:.1%}), TRL mean {theirs['mean']:.1%} (best seed {theirs['max']:.1%}); paired difference "
+        f"mean {diff['mean']:+.3f}, worst seed {diff['min']:+.3f}"
     )
     _common.write_result(
         _common.out_file(args),
@@ -291,10 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             "trl_version": trl.__version__,
             "budget_s": budget_s,
             "config": config.flat(),
-            "grpo_flyte": result["grpo_flyte"],
-            "trl": result["trl"],
-            "paired_accuracy_diff": diff,
-            "paired_accuracy_diff_ci95": diff_ci,
+            "seeds": {str(seed): r for seed, r in per_seed.items()},
+            **spread,
         },
     )
     return 0

@@ -1,7 +1,7 @@
 """Trainer throughput: grpo_flyte's GRPO step vs a bare forward/backward of the same tokens.
 
 One realistic batch first: the embedded SmolLM2-135M-Instruct (bfloat16) samples 8 prompts x 8
-completions (up to 64 new tokens, temperature 0.7) with grpo_flyte's generator, as iteration 0 of
+completions (up to 64 new tokens, the default temperature) with grpo_flyte's generator, as iteration 0 of
 a default run does. Every rollout becomes a training sequence; the advantage of a rollout in a
 group that scored all alike is set to +-1 (the step costs the same whatever the advantages are,
 and a realistic step trains on every informative rollout). Then, alternately:
