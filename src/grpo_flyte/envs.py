@@ -40,7 +40,13 @@ class DeploySettings(BaseSettings):
             "data-parallel over them, one process per GPU (flyteplugins-pytorch's Elastic)."
         ),
     )
-    train_nodes: int = Field(1, description="Nodes the train step runs over, each with train_gpu (above 1: a PyTorchJob through Elastic).")
+    train_nodes: int = Field(
+        1,
+        description=(
+            "Nodes the train step runs over, each with train_gpu; only 1 for now (flyteplugins-pytorch 2.12 loses the "
+            "step's result over several: see train_settings_problem)."
+        ),
+    )
     rollout_replicas_min: int = Field(1, ge=1, description="Warm generate replicas kept at least.")
     rollout_replicas_max: int = Field(4, ge=1, description="Generate replicas at most.")
     rollout_concurrency: int = Field(
@@ -113,8 +119,18 @@ def train_settings_problem(settings: DeploySettings) -> str | None:
         return (
             f"{prefix}TRAIN_GPU={settings.train_gpu!r}: not a GPU count flyte.Resources (and so the train plugin) accepts; expected {hint}"
         )
-    if settings.train_nodes < 1:
-        return f"{prefix}TRAIN_NODES={settings.train_nodes}: expected 1 or more"
+    if settings.train_nodes != 1:
+        # An Elastic task over several nodes is a PyTorchJob whose every pod runs the task: the
+        # plugin returns None on a pod that ran no rank 0 (flyteplugins/pytorch/task.py: `out[0] if 0
+        # in out else None`), and flyte skips the output upload only for clustered workers, not for
+        # an elastic agent (flyte/_internal/runtime/io.py: upload_outputs), so each pod writes the
+        # task's outputs and the last one wins. An open flyte-sdk pull request makes such a pod
+        # write nothing; until it ships, one node.
+        return (
+            f"{prefix}TRAIN_NODES={settings.train_nodes}: expected 1; the train step runs on one node (up to 8 GPUs, e.g. "
+            f"{prefix}TRAIN_GPU=A100:8), because over several nodes flyteplugins-pytorch 2.12 lets a pod without "
+            "rank 0 write None as the step's result"
+        )
     return None
 
 
