@@ -428,31 +428,31 @@ _DIST_PROBE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("gpu", "nodes", "task_type"), [("A100:4", 1, "python-task"), ("L4:2", 1, "python-task")])
-def test_several_train_gpus_serialize_an_elastic_train_step(gpu, nodes, task_type):
+def test_several_train_gpus_serialize_an_elastic_train_step():
     """GRPO_FLYTE_TRAIN_GPU=A100:4: one node is an ordinary pod that runs torch's elastic launcher
     with 4 processes (the plugin's choice; several nodes are refused before submitting, see
-    test_cli). The image is the one the other pools use, carrying the plugin; init_adapter and
+    test_cli), with memory for each process (12Gi each: 48Gi) and disk for one download of the
+    base. The image is the one the other pools use, carrying the plugin; init_adapter and
     merge_adapter stay on the warm pool with one GPU."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
-    env.update(GRPO_FLYTE_TRAIN_GPU=gpu, GRPO_FLYTE_TRAIN_NODES=str(nodes))
+    env.update(GRPO_FLYTE_TRAIN_GPU="A100:4")
     proc = subprocess.run(
         [sys.executable, "-c", _DIST_PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    count = int(gpu.split(":")[1])
     step = out["grpo_flyte-train-dist.train_step_distributed"]
-    assert step["type"] == task_type and step["retries"] == 2
+    assert step["type"] == "python-task" and step["retries"] == 2
     elastic = step["custom"]["elasticConfig"]
-    assert elastic["nprocPerNode"] == count and elastic["minReplicas"] == elastic["maxReplicas"] == nodes
-    assert elastic.get("maxRestarts", 0) == 0 and step["custom"]["workerReplicas"]["replicas"] == nodes
-    assert {r["name"]: r["value"] for r in step["resources"]["requests"]}["GPU"] == str(count)
+    assert elastic["nprocPerNode"] == 4 and elastic["minReplicas"] == elastic["maxReplicas"] == 1
+    assert elastic.get("maxRestarts", 0) == 0 and step["custom"]["workerReplicas"]["replicas"] == 1
+    requests = {r["name"]: r["value"] for r in step["resources"]["requests"]}
+    assert (requests["GPU"], requests["CPU"], requests["MEMORY"], requests["EPHEMERAL_STORAGE"]) == ("4", "12", "48Gi", "50Gi")
     assert "mod" in step["args"] and "grpo_flyte.trainer" in step["args"] and "train_step_distributed" in step["args"]
     assert step["image"] == out["grpo_flyte-train.init_adapter"]["image"] == out["grpo_flyte-driver.train_rl"]["image"]
     assert "flyteplugins-pytorch" in out["layers"]
-    warm = out["grpo_flyte-train.init_adapter"]
-    assert {r["name"]: r["value"] for r in warm["resources"]["requests"]}["GPU"] == "1"
+    warm = {r["name"]: r["value"] for r in out["grpo_flyte-train.init_adapter"]["resources"]["requests"]}
+    assert (warm["GPU"], warm["MEMORY"], warm["EPHEMERAL_STORAGE"]) == ("1", "12Gi", "50Gi")
     assert "grpo_flyte-train-dist" in out["depends_on"]  # in the run's image cache
 
 

@@ -499,6 +499,32 @@ def test_merging_a_4bit_adapter_uses_the_16bit_base(tmp_path, llama32_dir):
     assert torch.allclose(merged[key], base[key] + scale * (b @ a), atol=1e-6)
 
 
+@pytest.mark.parametrize("four_bit", [False, True], ids=["16-bit", "4-bit"])
+def test_the_base_loads_straight_onto_the_device_not_whole_into_cpu_memory_first(llama32_dir, monkeypatch, four_bit):
+    """Each process of a multi-GPU train step loads the base at once in one pod: transformers must
+    place the weights on the process's device as it reads them (device_map), not build the whole
+    model in CPU memory and move it (`.to(device)` after loading: a base copy per process in the
+    pod's memory)."""
+    import transformers
+
+    from grpo_flyte.models import best_device, load_base
+
+    asked = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    moved = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    base = load_base(str(llama32_dir), "float32", load_in_4bit=four_bit)
+    device = torch.cuda.current_device() if best_device() == "cuda" else "cpu"
+    assert asked == [{"": device}] and moved == []
+    assert {p.device.type for p in base.parameters()} == {best_device()}
+
+
 def _rank_step(kwargs: dict):
     """One process of the cluster's train step (train_step_distributed without the upload)."""
     import asyncio

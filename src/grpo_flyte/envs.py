@@ -73,7 +73,19 @@ class DeploySettings(BaseSettings):
         description="Concurrent judge calls per replica; the replica's batcher puts them in one engine batch (at least 2).",
     )
     judge_memory: str = "12Gi"
-    train_memory: str = "12Gi"
+    train_memory: str = Field(
+        "12Gi",
+        description=(
+            "Memory of the train pod, per train GPU: a multi-GPU train step runs one process per GPU, so its pod "
+            "asks for this times the GPU count."
+        ),
+    )
+    train_disk: str = Field(
+        "50Gi",
+        description=(
+            "Local disk of a train pod: the base model's download (once per pod), the adapters and, with --export-merged, the merged model."
+        ),
+    )
     hf_token_secret: str | None = Field(
         None,
         description=(
@@ -137,6 +149,14 @@ def train_settings_problem(settings: DeploySettings) -> str | None:
 def train_world_size(settings: DeploySettings) -> int:
     """Processes of a cluster train step: one per train GPU, on every train node."""
     return gpu_count(settings.train_gpu) * settings.train_nodes
+
+
+def times(quantity: str, count: int) -> str:
+    """A Kubernetes quantity `count` times over: ('12Gi', 4) -> '48Gi'."""
+    number = quantity.rstrip("KMGTPEi")
+    unit = quantity[len(number) :]
+    value = float(number) * count
+    return f"{int(value) if value.is_integer() else value}{unit}"
 
 
 def _one_of(gpu: str) -> str:
@@ -273,7 +293,9 @@ train_env = flyte.TaskEnvironment(
     description="LoRA adapter initialization and GRPO optimizer steps.",
     image=image,
     # with several train GPUs, train_dist_env takes the steps: this pool keeps one for the rest
-    resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), shm="auto"),
+    resources=flyte.Resources(
+        cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), disk=settings.train_disk, shm="auto"
+    ),
     secrets=_hf_token,
     env_vars=_gpu_env,
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
@@ -295,7 +317,15 @@ if train_problem is None and train_world_size(settings) > 1:
         name="grpo_flyte-train-dist",
         description="The GRPO train step, data-parallel over the train GPUs (and nodes).",
         image=image,
-        resources=flyte.Resources(cpu=settings.train_cpu * gpu_count(_train_gpu), memory=settings.train_memory, gpu=_train_gpu, shm="auto"),
+        # one process per GPU: CPU and memory for each (each loads the base straight onto its GPU,
+        # models.load_base); one download of the base for the pod (storage.NodeDirCache)
+        resources=flyte.Resources(
+            cpu=settings.train_cpu * gpu_count(_train_gpu),
+            memory=times(settings.train_memory, gpu_count(_train_gpu)),
+            gpu=_train_gpu,
+            disk=settings.train_disk,
+            shm="auto",
+        ),
         secrets=_hf_token,
         env_vars=_gpu_env,
         # no restarts of the worker group: a failed step fails the task, and the task's retries run it again

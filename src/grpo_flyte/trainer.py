@@ -24,7 +24,7 @@ from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConf
 from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import AdapterError, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
-from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
+from grpo_flyte.storage import from_payload, is_remote, node_cache, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
@@ -200,6 +200,8 @@ _warm = WarmOptimizer()
 _model_dirs = replica_cache("train-models", capacity=1)
 _payload_dirs = replica_cache("train-payloads", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
+# The processes of a data-parallel step (one pod, one per GPU) share one download of each folder.
+_node_dirs = node_cache("train-step")
 
 
 @train_env.task(retries=2)
@@ -740,11 +742,11 @@ async def rank_step(
     take the step (`train_rank`); rank 0 writes the adapter into `out` and returns the result
     (its adapter names `out`), the others None."""
     started = time.perf_counter()
-    model_path = await _model_dirs.get(base_model)
+    model_path = await _node_dirs.get(base_model)
     fetched = time.perf_counter()
-    adapter_path = await _adapter_dirs.get(adapter.dir)
+    adapter_path = await _node_dirs.get(adapter.dir)
     download_s = time.perf_counter() - fetched
-    scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
+    scored = await from_payload(scored, scored_payload, ScoredGroup, _node_dirs)
     sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
     steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
