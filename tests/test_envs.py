@@ -81,7 +81,6 @@ def test_generate_is_a_warm_actor_pool(specs):
     # several generate calls per replica at once, so the replica's batcher can put them in one
     # engine batch (concurrency=1 would decode one group at a time)
     assert spec["parallelism"] == envs.settings.rollout_concurrency > 1
-    assert spec["ttl_seconds"] == 300
     assert spec["scaledown_ttl_seconds"] == 120
 
 
@@ -95,13 +94,23 @@ def test_judge_group_is_a_warm_gpu_actor_pool_like_generate(specs):
     spec = custom["spec"]
     assert (spec["min_replica_count"], spec["replica_count"]) == (1, envs.settings.judge_replicas_max)
     assert spec["parallelism"] == envs.settings.judge_concurrency > 1
-    assert (spec["ttl_seconds"], spec["scaledown_ttl_seconds"]) == (300, 120)
+    assert spec["scaledown_ttl_seconds"] == 120
     assert _requests(tt)["GPU"] == "1"
     assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
     assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"
     assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
     args = list(tt.container.args)
     assert args[args.index("mod") + 1] == "grpo_flyte.judge"
+
+
+@pytest.mark.parametrize(
+    "task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-judge.judge_group", "grpo_flyte-train.train_step"]
+)
+def test_a_pool_outlasts_a_runs_longest_stage_idle(specs, task):
+    """Flyte shuts down every replica of a reusable environment once the whole environment has been
+    idle for idle_ttl. A pool idles while the others work (the generate pool through a train step),
+    so a TTL shorter than a stage restarts it cold every iteration: 30 minutes by default."""
+    assert MessageToDict(specs[task].custom)["spec"]["ttl_seconds"] == envs.settings.pool_idle_ttl == 1800
 
 
 def _env(tt) -> dict[str, str]:
@@ -300,11 +309,13 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
         "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
         "GRPO_FLYTE_WANDB_SECRET": "wandb-key",
         "GRPO_FLYTE_TRAIN_MEMORY": "40Gi",
+        "GRPO_FLYTE_POOL_IDLE_TTL": "3600",
     }
     submitted = _serialize_in({**clean, **user})
     assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
     assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
     assert submitted["grpo_flyte-judge.judge_group"]["gpu"] == "nvidia-tesla-h100"
+    assert {spec["custom"]["spec"]["ttl_seconds"] for spec in submitted.values() if spec["custom"]} == {3600}
     pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
     assert {k: pod_env[k] for k in user} == user
     seen_by_the_pod = _serialize_in({**clean, **pod_env})

@@ -97,6 +97,15 @@ class DeploySettings(BaseSettings):
         None, description="Name of a Flyte secret holding a W&B API key, given to the driver (for --wandb-project)."
     )
     registry: str | None = Field(None, description="Container registry the image is pushed to.")
+    pool_idle_ttl: int = Field(
+        1800,
+        ge=30,
+        description=(
+            "Seconds a warm pool may sit idle before Flyte shuts down all its replicas: longer than a run's longest "
+            "stage (a pool waits idle while the others work, e.g. the generate pool during a train step), or every "
+            "iteration restarts it cold; a finished run's pools stay up this long after their last task."
+        ),
+    )
 
     def as_env_vars(self) -> dict[str, str]:
         """These settings as the GRPO_FLYTE_* variables that reproduce them.
@@ -252,7 +261,9 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
         resources=flyte.Resources(cpu=settings.rollout_cpu, memory=memory, gpu=gpu, shm="auto"),
         secrets=_hf_token,
         env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
-        reusable=flyte.ReusePolicy(replicas=replicas, concurrency=concurrency, idle_ttl=300, scaledown_ttl=120, scope="run"),
+        reusable=flyte.ReusePolicy(
+            replicas=replicas, concurrency=concurrency, idle_ttl=settings.pool_idle_ttl, scaledown_ttl=120, scope="run"
+        ),
     )
 
 
@@ -274,7 +285,7 @@ reward_env = flyte.TaskEnvironment(
     # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
     # Each replica keeps its reward worker processes (grpo_flyte.sandbox) between groups.
     reusable=flyte.ReusePolicy(
-        replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=300, scope="run"
+        replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=settings.pool_idle_ttl, scope="run"
     ),
 )
 
@@ -301,7 +312,7 @@ train_env = flyte.TaskEnvironment(
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
     # the optimizer state stays in memory between the steps of a run (still saved with every
     # adapter, so a cold replica gives the same result).
-    reusable=_single_replica_policy(idle_ttl=600),
+    reusable=_single_replica_policy(idle_ttl=settings.pool_idle_ttl),
 )
 
 
