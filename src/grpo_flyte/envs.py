@@ -9,6 +9,7 @@ Importing this module is cheap: it imports flyte and pydantic only.
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 
 import flyte
@@ -97,6 +98,13 @@ class DeploySettings(BaseSettings):
         None, description="Name of a Flyte secret holding a W&B API key, given to the driver (for --wandb-project)."
     )
     registry: str | None = Field(None, description="Container registry the image is pushed to.")
+    pool_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex[:12],
+        description=(
+            "Names the warm pools of a submission; new in every process that submits (a run and its resumes share "
+            "it). Flyte hashes an environment's variables into its pool's identity, so each run gets pools of its own."
+        ),
+    )
     pool_idle_ttl: int = Field(
         1800,
         ge=30,
@@ -244,6 +252,10 @@ image = build_image(settings)
 # Secrets only where configured: Flyte resolves every named secret when it creates a pod.
 _hf_token = [flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")] if settings.hf_token_secret else []
 _wandb_key = [flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else []
+# Every environment carries the settings, GRPO_FLYTE_POOL_ID among them, which gives each
+# submission pools of its own: Flyte hashes a reusable environment's variables into its pool's
+# identity (flyte/_internal/runtime/reuse.py, which hashes no run). scope="run" alone would not:
+# Union applies it to reusable Ray clusters only, and shares a container pool across runs.
 _settings_env = settings.as_env_vars()
 # The pools given a GPU: no usable CUDA there fails the task at once (models.cuda_available).
 _gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
@@ -253,7 +265,8 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
     """A warm pool of generators: vLLM (GPU) or transformers (CPU), the engine built once per replica.
     concurrency > 1: several calls run on one replica at once; the replica's batcher
     (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's consumer
-    ever drives the engine. Each run its own pool: a warm engine holds one run's model and settings."""
+    ever drives the engine. Each run its own pool (`DeploySettings.pool_id`): a warm engine holds one
+    run's model and settings."""
     return flyte.TaskEnvironment(
         name=name,
         description=description,
