@@ -794,23 +794,46 @@ else:
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     """Save base + LoRA as one plain transformers model folder (weights in the base's own dtype).
 
-    The merge runs in float32, so a small adapter update is not lost to bfloat16 rounding before
-    the single cast back at the end; the tokenizer is saved alongside.
+    The base loads in its own dtype straight onto this process's device (the train pool's GPU), so
+    the merge needs one copy of the 16-bit base in GPU memory and none in the pod's memory (a
+    float32 copy on the CPU, 12 GB for a 3B base, did not fit the train pod). PEFT adds each
+    layer's update B @ A (computed from its float32 LoRA weights) to the weight in that dtype; the
+    folder is written in shards of at most `MERGE_SHARD_SIZE`, each copied to the CPU on its own.
+    The tokenizer is saved alongside.
     """
     import torch
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_flyte.models import load_device
+
     saved = AutoConfig.from_pretrained(model_path)
-    target = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
-    if isinstance(target, str):
-        target = getattr(torch, target, None)
-    if not isinstance(target, torch.dtype):
-        target = torch.float32
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    dtype = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map={"": load_device()})
     merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
-    merged.to(target).save_pretrained(str(out))
+    merged.save_pretrained(str(out), max_shard_size=MERGE_SHARD_SIZE)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
+
+
+MERGE_SHARD_SIZE = "2GB"
+
+
+def release_trainer_model() -> None:
+    """Free the warm training model and its optimizer state (GPU memory the merge needs); the next
+    step loads them again, as a cold replica would."""
+    import gc
+
+    _warm.clear()
+    _peft_model.cache_clear()
+    gc.collect()
+    if best_device() == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 @train_env.task(retries=2)
@@ -819,5 +842,9 @@ async def merge_adapter(base_model: Dir, adapter: AdapterRef) -> Dir:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
 
-    merged, _ = await publish_dir(functools.partial(merge_into_base, model_path, adapter_path), f"merged-v{adapter.version:04d}")
+    def build(out: Path) -> None:
+        release_trainer_model()  # the run's last step is done: its model would only share the GPU with the merge
+        merge_into_base(model_path, adapter_path, out)
+
+    merged, _ = await publish_dir(build, f"merged-v{adapter.version:04d}")
     return merged
