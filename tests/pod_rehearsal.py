@@ -67,11 +67,16 @@ def image_python(dest: Path) -> Path:
     packages = sysconfig.get_paths()["purelib"]
     [site] = list(dest.glob("lib/python*/site-packages"))
     (site / "image_packages.pth").write_text(f"{packages}\n")
-    # flyte's own console script, as the image installs it
+    # flyte's own console script, as pip installs it in the image: its call is under
+    # `if __name__ == "__main__":`, so that a process spawned from it (torch's elastic launcher
+    # spawns the train step's processes) imports it without running it again
     [entry] = importlib.metadata.entry_points(group="console_scripts", name="a0")
     module, function = entry.value.split(":")
     a0 = dest / "bin" / "a0"
-    a0.write_text(f"#!{dest / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    a0.write_text(
+        f"#!{dest / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\n"
+        f"if __name__ == '__main__':\n    sys.exit({function}())\n"
+    )
     a0.chmod(0o755)
     return dest / "bin"
 
@@ -79,10 +84,18 @@ def image_python(dest: Path) -> Path:
 # --------------------------------------------------------------------------- the submission
 
 
-def run_submission(bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str) -> dict[str, Any]:
+def run_submission(
+    bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str, settings: dict[str, str]
+) -> dict[str, Any]:
     """`submit` in a fresh process of the image's Python, with the checkout's src/ (and
-    `extra_path`, a folder of modules outside it) on PYTHONPATH; returns what it recorded."""
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out / "home"), "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}"}
+    `extra_path`, a folder of modules outside it) on PYTHONPATH and the user's GRPO_FLYTE_*
+    `settings`; returns what it recorded."""
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(out / "home"),
+        "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}",
+        **settings,
+    }
     command = [str(bin_dir / "python"), __file__, str(out), str(model), rewards]
     done = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -127,7 +140,8 @@ def submit(out: Path, model: str, rewards: str) -> None:
     bundle = submitted[-1].code_bundle
     ctx = SerializationContext(code_bundle=bundle, version=bundle.computed_version, root_dir=roots[-1])
     tasks = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env):
+    workers = (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.train_dist_env)
+    for env in (e for e in workers if e is not None):
         for spec in flyte.extras.serialize_env(env, ctx):
             container = spec.task_template.container
             tasks[spec.task_template.id.name] = {"args": list(container.args), "env": {kv.key: kv.value for kv in container.env}}

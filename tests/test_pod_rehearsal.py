@@ -14,12 +14,14 @@ shipped, the mistake the rehearsal has to catch.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flyte.io import Dir
@@ -32,7 +34,17 @@ from grpo_flyte.judge import judge_group
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, JudgeVerdict, Rollout, RolloutGroup, ScoredGroup
+from grpo_flyte.types import (
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    AdapterRef,
+    Example,
+    JudgeVerdict,
+    Rollout,
+    RolloutGroup,
+    ScoredGroup,
+    TrainStepResult,
+)
 
 REWARD_MODULE = "def digits(completions, **kwargs):\n    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n"
 SHIPPED, STRAY = "team_rewards:digits", "stray_rewards:digits"
@@ -51,7 +63,9 @@ def rehearsal(tmp_path_factory, tiny_model_dir) -> Rehearsal:
     bin_dir = image_python(root / "image")
     (root / "submission").mkdir()
     rewards = f"correct=1.0,{SHIPPED}=0.5"  # the CLI refuses STRAY before submitting (tests/test_submit.py)
-    submission = run_submission(bin_dir, checkout / "src", root / "elsewhere", root / "submission", tiny_model_dir, rewards)
+    # two train GPUs: the submission declares the data-parallel train step too
+    settings = {"GRPO_FLYTE_TRAIN_GPU": "L4:2"}
+    submission = run_submission(bin_dir, checkout / "src", root / "elsewhere", root / "submission", tiny_model_dir, rewards, settings)
     return Rehearsal(root / "run", bin_dir, submission)
 
 
@@ -222,3 +236,65 @@ def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal
         assert pod.outputs is None
         assert pod.error.error.message.startswith("reward 'judge': the judge's reply to 3 completions is not")
         assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
+
+
+# --------------------------------------------------------------------------- the data-parallel train step
+
+DISTRIBUTED = "grpo_flyte-train-dist.train_step_distributed"
+
+
+def _distributed_step() -> SimpleNamespace:
+    """train_step_distributed as the driver submits it: train_step's inputs, an optional result (this
+    process has one train GPU configured, so it declares no such task of its own)."""
+    interface = dataclasses.replace(train_step.native_interface, outputs={"o0": TrainStepResult | None})
+    return SimpleNamespace(name=DISTRIBUTED, native_interface=interface)
+
+
+def _object_store(folder: Path | str) -> Dir:
+    """A folder of this machine as an object-store Dir (`local://`): pods download it."""
+    return Dir(path="local://" + str(folder).removeprefix("file://"))
+
+
+def test_the_distributed_train_step_runs_under_the_plugins_launcher_in_two_processes(rehearsal, tiny_model_dir, adapter_v0, monkeypatch):
+    """train_step_distributed through `a0` with flyteplugins-pytorch's own launcher: the plugin
+    cloudpickles the task's function, torch's elastic agent spawns two processes (gloo), each
+    imports grpo_flyte from the bundle (the image has none), they download the base and the
+    adapter once between them, and rank 0 alone uploads the new adapter and answers for the task."""
+    import torch
+
+    monkeypatch.setattr(rehearsal, "raw_scheme", "local://")
+    v0 = local_path(adapter_v0.outputs.dir.path)
+    adapter = AdapterRef(version=0, dir=_object_store(v0))
+    pod = rehearsal.run(
+        _distributed_step(), CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, _object_store(tiny_model_dir), adapter,
+        [scored_pair(0), scored_pair(1)],
+    )  # fmt: skip
+    assert pod.error is None, pod.log[-4000:]
+    result = pod.outputs
+    assert isinstance(result, TrainStepResult) and result.adapter.version == 1 and result.stats.world_size == 2
+    assert (result.num_rollouts, result.stats.num_updates) == (4, 1) and result.stats.grad_norm > 0
+    folder = local_path(result.adapter.dir.path)  # uploaded through the object store, under the pod's raw data
+    assert result.adapter.dir.path.startswith("local://") and folder.is_relative_to(pod.raw_data)
+    assert (folder / OPTIMIZER_FILE).is_file() and json.loads((folder / STATE_FILE).read_text()) == {"version": 1}
+    before, after = _lora(v0), _lora(folder)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # the pod's disk holds one copy of the base and one of the adapter, not one per process
+    cache = pod.workdir / ".cache" / "grpo_flyte"
+    assert [len(list(cache.rglob(name))) for name in ("model.safetensors", "adapter_model.safetensors")] == [1, 1]
+
+
+def test_a_damaged_adapter_fails_the_distributed_step_not_retried(rehearsal, tiny_model_dir, tmp_path):
+    """The plugin reports a failed process as a RuntimeError with exit codes only, which Flyte
+    retries; the processes' input error (here both read a damaged adapter) must fail the task
+    not retried, with the processes' own message."""
+    damaged = tmp_path / "v0000"
+    damaged.mkdir()
+    (damaged / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    adapter = AdapterRef(version=0, dir=Dir(path=str(damaged)))
+    pod = rehearsal.run(
+        _distributed_step(), CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, Dir(path=tiny_model_dir.as_uri()), adapter,
+        [scored_pair(0), scored_pair(1)],
+    )  # fmt: skip
+    assert pod.outputs is None, pod.log[-4000:]
+    assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
+    assert pod.error.error.message.startswith(f"adapter {str(damaged)!r} cannot be loaded"), pod.error.error.message

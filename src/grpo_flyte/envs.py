@@ -333,13 +333,42 @@ train_env = flyte.TaskEnvironment(
 # flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod; a PyTorchJob over
 # several nodes). Such a plugin task cannot be reusable: each step starts its pods, loads the base
 # and restores the adapter and optimizer state from its input folder (train_restore_s).
+def _train_step_elastic(processes: int):
+    """flyteplugins-pytorch's Elastic config for the train step, whose task fails with what its
+    processes raised: the plugin turns any worker failure into a RuntimeError with exit codes only
+    (flyteplugins/pytorch/task.py, `execute`), which Flyte retries, so an input error (a damaged
+    adapter, no usable CUDA) would run, reloading the base, twice more. The processes record their
+    errors (trainer.train_step_distributed); an input error fails the task not retried."""
+    from flyte.extend import TaskPluginRegistry
+    from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
+    from flyteplugins.pytorch.task import TorchFunctionTask
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from grpo_flyte.errors import GrpoFlyteError, failed_workers, not_retried
+
+    class TrainStepElastic(Elastic):
+        """Elastic, run by `TrainStepTask` (flyte picks a task's plugin by its config's type)."""
+
+    class TrainStepTask(TorchFunctionTask):
+        async def execute(self, *args, **kwargs):
+            try:
+                return await super().execute(*args, **kwargs)
+            except RuntimeError as exc:
+                if not isinstance(exc.__cause__, ChildFailedError):
+                    raise
+                error = failed_workers(exc.__cause__.failures, processes)
+                raise (not_retried(error) if isinstance(error, GrpoFlyteError) else error) from None
+
+    TaskPluginRegistry.register(TrainStepElastic, TrainStepTask)
+    # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
+    return TrainStepElastic(nnodes=settings.train_nodes, nproc_per_node=processes, max_restarts=0)
+
+
 train_dist_env = None
 if train_problem is None and train_world_size(settings) > 1:
-    from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
-
     train_dist_env = flyte.TaskEnvironment(
         name="grpo_flyte-train-dist",
-        description="The GRPO train step, data-parallel over the train GPUs (and nodes).",
+        description="The GRPO train step, data-parallel over the train GPUs.",
         image=image,
         # one process per GPU: CPU and memory for each (each loads the base straight onto its GPU,
         # models.load_base); one download of the base for the pod (storage.NodeDirCache)
@@ -352,8 +381,7 @@ if train_problem is None and train_world_size(settings) > 1:
         ),
         secrets=_hf_token,
         env_vars=_gpu_env,
-        # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
-        plugin_config=Elastic(nnodes=settings.train_nodes, nproc_per_node=gpu_count(_train_gpu), max_restarts=0),
+        plugin_config=_train_step_elastic(gpu_count(_train_gpu)),
     )
 
 driver_env = flyte.TaskEnvironment(

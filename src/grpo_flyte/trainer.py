@@ -22,7 +22,7 @@ from flyte.io import Dir
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
-from grpo_flyte.errors import AdapterError, input_errors_not_retried
+from grpo_flyte.errors import AdapterError, failed_workers, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.storage import from_payload, is_remote, node_cache, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
@@ -688,15 +688,7 @@ def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
     try:
         results = elastic_launch(config, _recorded_train_rank)(job, str(out))
     except ChildFailedError as exc:
-        failure = next(iter(exc.failures.values()))
-        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-        kind, _, detail = str(message or "").partition(": ")
-        if kind == AdapterError.__name__:  # a damaged adapter stays damaged: not retried, as in one process
-            raise AdapterError(detail) from None
-        # anything else may pass the next attempt (a process killed for memory, say)
-        raise RuntimeError(
-            f"train process {failure.local_rank} of {processes} failed: {message or f'exit code {failure.exitcode}'}"
-        ) from None
+        raise failed_workers(exc.failures, processes) from None  # e.g. a damaged adapter: the AdapterError
     return results[0]
 
 
@@ -778,13 +770,20 @@ if train_dist_env is not None:
         total_iterations: int = 0,
     ) -> TrainStepResult | None:
         """train_step over the train GPUs: the Elastic plugin runs this in one process per GPU (a
-        sync function, as the plugin calls it), each with torch.distributed's variables set."""
+        sync function, as the plugin calls it), each with torch.distributed's variables set. A
+        process's error is recorded for the launcher (torch elastic's `record`), so that the task
+        fails with it, not with exit codes only (envs.train_dist_env's plugin)."""
         import asyncio
 
-        with input_errors_not_retried():
-            return asyncio.run(
-                _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
-            )
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        def step() -> TrainStepResult | None:
+            with input_errors_not_retried():
+                return asyncio.run(
+                    _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
+                )
+
+        return record(step)()
 
     DISTRIBUTED_STEP = train_step_distributed
 else:
