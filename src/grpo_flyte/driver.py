@@ -247,14 +247,19 @@ class BatchesAhead:
         self.tasks: dict[int, asyncio.Task] = {}
 
     def launch(self, done: int) -> None:
-        """Start the batches of iterations done..done+K not started yet."""
+        """Start the batches of iterations done..done+K not started yet, each in the flyte.group of
+        the iteration it trains (`_train_rl`'s `iter-{it + 1}`). A task keeps the group that was
+        open when it was created, here the iteration being trained; the group shows the batch
+        under its own iteration in the UI and names its actions, so a retried driver that starts
+        a batch from another iteration's group still reuses what the first attempt generated."""
         k = self.config.max_staleness
         for it in range(done, min(done + k + 1, self.config.iterations)):
             if it not in self.tasks:
                 version = self.versions.setdefault(it, generation_version(it, k))
-                self.tasks[it] = asyncio.create_task(
-                    collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.judge_model)
-                )
+                with flyte.group(f"iter-{it + 1}"):
+                    self.tasks[it] = asyncio.create_task(
+                        collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.judge_model)
+                    )
 
     async def iteration(self, adapter: AdapterRef, it: int) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float], int]:
         """Train iteration `it` from `adapter` on its batch, generated ahead; start the next batches
