@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 from flyte.io import Dir
 from flyteidl2.core import execution_pb2
-from pod_rehearsal import RAW_SCHEMES, Rehearsal, image_python, local_path, run_submission
+from pod_rehearsal import RAW_SCHEMES, Call, Rehearsal, Replica, image_python, local_path, run_submission
 from tiny_model import scored_pair
 
 from grpo_flyte.config import RunConfig
@@ -298,3 +298,144 @@ def test_a_damaged_adapter_fails_the_distributed_step_not_retried(rehearsal, tin
     assert pod.outputs is None, pod.log[-4000:]
     assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
     assert pod.error.error.message.startswith(f"adapter {str(damaged)!r} cannot be loaded"), pod.error.error.message
+
+
+# --------------------------------------------------------------------------- the warm replica
+
+
+def _ok(results: list[tuple]) -> list:
+    assert all(error is None for _, error in results), [error.error.message for _, error in results if error is not None]
+    return [outputs for outputs, _ in results]
+
+
+QUESTIONS = [Example(question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def warm_replica(rehearsal, tiny_model_dir, embedded_dir, tmp_path_factory):
+    """One replica process, the bundle loaded once, two runs of other base models on it, in turns:
+
+    1. run 1: init_adapter on model A, then 16 generate actions at once, then three train_steps;
+    2. run 2 (model B) interleaved with run 1: B's init_adapter beside one of A's generate calls,
+       16 generate calls on B beside A's fourth step, B's first step, then A's fourth step again
+       (after B's), and finally four of run 1's first generate calls again.
+
+    Everything goes through the object-store stand-in (`local://`), so the replica downloads and
+    uploads every folder as on a cluster. Returns what each action gave and the warm state after
+    each batch of actions."""
+    from tiny_model import build_tiny_model
+
+    model_b = build_tiny_model(tmp_path_factory.mktemp("tiny-b"), embedded_dir, seed=1)
+    replica = Replica(rehearsal.root.parent / "replica-run", rehearsal.bin_dir, rehearsal.submission)
+    parts = {}
+    for name, folder in (("a", tiny_model_dir), ("b", model_b)):
+        config = CONFIG.model_copy(update={"base": CONFIG.base.model_copy(update={"model": str(folder)})})
+        parts[name] = (config, _object_store(folder))
+
+    def generate_call(run: str, name: str, adapter: AdapterRef, i: int) -> Call:
+        config, base = parts[name]
+        args = (config.base, config.engine, config.prompt, config.sampling, config.episode, base, adapter, QUESTIONS[i], i, 100 + i)
+        return Call(generate, run, args)
+
+    def step_call(run: str, name: str, adapter: AdapterRef) -> Call:
+        config, base = parts[name]
+        return Call(
+            train_step, run, (config.base, config.lora, config.train, config.sampling, base, adapter, [scored_pair(0), scored_pair(1)])
+        )
+
+    def init_call(run: str, name: str) -> Call:
+        config, base = parts[name]
+        return Call(init_adapter, run, (config.base, config.lora, config.seed, base))
+
+    out: dict = {"states": {}}
+    try:
+        [v0], _ = replica.run([init_call("r1", "a")])
+        v0 = _ok([v0])[0]
+        results, out["states"]["generate"] = replica.run([generate_call("r1", "a", v0, i) for i in range(16)])
+        out["groups"] = _ok(results)
+        steps, adapter = [], v0
+        for _ in range(3):
+            [result], _ = replica.run([step_call("r1", "a", adapter)])
+            steps.append(_ok([result])[0])
+            adapter = steps[-1].adapter
+        out["steps"] = steps
+        [warm4], out["states"]["train"] = replica.run([step_call("r1", "a", adapter)])  # v3 -> v4, right after v3
+        out["v4_warm"] = _ok([warm4])[0]
+        # run 2, in turns with run 1
+        [w0, _], _ = replica.run([init_call("r2", "b"), generate_call("r1", "a", adapter, 0)])
+        w0 = _ok([w0])[0]
+        results, out["states"]["run 2"] = replica.run(
+            [*(generate_call("r2", "b", w0, i) for i in range(16)), step_call("r1", "a", adapter)]
+        )
+        *groups_b, v4_after_b_init = _ok(results)
+        out["groups_b"], out["v4_after_b_init"] = groups_b, v4_after_b_init
+        [w1], _ = replica.run([step_call("r2", "b", w0)])
+        out["w1"] = _ok([w1])[0]
+        [v4], _ = replica.run([step_call("r1", "a", adapter)])
+        out["v4_after_b_step"] = _ok([v4])[0]
+        results, out["states"]["end"] = replica.run([generate_call("r1", "a", v0, i) for i in range(4)])
+        out["groups_again"] = _ok(results)
+    finally:
+        replica.close()
+    out["log"] = replica.log()
+    return out
+
+
+def test_a_replica_builds_one_engine_per_model_and_batches_concurrent_calls(warm_replica):
+    """16 generate actions at once on one replica: one engine build, and engine batches that hold
+    several actions' groups. Run 2's model is one more build; coming back to run 1's model is
+    another (one engine slot: a pool serves one model at a time, hence a pool per submission)."""
+    states = warm_replica["states"]
+    a, b = (state["engine_builds"] for state in (states["generate"], states["run 2"]))
+    assert len(a) == 1 and len(b) == 2 and b[0] == a[0] != b[1]  # one build per model, not one per call
+    assert states["end"]["engine_builds"] == [*b, a[0]]  # back to model A: rebuilt once for four calls
+    batcher = states["generate"]["batcher"]
+    assert batcher["submitted"] == 16 and batcher["batches"] < 16, batcher  # batches span concurrent actions
+    assert [g.index for g in warm_replica["groups"]] == list(range(16))
+    assert all(len(g.rollouts) == CONFIG.sampling.group_size for g in warm_replica["groups"] + warm_replica["groups_b"])
+
+
+def test_consecutive_steps_of_a_run_go_on_from_the_warm_optimizer(warm_replica):
+    """The trainer loads model A once for run 1's steps; the first step after init_adapter reads
+    the adapter and optimizer state from the folder, every later consecutive step goes on from
+    memory (restore_s exactly 0)."""
+    first, *later = [*warm_replica["steps"], warm_replica["v4_warm"]]
+    assert first.stats.restore_s > 0 and [s.stats.restore_s for s in later] == [0.0, 0.0, 0.0]
+    assert [s.adapter.version for s in warm_replica["steps"]] == [1, 2, 3]
+    assert len(warm_replica["states"]["train"]["trainer_loads"]) == 1
+
+
+def test_interleaved_runs_get_the_results_they_would_alone(warm_replica):
+    """Run 2 (model B) between run 1's actions: run 1's fourth step gives bit for bit the adapter it
+    gave right after its third (after B's init_adapter and after B's step alike, read back from its
+    folder instead of memory), and run 1's first generate calls give the same rollouts again."""
+    import torch
+
+    v4 = _lora(local_path(warm_replica["v4_warm"].adapter.dir.path))
+    for name in ("v4_after_b_init", "v4_after_b_step"):
+        result = warm_replica[name]
+        assert result.stats.restore_s > 0  # the warm optimizer was run 2's: read from the folder
+        again = _lora(local_path(result.adapter.dir.path))
+        assert again.keys() == v4.keys() and all(torch.equal(again[k], v4[k]) for k in v4), name
+    for first, again in zip(warm_replica["groups"][:4], warm_replica["groups_again"], strict=True):
+        assert [r.completion_ids for r in again.rollouts] == [r.completion_ids for r in first.rollouts]
+        assert [r.sampling_logprobs for r in again.rollouts] == [r.sampling_logprobs for r in first.rollouts]
+    # run 2 trained on its own model
+    w1 = json.loads((local_path(warm_replica["w1"].adapter.dir.path) / "adapter_config.json").read_text())
+    assert w1["base_model_name_or_path"].endswith("tiny-b0") and warm_replica["w1"].adapter.version == 1
+    # the trainer's model, one at a time: loaded again at each switch of run (a, b, a, b, a), never per step
+    a, b, *rest = warm_replica["states"]["end"]["trainer_loads"]
+    assert a != b and rest == [a, b, a]
+
+
+def test_a_replicas_caches_stay_bounded(warm_replica):
+    """After two runs, two models and nine adapters: one engine with at most adapter_cache_size
+    adapters, one trainer model, one batcher, and every download cache within its capacity, on
+    disk too (evicted folders are deleted)."""
+    state = warm_replica["states"]["end"]
+    assert state["batchers"] == 1 and state["trainer_models"] == 1
+    loaded, most = state["engine_adapters"]
+    assert most == CONFIG.engine.adapter_cache_size and 1 <= loaded <= most
+    for name, cache in state["caches"].items():
+        assert cache["entries"] <= cache["capacity"] and cache["on_disk"] == cache["entries"], (name, cache)
+    assert state["caches"]["rollout models"]["entries"] == state["caches"]["train models"]["entries"] == 1
