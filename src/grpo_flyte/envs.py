@@ -168,7 +168,7 @@ def train_world_size(settings: DeploySettings) -> int:
     return gpu_count(settings.train_gpu) * settings.train_nodes
 
 
-def times(quantity: str, count: int) -> str:
+def _times(quantity: str, count: int) -> str:
     """A Kubernetes quantity `count` times over: ('12Gi', 4) -> '48Gi'."""
     number = quantity.rstrip("KMGTPEi")
     unit = quantity[len(number) :]
@@ -329,10 +329,6 @@ train_env = flyte.TaskEnvironment(
 )
 
 
-# Several train GPUs (or nodes): the train step runs data-parallel, one process per GPU, through
-# flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod; a PyTorchJob over
-# several nodes). Such a plugin task cannot be reusable: each step starts its pods, loads the base
-# and restores the adapter and optimizer state from its input folder (train_restore_s).
 def _train_step_elastic(processes: int):
     """flyteplugins-pytorch's Elastic config for the train step, whose task fails with what its
     processes raised: the plugin turns any worker failure into a RuntimeError with exit codes only
@@ -364,6 +360,10 @@ def _train_step_elastic(processes: int):
     return TrainStepElastic(nnodes=settings.train_nodes, nproc_per_node=processes, max_restarts=0)
 
 
+# Several train GPUs: the train step runs data-parallel, one process per GPU, through
+# flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod). Such a plugin task
+# cannot be reusable: each step starts its pod, loads the base and restores the adapter and
+# optimizer state from its input folder (train_restore_s).
 train_dist_env = None
 if train_problem is None and train_world_size(settings) > 1:
     train_dist_env = flyte.TaskEnvironment(
@@ -374,7 +374,7 @@ if train_problem is None and train_world_size(settings) > 1:
         # models.load_base); one download of the base for the pod (storage.NodeDirCache)
         resources=flyte.Resources(
             cpu=settings.train_cpu * gpu_count(_train_gpu),
-            memory=times(settings.train_memory, gpu_count(_train_gpu)),
+            memory=_times(settings.train_memory, gpu_count(_train_gpu)),
             gpu=_train_gpu,
             disk=settings.train_disk,
             shm="auto",

@@ -790,6 +790,10 @@ else:
     DISTRIBUTED_STEP = None
 
 
+# The merged model's largest file: saving copies one file's tensors to the CPU at a time.
+MERGE_SHARD_SIZE = "2GB"
+
+
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     """Save base + LoRA as one plain transformers model folder (weights in the base's own dtype).
 
@@ -816,9 +820,6 @@ def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
     merged.save_pretrained(str(out), max_shard_size=MERGE_SHARD_SIZE)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
-
-
-MERGE_SHARD_SIZE = "2GB"
 
 
 def release_trainer_model() -> None:
