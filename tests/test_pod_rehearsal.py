@@ -9,7 +9,10 @@ Flyte writes: inputs.pb, outputs.pb, error.pb and the raw data prefix.
 
 The checkout is a copy of this worktree's package with a team's reward module in its src/ (so it
 ships); a second reward module sits outside the checkout, importable where the CLI runs but not
-shipped, the mistake the rehearsal has to catch.
+shipped, the mistake the rehearsal has to catch. It is submitted with two train GPUs, so the
+data-parallel train step is declared too and runs through `a0` under flyteplugins-pytorch's own
+launcher (two gloo processes). Last, one warm replica (`pod_rehearsal.Replica`) runs many actions
+of two runs in one long-lived process, as unionai-reuse's executor does.
 """
 
 from __future__ import annotations
