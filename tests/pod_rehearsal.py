@@ -28,10 +28,18 @@ returned a deleted temp folder). With `raw_scheme="local://"` (fsspec's local fi
 protocol flyte treats as remote) the pods upload and download through fsspec as they would with
 `s3://`.
 
-Not rehearsed: the four worker environments are reusable, and on a cluster unionai-reuse's executor runs
-these same args inside a warm replica (a fresh `a0` per call here); secrets (HF_TOKEN) are not
-injected; the image's own ENV lines are left out; no GPU (the GPU pools' GRPO_FLYTE_REQUIRE_CUDA is
-turned off for the rehearsal).
+4. **The warm replica** (`Replica`): the worker environments are reusable, and on a cluster
+   unionai-reuse's executor runs their actions inside one long-lived process per replica, through
+   `flyte._internal.runtime.rusty`: `download_tgz` once, `load_task_from_code_bundle` once per
+   task, then `run_task` per action, many at once. `Replica` starts that process (`serve_replica`,
+   this file run as `replica`) with a pod's environment and sends it batches of actions over its
+   stdin; it runs each batch concurrently on its one event loop and answers with what its warm
+   state holds (engines built, batches, caches).
+
+Not rehearsed: unionai-reuse's executor itself (compiled, not installed here: how it schedules
+actions on the process's loop is inferred from `rusty`); secrets (HF_TOKEN) are not injected; the
+image's own ENV lines are left out; no GPU (the GPU pools' GRPO_FLYTE_REQUIRE_CUDA is turned off for
+the rehearsal).
 """
 
 from __future__ import annotations
@@ -67,11 +75,16 @@ def image_python(dest: Path) -> Path:
     packages = sysconfig.get_paths()["purelib"]
     [site] = list(dest.glob("lib/python*/site-packages"))
     (site / "image_packages.pth").write_text(f"{packages}\n")
-    # flyte's own console script, as the image installs it
+    # flyte's own console script, as pip installs it in the image: its call is under
+    # `if __name__ == "__main__":`, so that a process spawned from it (torch's elastic launcher
+    # spawns the train step's processes) imports it without running it again
     [entry] = importlib.metadata.entry_points(group="console_scripts", name="a0")
     module, function = entry.value.split(":")
     a0 = dest / "bin" / "a0"
-    a0.write_text(f"#!{dest / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
+    a0.write_text(
+        f"#!{dest / 'bin' / 'python'}\nimport sys\nfrom {module} import {function}\n"
+        f"if __name__ == '__main__':\n    sys.exit({function}())\n"
+    )
     a0.chmod(0o755)
     return dest / "bin"
 
@@ -79,10 +92,18 @@ def image_python(dest: Path) -> Path:
 # --------------------------------------------------------------------------- the submission
 
 
-def run_submission(bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str) -> dict[str, Any]:
+def run_submission(
+    bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str, settings: dict[str, str]
+) -> dict[str, Any]:
     """`submit` in a fresh process of the image's Python, with the checkout's src/ (and
-    `extra_path`, a folder of modules outside it) on PYTHONPATH; returns what it recorded."""
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(out / "home"), "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}"}
+    `extra_path`, a folder of modules outside it) on PYTHONPATH and the user's GRPO_FLYTE_*
+    `settings`; returns what it recorded."""
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(out / "home"),
+        "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}",
+        **settings,
+    }
     command = [str(bin_dir / "python"), __file__, str(out), str(model), rewards]
     done = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -127,7 +148,8 @@ def submit(out: Path, model: str, rewards: str) -> None:
     bundle = submitted[-1].code_bundle
     ctx = SerializationContext(code_bundle=bundle, version=bundle.computed_version, root_dir=roots[-1])
     tasks = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env):
+    workers = (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.train_dist_env)
+    for env in (e for e in workers if e is not None):
         for spec in flyte.extras.serialize_env(env, ctx):
             container = spec.task_template.container
             tasks[spec.task_template.id.name] = {"args": list(container.args), "env": {kv.key: kv.value for kv in container.env}}
@@ -169,17 +191,12 @@ class Rehearsal:
         self.count = 0
 
     def run(self, task: Any, *args: Any) -> PodRun:
-        from flyte._internal.runtime import convert, io
-        from flyteidl2.core import execution_pb2
+        from flyte._internal.runtime import io
 
         self.count += 1
         action = f"a{self.count}-{task.name.split('.')[-1]}"
         metadata = self.root / "metadata" / action
-        metadata.mkdir(parents=True)  # a local "object store" needs the folder; s3 would not
-        prefix = metadata.as_uri()
-        # the driver's controller: serialize the call's inputs, write inputs.pb under the action
-        inputs = asyncio.run(convert.convert_from_native_to_inputs(task.native_interface, *args))
-        asyncio.run(io.upload_inputs(inputs, io.inputs_path(prefix)))
+        prefix = write_inputs(task, args, metadata)
 
         spec = self.submission["tasks"][task.name]
         raw_data = self.root / "raw" / action
@@ -200,19 +217,9 @@ class Rehearsal:
         workdir = self.root / "pods" / action
         workdir.mkdir(parents=True)
         env = {
-            "PATH": f"{self.bin_dir}:/usr/bin:/bin",
-            "HOME": str(workdir),
-            **spec["env"],
-            # set by the backend on every task pod
+            **pod_environment(self.bin_dir, workdir, spec["env"], self.root / "metadata"),
             "ACTION_NAME": action,
             "RUN_NAME": "rehearsal",
-            "FLYTE_INTERNAL_EXECUTION_PROJECT": "rehearsal",
-            "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
-            "_U_ORG_NAME": "rehearsal",
-            "_U_RUN_BASE": (self.root / "metadata").as_uri(),
-            "_U_EP_OVERRIDE": "localhost:1",  # no backend: a leaf task must never need one
-            # this "node" has no GPU: the GPU pools' CUDA requirement is tested in test_rollout.py
-            "GRPO_FLYTE_REQUIRE_CUDA": "0",
         }
         started = time.perf_counter()
         done = subprocess.run(args, cwd=workdir, env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -220,15 +227,53 @@ class Rehearsal:
         log = done.stdout + done.stderr
         assert done.returncode == 0, f"a0 exited {done.returncode}:\n{log[-4000:]}"
 
-        outputs = error = None
-        if (metadata / "outputs.pb").exists():
-            loaded = asyncio.run(io.load_outputs(io.outputs_path(prefix)))
-            outputs = asyncio.run(convert.convert_outputs_to_native(task.native_interface, loaded))
-        if (metadata / "error.pb").exists():
-            error = execution_pb2.ErrorDocument()
-            error.ParseFromString((metadata / "error.pb").read_bytes())
-        assert (outputs is None) != (error is None), f"expected outputs.pb or error.pb:\n{log[-4000:]}"
+        outputs, error = read_result(task, metadata, log)
         return PodRun(outputs=outputs, error=error, workdir=workdir, raw_data=raw_data, log=log, seconds=seconds)
+
+
+def write_inputs(task: Any, args: tuple, metadata: Path) -> str:
+    """What the driver's controller does for a call: serialize its inputs and write inputs.pb under
+    the action's metadata folder (`metadata`); returns that folder's URI, the action's prefix."""
+    from flyte._internal.runtime import convert, io
+
+    metadata.mkdir(parents=True)  # a local "object store" needs the folder; s3 would not
+    prefix = metadata.as_uri()
+    inputs = asyncio.run(convert.convert_from_native_to_inputs(task.native_interface, *args))
+    asyncio.run(io.upload_inputs(inputs, io.inputs_path(prefix)))
+    return prefix
+
+
+def read_result(task: Any, metadata: Path, log: str) -> tuple[Any, Any]:
+    """(outputs as native values, None) or (None, the ErrorDocument) an action left in `metadata`."""
+    from flyte._internal.runtime import convert, io
+    from flyteidl2.core import execution_pb2
+
+    outputs = error = None
+    if (metadata / "outputs.pb").exists():
+        loaded = asyncio.run(io.load_outputs(io.outputs_path(metadata.as_uri())))
+        outputs = asyncio.run(convert.convert_outputs_to_native(task.native_interface, loaded))
+    if (metadata / "error.pb").exists():
+        error = execution_pb2.ErrorDocument()
+        error.ParseFromString((metadata / "error.pb").read_bytes())
+    assert (outputs is None) != (error is None), f"expected outputs.pb or error.pb:\n{log[-4000:]}"
+    return outputs, error
+
+
+def pod_environment(bin_dir: Path, home: Path, spec_env: dict[str, str], metadata: Path) -> dict[str, str]:
+    """A task pod's whole environment: the image's PATH, HOME (the pod's working folder), the
+    task's env vars and what the backend sets on every task pod."""
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(home),
+        **spec_env,
+        "FLYTE_INTERNAL_EXECUTION_PROJECT": "rehearsal",
+        "FLYTE_INTERNAL_EXECUTION_DOMAIN": "development",
+        "_U_ORG_NAME": "rehearsal",
+        "_U_RUN_BASE": metadata.as_uri(),
+        "_U_EP_OVERRIDE": "localhost:1",  # no backend: a leaf task must never need one
+        # this "node" has no GPU: the GPU pools' CUDA requirement is tested in test_rollout.py
+        "GRPO_FLYTE_REQUIRE_CUDA": "0",
+    }
 
 
 def local_path(uri: str) -> Path:
@@ -239,5 +284,165 @@ def local_path(uri: str) -> Path:
     return Path(uri)
 
 
+# --------------------------------------------------------------------------- the warm replica
+
+REPLY = "REPLICA-REPLY "  # starts the one line of the replica's stdout that answers a batch
+
+
+@dataclass
+class Call:
+    """One action for a replica: `task` called with `args`, in the run named `run`."""
+
+    task: Any
+    run: str
+    args: tuple
+
+
+class Replica:
+    """One warm replica, rehearsed: a long-lived process of the image's Python (`serve_replica`)
+    that downloads the code bundle once and runs every action it is sent through
+    `flyte._internal.runtime.rusty`, a batch of actions at once on its one event loop, as
+    unionai-reuse's executor runs a reusable pool's actions. Inputs, outputs and raw data are those
+    of `Rehearsal`; `run` returns each action's (outputs, error) and the replica's warm state."""
+
+    def __init__(self, root: Path, bin_dir: Path, submission: dict[str, Any], raw_scheme: str = "local://", timeout_s: float = 300):
+        self.root, self.submission, self.raw_scheme, self.timeout_s = root, submission, raw_scheme, timeout_s
+        self.count = 0
+        workdir = root / "replica"
+        workdir.mkdir(parents=True)
+        self.workdir = workdir
+        # one pool's pod: the generate pool's environment (the train pool's holds the same settings)
+        spec_env = next(t["env"] for name, t in submission["tasks"].items() if name.endswith(".generate"))
+        env = pod_environment(bin_dir, workdir, spec_env, root / "metadata")
+        bundle = submission["bundle"]
+        self.log_file = (workdir / "replica.log").open("w")
+        self.process = subprocess.Popen(
+            [str(bin_dir / "python"), __file__, "replica", bundle["tgz"], bundle["version"], str(workdir / "bundle")],
+            cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
+        )  # fmt: skip
+
+    def run(self, calls: list[Call]) -> tuple[list[tuple[Any, Any]], dict[str, Any]]:
+        import threading
+
+        from flyte._internal.runtime import io
+
+        actions, folders = [], []
+        for call in calls:
+            self.count += 1
+            action = f"a{self.count}-{call.task.name.split('.')[-1]}"
+            metadata = self.root / "metadata" / call.run / action
+            prefix = write_inputs(call.task, call.args, metadata)
+            args = self.submission["tasks"][call.task.name]["args"]
+            resolver = args[args.index("--resolver") + 1 :]
+            actions.append({
+                "resolver": resolver, "run_name": call.run, "name": action, "input_path": io.inputs_path(prefix),
+                "output_path": prefix, "raw_data_path": f"{self.raw_scheme}{self.root / 'raw' / call.run / action}",
+                "run_base_dir": (self.root / "metadata" / call.run).as_uri(),
+                "checkpoint_path": (self.root / "checkpoints" / call.run / action).as_uri(),
+            })  # fmt: skip
+            folders.append(metadata)
+        self.process.stdin.write(json.dumps(actions) + "\n")
+        self.process.stdin.flush()
+        watchdog = threading.Timer(self.timeout_s, self.process.kill)
+        watchdog.start()
+        try:
+            line = ""
+            while not line.startswith(REPLY):
+                line = self.process.stdout.readline()
+                assert line, f"the replica exited {self.process.poll()}:\n{self.log()[-4000:]}"
+        finally:
+            watchdog.cancel()
+        reply = json.loads(line.removeprefix(REPLY))
+        results = [read_result(call.task, metadata, self.log()) for call, metadata in zip(calls, folders, strict=True)]
+        return results, reply["state"]
+
+    def log(self) -> str:
+        if not self.log_file.closed:
+            self.log_file.flush()
+        return (self.workdir / "replica.log").read_text()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log_file.close()
+
+
+def serve_replica(tgz: str, version: str, dest: str) -> None:
+    """The replica's process: the bundle downloaded once, each task loaded once, then batches of
+    actions from stdin, each batch's actions at once on this one event loop (`rusty.run_task`)."""
+    import logging
+
+    from flyte._internal.runtime import rusty
+
+    builds: dict[str, list[str]] = {"engine": [], "trainer": []}
+
+    class WarmLoads(logging.Handler):
+        """Records the models the replica's warm state loads (grpo_flyte logs each load once)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("building the %s generator for %s"):
+                builds["engine"].append(record.args[1])
+            elif record.msg.startswith("loading the base model for training from %s"):
+                builds["trainer"].append(record.args[0])
+
+    package_logger = logging.getLogger("grpo_flyte")
+    package_logger.addHandler(WarmLoads())
+    package_logger.setLevel(logging.INFO)
+
+    async def serve() -> None:
+        controller = await rusty.create_controller(endpoint=os.environ["_U_EP_OVERRIDE"], insecure=True)
+        bundle = await rusty.download_tgz(dest, version, tgz)
+        tasks: dict[tuple[str, ...], Any] = {}
+        loop = asyncio.get_running_loop()
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            runs = []
+            for action in json.loads(line):
+                resolver = tuple(action.pop("resolver"))
+                if resolver not in tasks:
+                    tasks[resolver] = rusty.load_task_from_code_bundle(resolver[0], list(resolver[1:]))
+                runs.append(
+                    rusty.run_task(task=tasks[resolver], controller=controller, org="rehearsal", project="rehearsal",
+                                   domain="development", version=version, code_bundle=bundle, **action)
+                )  # fmt: skip
+            await asyncio.gather(*runs)
+            print(REPLY + json.dumps({"state": await warm_state(builds)}), flush=True)
+
+    asyncio.run(serve())
+
+
+async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
+    """What the replica's process holds between actions: the models its engine slot and trainer
+    built, its batcher's counts, and every cache with its bound."""
+    from grpo_flyte import engines, rollout, trainer
+
+    def cache(c: Any) -> dict[str, int]:
+        on_disk = sum(1 for p in c.root.iterdir() if p.is_dir()) if c.root.exists() else 0
+        return {"entries": len(c.entries), "on_disk": on_disk, "capacity": c.capacity}
+
+    batcher = None
+    if engines.replica_batcher.cache_info().currsize:
+        stats = (await engines.replica_batcher()).stats
+        batcher = {"submitted": stats.total_submitted, "batches": stats.total_batches}
+    engine = engines._slot.engine
+    return {
+        "engine_builds": builds["engine"],
+        "trainer_loads": builds["trainer"],
+        "batcher": batcher,
+        "batchers": engines.replica_batcher.cache_info().currsize,
+        "engine_adapters": [len(engine.adapters), engine.max_adapters] if engine is not None else None,
+        "trainer_models": trainer._peft_model.cache_info().currsize,
+        "caches": {
+            "rollout models": cache(rollout._model_dirs),
+            "rollout adapters": cache(rollout._adapter_dirs),
+            "train models": cache(trainer._model_dirs),
+            "train adapters": cache(trainer._adapter_dirs),
+            "train payloads": cache(trainer._payload_dirs),
+        },
+    }
+
+
 if __name__ == "__main__":
-    submit(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if sys.argv[1] == "replica":
+        serve_replica(*sys.argv[2:5])
+    else:
+        submit(Path(sys.argv[1]), sys.argv[2], sys.argv[3])

@@ -811,14 +811,23 @@ def test_more_train_processes_than_rollouts_per_step_is_one_line_before_any_work
     _check_bad_input(result, ["train_processes=5 with 4 rollouts per optimizer step", "expected at most 4"])
 
 
-def test_a_train_gpu_count_the_plugin_refuses_is_one_line_before_submitting(tmp_path):
-    """GRPO_FLYTE_TRAIN_GPU=L4:9 (flyte.Resources takes 1-8 GPUs of a type per node): one line from
-    the CLI, before anything is submitted, instead of an error at import."""
-    env = {**_env(tmp_path), "GRPO_FLYTE_TRAIN_GPU": "L4:9", "PYTHONPATH": str(Path(grpo_flyte.__file__).resolve().parents[1])}
+@pytest.mark.parametrize(
+    ("variables", "start", "words"),
+    [
+        ({"GRPO_FLYTE_TRAIN_GPU": "L4:9"}, "error: GRPO_FLYTE_TRAIN_GPU='L4:9': not a GPU count", "expected L4:1 to L4:8"),
+        # several nodes: a pod without rank 0 would write None as the step's result (issue 37)
+        ({"GRPO_FLYTE_TRAIN_GPU": "L4:2", "GRPO_FLYTE_TRAIN_NODES": "2"}, "error: GRPO_FLYTE_TRAIN_NODES=2: expected 1;", "A100:8"),
+    ],
+)
+def test_train_gpus_or_nodes_the_plugin_cannot_run_are_one_line_before_submitting(tmp_path, variables, start, words):
+    """GRPO_FLYTE_TRAIN_GPU=L4:9 (flyte.Resources takes 1-8 GPUs of a type per node), or more than
+    one train node: one line from the CLI, before anything is submitted, instead of an error at
+    import or a step whose result is lost."""
+    env = {**_env(tmp_path), **variables, "PYTHONPATH": str(Path(grpo_flyte.__file__).resolve().parents[1])}
     proc = subprocess.run([sys.executable, "-m", "grpo_flyte.driver", "--iterations", "1"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("error: GRPO_FLYTE_TRAIN_GPU='L4:9': not a GPU count") and "expected L4:1 to L4:8" in proc.stderr
+    assert proc.stderr.startswith(start) and words in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,6 @@ def test_generate_is_a_warm_actor_pool(specs):
     # several generate calls per replica at once, so the replica's batcher can put them in one
     # engine batch (concurrency=1 would decode one group at a time)
     assert spec["parallelism"] == envs.settings.rollout_concurrency > 1
-    assert spec["ttl_seconds"] == 300
     assert spec["scaledown_ttl_seconds"] == 120
 
 
@@ -95,13 +94,23 @@ def test_judge_group_is_a_warm_gpu_actor_pool_like_generate(specs):
     spec = custom["spec"]
     assert (spec["min_replica_count"], spec["replica_count"]) == (1, envs.settings.judge_replicas_max)
     assert spec["parallelism"] == envs.settings.judge_concurrency > 1
-    assert (spec["ttl_seconds"], spec["scaledown_ttl_seconds"]) == (300, 120)
+    assert spec["scaledown_ttl_seconds"] == 120
     assert _requests(tt)["GPU"] == "1"
     assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
     assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"
     assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
     args = list(tt.container.args)
     assert args[args.index("mod") + 1] == "grpo_flyte.judge"
+
+
+@pytest.mark.parametrize(
+    "task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-judge.judge_group", "grpo_flyte-train.train_step"]
+)
+def test_a_pool_outlasts_a_runs_longest_stage_idle(specs, task):
+    """Flyte shuts down every replica of a reusable environment once the whole environment has been
+    idle for idle_ttl. A pool idles while the others work (the generate pool through a train step),
+    so a TTL shorter than a stage restarts it cold every iteration: 30 minutes by default."""
+    assert MessageToDict(specs[task].custom)["spec"]["ttl_seconds"] == envs.settings.pool_idle_ttl == 1800
 
 
 def _env(tt) -> dict[str, str]:
@@ -116,14 +125,6 @@ def test_generate_has_one_l4_gpu_requires_cuda_and_asks_no_secret_by_default(spe
     assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
     assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"  # no usable CUDA there is an error, not the CPU
     assert list(tt.security_context.secrets) == []  # Flyte resolves a named secret when it makes the pod
-
-
-@pytest.mark.parametrize(
-    "task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-judge.judge_group", "grpo_flyte-train.train_step"]
-)
-def test_each_run_gets_its_own_warm_pools(specs, task):
-    tt = specs[task]
-    assert tt.reuse_policy.scope == type(tt.reuse_policy).RUN
 
 
 @pytest.mark.parametrize("task", ["train_step", "init_adapter"])
@@ -300,15 +301,36 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
         "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
         "GRPO_FLYTE_WANDB_SECRET": "wandb-key",
         "GRPO_FLYTE_TRAIN_MEMORY": "40Gi",
+        "GRPO_FLYTE_POOL_IDLE_TTL": "3600",
     }
     submitted = _serialize_in({**clean, **user})
     assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
     assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
     assert submitted["grpo_flyte-judge.judge_group"]["gpu"] == "nvidia-tesla-h100"
+    assert {spec["custom"]["spec"]["ttl_seconds"] for spec in submitted.values() if spec["custom"]} == {3600}
     pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
     assert {k: pod_env[k] for k in user} == user
     seen_by_the_pod = _serialize_in({**clean, **pod_env})
     assert seen_by_the_pod == submitted
+
+
+def test_each_submission_gets_warm_pools_of_its_own():
+    """A reusable container pool is shared across runs whatever its scope says (Union applies
+    scope="run" to Ray clusters only): two runs from one checkout would share one engine (rebuilt at
+    every switch of base model) and one train replica. A pool's identity (the `version` of its
+    actor spec) hashes the environment's variables, so each submitting process gives its pools an id
+    of their own; the driver's pod, which submits the workers, carries its submission's id."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
+    first, second = _serialize_in(clean), _serialize_in(clean)
+    pools = [name for name, spec in first.items() if spec["custom"].get("type") == "actor"]
+    assert len(pools) == 8  # generate, generate_eval, score_group(s), judge_group, init_adapter, train_step, merge_adapter
+    for name in pools:
+        assert first[name]["custom"]["version"] != second[name]["custom"]["version"], name
+        assert first[name]["custom"]["spec"] == second[name]["custom"]["spec"]  # the same pool otherwise
+    # the tasks of one environment share one pool, as before
+    assert first["grpo_flyte-rollout.generate"]["custom"]["version"] == first["grpo_flyte-rollout.generate_eval"]["custom"]["version"]
+    driver_pod = _serialize_in({**clean, **first["grpo_flyte-driver.train_rl"]["env"]})
+    assert all(driver_pod[name]["custom"]["version"] == first[name]["custom"]["version"] for name in pools)
 
 
 @pytest.mark.parametrize(("example", "env_name"), [("my_workflow", "my-team-finetune"), ("my_loop", "my-team-curriculum")])
@@ -428,31 +450,31 @@ _DIST_PROBE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("gpu", "nodes", "task_type"), [("A100:4", 2, "pytorch"), ("L4:2", 1, "python-task")])
-def test_several_train_gpus_serialize_an_elastic_train_step(gpu, nodes, task_type):
-    """GRPO_FLYTE_TRAIN_GPU=A100:4 and 2 nodes: a PyTorchJob (the plugin's task type) of 2 replicas
-    with 4 processes per node; one node is an ordinary pod that runs torch's elastic launcher (the
-    plugin's choice). The image is the one the other pools use, carrying the plugin; init_adapter
-    and merge_adapter stay on the warm pool with one GPU."""
+def test_several_train_gpus_serialize_an_elastic_train_step():
+    """GRPO_FLYTE_TRAIN_GPU=A100:4: one node is an ordinary pod that runs torch's elastic launcher
+    with 4 processes (the plugin's choice; several nodes are refused before submitting, see
+    test_cli), with memory for each process (12Gi each: 48Gi) and disk for one download of the
+    base. The image is the one the other pools use, carrying the plugin; init_adapter and
+    merge_adapter stay on the warm pool with one GPU."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
-    env.update(GRPO_FLYTE_TRAIN_GPU=gpu, GRPO_FLYTE_TRAIN_NODES=str(nodes))
+    env.update(GRPO_FLYTE_TRAIN_GPU="A100:4")
     proc = subprocess.run(
         [sys.executable, "-c", _DIST_PROBE], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    count = int(gpu.split(":")[1])
     step = out["grpo_flyte-train-dist.train_step_distributed"]
-    assert step["type"] == task_type and step["retries"] == 2
+    assert step["type"] == "python-task" and step["retries"] == 2
     elastic = step["custom"]["elasticConfig"]
-    assert elastic["nprocPerNode"] == count and elastic["minReplicas"] == elastic["maxReplicas"] == nodes
-    assert elastic.get("maxRestarts", 0) == 0 and step["custom"]["workerReplicas"]["replicas"] == nodes
-    assert {r["name"]: r["value"] for r in step["resources"]["requests"]}["GPU"] == str(count)
+    assert elastic["nprocPerNode"] == 4 and elastic["minReplicas"] == elastic["maxReplicas"] == 1
+    assert elastic.get("maxRestarts", 0) == 0 and step["custom"]["workerReplicas"]["replicas"] == 1
+    requests = {r["name"]: r["value"] for r in step["resources"]["requests"]}
+    assert (requests["GPU"], requests["CPU"], requests["MEMORY"], requests["EPHEMERAL_STORAGE"]) == ("4", "12", "48Gi", "50Gi")
     assert "mod" in step["args"] and "grpo_flyte.trainer" in step["args"] and "train_step_distributed" in step["args"]
     assert step["image"] == out["grpo_flyte-train.init_adapter"]["image"] == out["grpo_flyte-driver.train_rl"]["image"]
     assert "flyteplugins-pytorch" in out["layers"]
-    warm = out["grpo_flyte-train.init_adapter"]
-    assert {r["name"]: r["value"] for r in warm["resources"]["requests"]}["GPU"] == "1"
+    warm = {r["name"]: r["value"] for r in out["grpo_flyte-train.init_adapter"]["resources"]["requests"]}
+    assert (warm["GPU"], warm["MEMORY"], warm["EPHEMERAL_STORAGE"]) == ("1", "12Gi", "50Gi")
     assert "grpo_flyte-train-dist" in out["depends_on"]  # in the run's image cache
 
 

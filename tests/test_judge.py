@@ -208,3 +208,36 @@ def test_train_rl_from_python_judges_each_group_once_and_needs_the_judge_models_
     with pytest.raises(Exception, match="rewards name 'judge' but train_rl got no judge_model folder"):
         flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw2")).run(train_rl, config=config, base_model=model)
     assert "retrying" not in caplog.text  # bad input: the driver is not retried
+
+
+def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(tmp_path, tiny_model_dir, monkeypatch):
+    """A local run holds the generate and judge engines in one process: vLLM starts the second
+    engine only if its gpu_memory_utilization share of the GPU is still free, so the two shares
+    must add up to vllm_memory_fraction, not each be it (0.85 + 0.85 failed the judge's engine).
+    The shares are read where the engines' keys are made (the hf backend here ignores them)."""
+    import flyte
+
+    from grpo_flyte.driver import train_rl
+
+    shares: dict[str, set[float]] = {"generate": set(), "judge": set()}
+    engine_key, judge_engine_key = engines.engine_key, engines.judge_engine_key
+
+    def generate_key(*args, memory_fraction, **kwargs):
+        shares["generate"].add(memory_fraction)
+        return engine_key(*args, memory_fraction=memory_fraction, **kwargs)
+
+    def judge_key(*args):
+        shares["judge"].add(args[-1])
+        return judge_engine_key(*args)
+
+    monkeypatch.setattr(engines, "engine_key", generate_key)
+    monkeypatch.setattr(engines, "judge_engine_key", judge_key)
+    config = make_config(
+        iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=2, min_informative_groups=0,
+        rewards={"judge": 1.0}, judge_model="tiny", on_reward_error="zero", vllm_memory_fraction=0.8,
+    )  # fmt: skip
+    model = Dir(path=str(tiny_model_dir))
+    flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        train_rl, config=config, base_model=model, judge_model=model
+    )
+    assert shares == {"generate": {0.4}, "judge": {0.4}}  # the evaluation's generate calls too

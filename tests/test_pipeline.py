@@ -94,6 +94,30 @@ def test_the_checkpoint_lists_the_batches_in_flight_and_their_adapters(tmp_path,
     assert [[a["version"] for a in s["recent_adapters"]] for s in saved] == [[0], [0, 1], [1, 2], [2, 3]]
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_each_batch_is_generated_in_the_group_of_the_iteration_it_trains(tmp_path, k):
+    """A batch generated ahead starts while the previous iterations train: its generate calls must
+    still be in `iter-<n>` of the iteration that trains them (the UI shows them there, and the group
+    names their actions, so a retried driver reuses them), not in the group open when it started."""
+    import flyte
+
+    from grpo_flyte.decoding import sub_seed
+
+    groups: dict[int, str | None] = {}  # the generate call's seed -> the group it ran in
+
+    class Recording(StandIns):
+        async def generate(self, *, seed: int, **parts):
+            group = flyte.ctx().group_data
+            groups[seed] = group.name if group else None
+            return await super().generate(seed=seed, **parts)
+
+    config = RunConfig(iterations=4, max_staleness=k, **LOOP)
+    run_loop(config, Recording(tmp_path / "adapters", generate_s=0.02, train_s=0.02), tmp_path / "raw")
+    iteration_of = {sub_seed(config.seed, it, i): it for it in range(config.iterations) for i in range(config.prompts_per_iter)}
+    assert len(groups) == config.iterations * config.prompts_per_iter
+    assert groups == {seed: f"iter-{iteration_of[seed] + 1}" for seed in groups}
+
+
 async def _fake_restore(resume_from):
     class Checkpoint:  # save_checkpoint is patched: only its presence matters
         pass

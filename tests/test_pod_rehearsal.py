@@ -9,22 +9,27 @@ Flyte writes: inputs.pb, outputs.pb, error.pb and the raw data prefix.
 
 The checkout is a copy of this worktree's package with a team's reward module in its src/ (so it
 ships); a second reward module sits outside the checkout, importable where the CLI runs but not
-shipped, the mistake the rehearsal has to catch.
+shipped, the mistake the rehearsal has to catch. It is submitted with two train GPUs, so the
+data-parallel train step is declared too and runs through `a0` under flyteplugins-pytorch's own
+launcher (two gloo processes). Last, one warm replica (`pod_rehearsal.Replica`) runs many actions
+of two runs in one long-lived process, as unionai-reuse's executor does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flyte.io import Dir
 from flyteidl2.core import execution_pb2
-from pod_rehearsal import RAW_SCHEMES, Rehearsal, image_python, local_path, run_submission
+from pod_rehearsal import RAW_SCHEMES, Call, Rehearsal, Replica, image_python, local_path, run_submission
 from tiny_model import scored_pair
 
 from grpo_flyte.config import RunConfig
@@ -32,7 +37,17 @@ from grpo_flyte.judge import judge_group
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, JudgeVerdict, Rollout, RolloutGroup, ScoredGroup
+from grpo_flyte.types import (
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    AdapterRef,
+    Example,
+    JudgeVerdict,
+    Rollout,
+    RolloutGroup,
+    ScoredGroup,
+    TrainStepResult,
+)
 
 REWARD_MODULE = "def digits(completions, **kwargs):\n    return [float(sum(ch.isdigit() for ch in c)) for c in completions]\n"
 SHIPPED, STRAY = "team_rewards:digits", "stray_rewards:digits"
@@ -51,7 +66,9 @@ def rehearsal(tmp_path_factory, tiny_model_dir) -> Rehearsal:
     bin_dir = image_python(root / "image")
     (root / "submission").mkdir()
     rewards = f"correct=1.0,{SHIPPED}=0.5"  # the CLI refuses STRAY before submitting (tests/test_submit.py)
-    submission = run_submission(bin_dir, checkout / "src", root / "elsewhere", root / "submission", tiny_model_dir, rewards)
+    # two train GPUs: the submission declares the data-parallel train step too
+    settings = {"GRPO_FLYTE_TRAIN_GPU": "L4:2"}
+    submission = run_submission(bin_dir, checkout / "src", root / "elsewhere", root / "submission", tiny_model_dir, rewards, settings)
     return Rehearsal(root / "run", bin_dir, submission)
 
 
@@ -222,3 +239,206 @@ def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal
         assert pod.outputs is None
         assert pod.error.error.message.startswith("reward 'judge': the judge's reply to 3 completions is not")
         assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
+
+
+# --------------------------------------------------------------------------- the data-parallel train step
+
+DISTRIBUTED = "grpo_flyte-train-dist.train_step_distributed"
+
+
+def _distributed_step() -> SimpleNamespace:
+    """train_step_distributed as the driver submits it: train_step's inputs, an optional result (this
+    process has one train GPU configured, so it declares no such task of its own)."""
+    interface = dataclasses.replace(train_step.native_interface, outputs={"o0": TrainStepResult | None})
+    return SimpleNamespace(name=DISTRIBUTED, native_interface=interface)
+
+
+def _object_store(folder: Path | str) -> Dir:
+    """A folder of this machine as an object-store Dir (`local://`): pods download it."""
+    return Dir(path="local://" + str(folder).removeprefix("file://"))
+
+
+def test_the_distributed_train_step_runs_under_the_plugins_launcher_in_two_processes(rehearsal, tiny_model_dir, adapter_v0, monkeypatch):
+    """train_step_distributed through `a0` with flyteplugins-pytorch's own launcher: the plugin
+    cloudpickles the task's function, torch's elastic agent spawns two processes (gloo), each
+    imports grpo_flyte from the bundle (the image has none), they download the base and the
+    adapter once between them, and rank 0 alone uploads the new adapter and answers for the task."""
+    import torch
+
+    monkeypatch.setattr(rehearsal, "raw_scheme", "local://")
+    v0 = local_path(adapter_v0.outputs.dir.path)
+    adapter = AdapterRef(version=0, dir=_object_store(v0))
+    pod = rehearsal.run(
+        _distributed_step(), CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, _object_store(tiny_model_dir), adapter,
+        [scored_pair(0), scored_pair(1)],
+    )  # fmt: skip
+    assert pod.error is None, pod.log[-4000:]
+    result = pod.outputs
+    assert isinstance(result, TrainStepResult) and result.adapter.version == 1 and result.stats.world_size == 2
+    assert (result.num_rollouts, result.stats.num_updates) == (4, 1) and result.stats.grad_norm > 0
+    folder = local_path(result.adapter.dir.path)  # uploaded through the object store, under the pod's raw data
+    assert result.adapter.dir.path.startswith("local://") and folder.is_relative_to(pod.raw_data)
+    assert (folder / OPTIMIZER_FILE).is_file() and json.loads((folder / STATE_FILE).read_text()) == {"version": 1}
+    before, after = _lora(v0), _lora(folder)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    # the pod's disk holds one copy of the base and one of the adapter, not one per process
+    cache = pod.workdir / ".cache" / "grpo_flyte"
+    assert [len(list(cache.rglob(name))) for name in ("model.safetensors", "adapter_model.safetensors")] == [1, 1]
+
+
+def test_a_damaged_adapter_fails_the_distributed_step_not_retried(rehearsal, tiny_model_dir, tmp_path):
+    """The plugin reports a failed process as a RuntimeError with exit codes only, which Flyte
+    retries; the processes' input error (here both read a damaged adapter) must fail the task
+    not retried, with the processes' own message."""
+    damaged = tmp_path / "v0000"
+    damaged.mkdir()
+    (damaged / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    adapter = AdapterRef(version=0, dir=Dir(path=str(damaged)))
+    pod = rehearsal.run(
+        _distributed_step(), CONFIG.base, CONFIG.lora, CONFIG.train, CONFIG.sampling, Dir(path=tiny_model_dir.as_uri()), adapter,
+        [scored_pair(0), scored_pair(1)],
+    )  # fmt: skip
+    assert pod.outputs is None, pod.log[-4000:]
+    assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
+    assert pod.error.error.message.startswith(f"adapter {str(damaged)!r} cannot be loaded"), pod.error.error.message
+
+
+# --------------------------------------------------------------------------- the warm replica
+
+
+def _ok(results: list[tuple]) -> list:
+    assert all(error is None for _, error in results), [error.error.message for _, error in results if error is not None]
+    return [outputs for outputs, _ in results]
+
+
+QUESTIONS = [Example(question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def warm_replica(rehearsal, tiny_model_dir, embedded_dir, tmp_path_factory):
+    """One replica process, the bundle loaded once, two runs of other base models on it, in turns:
+
+    1. run 1: init_adapter on model A, then 16 generate actions at once, then three train_steps;
+    2. run 2 (model B) interleaved with run 1: B's init_adapter beside one of A's generate calls,
+       16 generate calls on B beside A's fourth step, B's first step, then A's fourth step again
+       (after B's), and finally four of run 1's first generate calls again.
+
+    Everything goes through the object-store stand-in (`local://`), so the replica downloads and
+    uploads every folder as on a cluster. Returns what each action gave and the warm state after
+    each batch of actions."""
+    from tiny_model import build_tiny_model
+
+    model_b = build_tiny_model(tmp_path_factory.mktemp("tiny-b"), embedded_dir, seed=1)
+    replica = Replica(rehearsal.root.parent / "replica-run", rehearsal.bin_dir, rehearsal.submission)
+    parts = {}
+    for name, folder in (("a", tiny_model_dir), ("b", model_b)):
+        config = CONFIG.model_copy(update={"base": CONFIG.base.model_copy(update={"model": str(folder)})})
+        parts[name] = (config, _object_store(folder))
+
+    def generate_call(run: str, name: str, adapter: AdapterRef, i: int) -> Call:
+        config, base = parts[name]
+        args = (config.base, config.engine, config.prompt, config.sampling, config.episode, base, adapter, QUESTIONS[i], i, 100 + i)
+        return Call(generate, run, args)
+
+    def step_call(run: str, name: str, adapter: AdapterRef) -> Call:
+        config, base = parts[name]
+        return Call(
+            train_step, run, (config.base, config.lora, config.train, config.sampling, base, adapter, [scored_pair(0), scored_pair(1)])
+        )
+
+    def init_call(run: str, name: str) -> Call:
+        config, base = parts[name]
+        return Call(init_adapter, run, (config.base, config.lora, config.seed, base))
+
+    out: dict = {"states": {}}
+    try:
+        [v0], _ = replica.run([init_call("r1", "a")])
+        v0 = _ok([v0])[0]
+        results, out["states"]["generate"] = replica.run([generate_call("r1", "a", v0, i) for i in range(16)])
+        out["groups"] = _ok(results)
+        steps, adapter = [], v0
+        for _ in range(3):
+            [result], _ = replica.run([step_call("r1", "a", adapter)])
+            steps.append(_ok([result])[0])
+            adapter = steps[-1].adapter
+        out["steps"] = steps
+        [warm4], out["states"]["train"] = replica.run([step_call("r1", "a", adapter)])  # v3 -> v4, right after v3
+        out["v4_warm"] = _ok([warm4])[0]
+        # run 2, in turns with run 1
+        [w0, _], _ = replica.run([init_call("r2", "b"), generate_call("r1", "a", adapter, 0)])
+        w0 = _ok([w0])[0]
+        results, out["states"]["run 2"] = replica.run(
+            [*(generate_call("r2", "b", w0, i) for i in range(16)), step_call("r1", "a", adapter)]
+        )
+        *groups_b, v4_after_b_init = _ok(results)
+        out["groups_b"], out["v4_after_b_init"] = groups_b, v4_after_b_init
+        [w1], _ = replica.run([step_call("r2", "b", w0)])
+        out["w1"] = _ok([w1])[0]
+        [v4], _ = replica.run([step_call("r1", "a", adapter)])
+        out["v4_after_b_step"] = _ok([v4])[0]
+        results, out["states"]["end"] = replica.run([generate_call("r1", "a", v0, i) for i in range(4)])
+        out["groups_again"] = _ok(results)
+    finally:
+        replica.close()
+    out["log"] = replica.log()
+    return out
+
+
+def test_a_replica_builds_one_engine_per_model_and_batches_concurrent_calls(warm_replica):
+    """16 generate actions at once on one replica: one engine build, and engine batches that hold
+    several actions' groups. Run 2's model is one more build; coming back to run 1's model is
+    another (one engine slot: a pool serves one model at a time, hence a pool per submission)."""
+    states = warm_replica["states"]
+    a, b = (state["engine_builds"] for state in (states["generate"], states["run 2"]))
+    assert len(a) == 1 and len(b) == 2 and b[0] == a[0] != b[1]  # one build per model, not one per call
+    assert states["end"]["engine_builds"] == [*b, a[0]]  # back to model A: rebuilt once for four calls
+    batcher = states["generate"]["batcher"]
+    assert batcher["submitted"] == 16 and batcher["batches"] < 16, batcher  # batches span concurrent actions
+    assert [g.index for g in warm_replica["groups"]] == list(range(16))
+    assert all(len(g.rollouts) == CONFIG.sampling.group_size for g in warm_replica["groups"] + warm_replica["groups_b"])
+
+
+def test_consecutive_steps_of_a_run_go_on_from_the_warm_optimizer(warm_replica):
+    """The trainer loads model A once for run 1's steps; the first step after init_adapter reads
+    the adapter and optimizer state from the folder, every later consecutive step goes on from
+    memory (restore_s exactly 0)."""
+    first, *later = [*warm_replica["steps"], warm_replica["v4_warm"]]
+    assert first.stats.restore_s > 0 and [s.stats.restore_s for s in later] == [0.0, 0.0, 0.0]
+    assert [s.adapter.version for s in warm_replica["steps"]] == [1, 2, 3]
+    assert len(warm_replica["states"]["train"]["trainer_loads"]) == 1
+
+
+def test_interleaved_runs_get_the_results_they_would_alone(warm_replica):
+    """Run 2 (model B) between run 1's actions: run 1's fourth step gives bit for bit the adapter it
+    gave right after its third (after B's init_adapter and after B's step alike, read back from its
+    folder instead of memory), and run 1's first generate calls give the same rollouts again."""
+    import torch
+
+    v4 = _lora(local_path(warm_replica["v4_warm"].adapter.dir.path))
+    for name in ("v4_after_b_init", "v4_after_b_step"):
+        result = warm_replica[name]
+        assert result.stats.restore_s > 0  # the warm optimizer was run 2's: read from the folder
+        again = _lora(local_path(result.adapter.dir.path))
+        assert again.keys() == v4.keys() and all(torch.equal(again[k], v4[k]) for k in v4), name
+    for first, again in zip(warm_replica["groups"][:4], warm_replica["groups_again"], strict=True):
+        assert [r.completion_ids for r in again.rollouts] == [r.completion_ids for r in first.rollouts]
+        assert [r.sampling_logprobs for r in again.rollouts] == [r.sampling_logprobs for r in first.rollouts]
+    # run 2 trained on its own model
+    w1 = json.loads((local_path(warm_replica["w1"].adapter.dir.path) / "adapter_config.json").read_text())
+    assert w1["base_model_name_or_path"].endswith("tiny-b0") and warm_replica["w1"].adapter.version == 1
+    # the trainer's model, one at a time: loaded again at each switch of run (a, b, a, b, a), never per step
+    a, b, *rest = warm_replica["states"]["end"]["trainer_loads"]
+    assert a != b and rest == [a, b, a]
+
+
+def test_a_replicas_caches_stay_bounded(warm_replica):
+    """After two runs, two models and nine adapters: one engine with at most adapter_cache_size
+    adapters, one trainer model, one batcher, and every download cache within its capacity, on
+    disk too (evicted folders are deleted)."""
+    state = warm_replica["states"]["end"]
+    assert state["batchers"] == 1 and state["trainer_models"] == 1
+    loaded, most = state["engine_adapters"]
+    assert most == CONFIG.engine.adapter_cache_size and 1 <= loaded <= most
+    for name, cache in state["caches"].items():
+        assert cache["entries"] <= cache["capacity"] and cache["on_disk"] == cache["entries"], (name, cache)
+    assert state["caches"]["rollout models"]["entries"] == state["caches"]["train models"]["entries"] == 1

@@ -68,3 +68,37 @@ def test_remote_dirs_are_downloaded_once_and_evicted(tmp_path):
     assert not Path(b).exists()
     assert Path(a1).exists() and Path(c).exists()
     assert list(cache.entries) == ["s3://b/a", "s3://b/c"]
+
+
+# --------------------------------------------------------------------------- NodeDirCache
+
+
+def test_the_processes_of_a_node_download_a_folder_once_and_share_it(tmp_path):
+    """The processes of a multi-GPU train step (one per GPU, in one pod) ask for the base at once:
+    one downloads, the others wait on the file lock and get the same folder. Two threads, each with
+    its own cache object and event loop, stand in for two processes."""
+    import threading
+    import time
+
+    from grpo_flyte.storage import NodeDirCache
+
+    class SlowRemoteDir(FakeRemoteDir):
+        async def download(self, local_path: str) -> str:
+            time.sleep(0.2)  # long enough for the other process to ask meanwhile
+            return await super().download(local_path)
+
+    FakeRemoteDir.downloads = []
+    got: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(asyncio.run(NodeDirCache(tmp_path / "node").get(SlowRemoteDir("s3://b/base")))))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert FakeRemoteDir.downloads == ["s3://b/base"]
+    assert len(got) == 2 and got[0] == got[1] and (Path(got[0]) / "from.txt").read_text() == "s3://b/base"
+    # a later process of the node (a retried step on the same pod) finds it too
+    assert asyncio.run(NodeDirCache(tmp_path / "node").get(FakeRemoteDir("s3://b/base"))) == got[0]
+    assert FakeRemoteDir.downloads == ["s3://b/base"]

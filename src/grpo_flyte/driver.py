@@ -28,7 +28,7 @@ import flyte.report
 from flyte.io import Dir
 
 from grpo_flyte import hub
-from grpo_flyte.config import RunConfig, eval_due
+from grpo_flyte.config import EngineConfig, RunConfig, eval_due
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.decoding import sub_seed
 from grpo_flyte.envs import driver_env
@@ -117,9 +117,27 @@ async def generate_and_score(generating: list[asyncio.Task], score: Callable[[An
     return results, generated - started, time.perf_counter() - generated
 
 
+def engine_settings(config: RunConfig) -> EngineConfig:
+    """The engine settings the generate and judge tasks get. Outside a cluster both engines live in
+    this one process, on one GPU, and vLLM starts an engine only when its whole
+    gpu_memory_utilization share of the GPU is still free (vllm/v1/worker/utils.py,
+    request_memory): with the judge the two engines split `vllm_memory_fraction`, half each. On a
+    cluster each pool has GPUs of its own."""
+    ctx = flyte.ctx()
+    if not config.judging or (ctx and ctx.mode != "local"):
+        return config.engine
+    return config.engine.model_copy(update={"vllm_memory_fraction": config.engine.vllm_memory_fraction / 2})
+
+
 def _generate_parts(config: RunConfig) -> dict[str, Any]:
     """The config parts the generate tasks take."""
-    return {"model": config.base, "engine": config.engine, "prompt": config.prompt, "sampling": config.sampling, "episode": config.episode}
+    return {
+        "model": config.base,
+        "engine": engine_settings(config),
+        "prompt": config.prompt,
+        "sampling": config.sampling,
+        "episode": config.episode,
+    }
 
 
 def group_scorer(
@@ -134,7 +152,7 @@ def group_scorer(
     async def judged(group: Any) -> Any:
         started = time.perf_counter()
         try:
-            return await judge_group(config.judge, config.engine, config.scoring, judge_model, group)
+            return await judge_group(config.judge, engine_settings(config), config.scoring, judge_model, group)
         finally:
             judge_spans.append((started, time.perf_counter()))
 
@@ -247,14 +265,19 @@ class BatchesAhead:
         self.tasks: dict[int, asyncio.Task] = {}
 
     def launch(self, done: int) -> None:
-        """Start the batches of iterations done..done+K not started yet."""
+        """Start the batches of iterations done..done+K not started yet, each in the flyte.group of
+        the iteration it trains (`_train_rl`'s `iter-{it + 1}`). A task keeps the group that was
+        open when it was created, here the iteration being trained; the group shows the batch
+        under its own iteration in the UI and names its actions, so a retried driver that starts
+        a batch from another iteration's group still reuses what the first attempt generated."""
         k = self.config.max_staleness
         for it in range(done, min(done + k + 1, self.config.iterations)):
             if it not in self.tasks:
                 version = self.versions.setdefault(it, generation_version(it, k))
-                self.tasks[it] = asyncio.create_task(
-                    collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.judge_model)
-                )
+                with flyte.group(f"iter-{it + 1}"):
+                    self.tasks[it] = asyncio.create_task(
+                        collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.judge_model)
+                    )
 
     async def iteration(self, adapter: AdapterRef, it: int) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float], int]:
         """Train iteration `it` from `adapter` on its batch, generated ahead; start the next batches

@@ -9,6 +9,7 @@ Importing this module is cheap: it imports flyte and pydantic only.
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 
 import flyte
@@ -40,7 +41,13 @@ class DeploySettings(BaseSettings):
             "data-parallel over them, one process per GPU (flyteplugins-pytorch's Elastic)."
         ),
     )
-    train_nodes: int = Field(1, description="Nodes the train step runs over, each with train_gpu (above 1: a PyTorchJob through Elastic).")
+    train_nodes: int = Field(
+        1,
+        description=(
+            "Nodes the train step runs over, each with train_gpu; only 1 for now (flyteplugins-pytorch 2.12 loses the "
+            "step's result over several: see train_settings_problem)."
+        ),
+    )
     rollout_replicas_min: int = Field(1, ge=1, description="Warm generate replicas kept at least.")
     rollout_replicas_max: int = Field(4, ge=1, description="Generate replicas at most.")
     rollout_concurrency: int = Field(
@@ -67,7 +74,19 @@ class DeploySettings(BaseSettings):
         description="Concurrent judge calls per replica; the replica's batcher puts them in one engine batch (at least 2).",
     )
     judge_memory: str = "12Gi"
-    train_memory: str = "12Gi"
+    train_memory: str = Field(
+        "12Gi",
+        description=(
+            "Memory of the train pod, per train GPU: a multi-GPU train step runs one process per GPU, so its pod "
+            "asks for this times the GPU count."
+        ),
+    )
+    train_disk: str = Field(
+        "50Gi",
+        description=(
+            "Local disk of a train pod: the base model's download (once per pod), the adapters and, with --export-merged, the merged model."
+        ),
+    )
     hf_token_secret: str | None = Field(
         None,
         description=(
@@ -79,6 +98,22 @@ class DeploySettings(BaseSettings):
         None, description="Name of a Flyte secret holding a W&B API key, given to the driver (for --wandb-project)."
     )
     registry: str | None = Field(None, description="Container registry the image is pushed to.")
+    pool_id: str = Field(
+        default_factory=lambda: uuid.uuid4().hex[:12],
+        description=(
+            "Names the warm pools of a submission; new in every process that submits (a run and its resumes share "
+            "it). Flyte hashes an environment's variables into its pool's identity, so each run gets pools of its own."
+        ),
+    )
+    pool_idle_ttl: int = Field(
+        1800,
+        ge=30,
+        description=(
+            "Seconds a warm pool may sit idle before Flyte shuts down all its replicas: longer than a run's longest "
+            "stage (a pool waits idle while the others work, e.g. the generate pool during a train step), or every "
+            "iteration restarts it cold; a finished run's pools stay up this long after their last task."
+        ),
+    )
 
     def as_env_vars(self) -> dict[str, str]:
         """These settings as the GRPO_FLYTE_* variables that reproduce them.
@@ -113,14 +148,32 @@ def train_settings_problem(settings: DeploySettings) -> str | None:
         return (
             f"{prefix}TRAIN_GPU={settings.train_gpu!r}: not a GPU count flyte.Resources (and so the train plugin) accepts; expected {hint}"
         )
-    if settings.train_nodes < 1:
-        return f"{prefix}TRAIN_NODES={settings.train_nodes}: expected 1 or more"
+    if settings.train_nodes != 1:
+        # An Elastic task over several nodes is a PyTorchJob whose every pod runs the task: the
+        # plugin returns None on a pod that ran no rank 0 (flyteplugins/pytorch/task.py: `out[0] if 0
+        # in out else None`), and flyte skips the output upload only for clustered workers, not for
+        # an elastic agent (flyte/_internal/runtime/io.py: upload_outputs), so each pod writes the
+        # task's outputs and the last one wins. An open flyte-sdk pull request makes such a pod
+        # write nothing; until it ships, one node.
+        return (
+            f"{prefix}TRAIN_NODES={settings.train_nodes}: expected 1; the train step runs on one node (up to 8 GPUs, e.g. "
+            f"{prefix}TRAIN_GPU=A100:8), because over several nodes flyteplugins-pytorch 2.12 lets a pod without "
+            "rank 0 write None as the step's result"
+        )
     return None
 
 
 def train_world_size(settings: DeploySettings) -> int:
     """Processes of a cluster train step: one per train GPU, on every train node."""
     return gpu_count(settings.train_gpu) * settings.train_nodes
+
+
+def _times(quantity: str, count: int) -> str:
+    """A Kubernetes quantity `count` times over: ('12Gi', 4) -> '48Gi'."""
+    number = quantity.rstrip("KMGTPEi")
+    unit = quantity[len(number) :]
+    value = float(number) * count
+    return f"{int(value) if value.is_integer() else value}{unit}"
 
 
 def _one_of(gpu: str) -> str:
@@ -199,6 +252,10 @@ image = build_image(settings)
 # Secrets only where configured: Flyte resolves every named secret when it creates a pod.
 _hf_token = [flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")] if settings.hf_token_secret else []
 _wandb_key = [flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else []
+# Every environment carries the settings, GRPO_FLYTE_POOL_ID among them, which gives each
+# submission pools of its own: Flyte hashes a reusable environment's variables into its pool's
+# identity (flyte/_internal/runtime/reuse.py, which hashes no run). scope="run" alone would not:
+# Union applies it to reusable Ray clusters only, and shares a container pool across runs.
 _settings_env = settings.as_env_vars()
 # The pools given a GPU: no usable CUDA there fails the task at once (models.cuda_available).
 _gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
@@ -208,7 +265,8 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
     """A warm pool of generators: vLLM (GPU) or transformers (CPU), the engine built once per replica.
     concurrency > 1: several calls run on one replica at once; the replica's batcher
     (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's consumer
-    ever drives the engine. Each run its own pool: a warm engine holds one run's model and settings."""
+    ever drives the engine. Each run its own pool (`DeploySettings.pool_id`): a warm engine holds one
+    run's model and settings."""
     return flyte.TaskEnvironment(
         name=name,
         description=description,
@@ -216,7 +274,9 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
         resources=flyte.Resources(cpu=settings.rollout_cpu, memory=memory, gpu=gpu, shm="auto"),
         secrets=_hf_token,
         env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
-        reusable=flyte.ReusePolicy(replicas=replicas, concurrency=concurrency, idle_ttl=300, scaledown_ttl=120, scope="run"),
+        reusable=flyte.ReusePolicy(
+            replicas=replicas, concurrency=concurrency, idle_ttl=settings.pool_idle_ttl, scaledown_ttl=120, scope="run"
+        ),
     )
 
 
@@ -238,7 +298,7 @@ reward_env = flyte.TaskEnvironment(
     # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
     # Each replica keeps its reward worker processes (grpo_flyte.sandbox) between groups.
     reusable=flyte.ReusePolicy(
-        replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=300, scope="run"
+        replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=settings.pool_idle_ttl, scope="run"
     ),
 )
 
@@ -257,33 +317,71 @@ train_env = flyte.TaskEnvironment(
     description="LoRA adapter initialization and GRPO optimizer steps.",
     image=image,
     # with several train GPUs, train_dist_env takes the steps: this pool keeps one for the rest
-    resources=flyte.Resources(cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), shm="auto"),
+    resources=flyte.Resources(
+        cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), disk=settings.train_disk, shm="auto"
+    ),
     secrets=_hf_token,
     env_vars=_gpu_env,
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
     # the optimizer state stays in memory between the steps of a run (still saved with every
     # adapter, so a cold replica gives the same result).
-    reusable=_single_replica_policy(idle_ttl=600),
+    reusable=_single_replica_policy(idle_ttl=settings.pool_idle_ttl),
 )
 
 
-# Several train GPUs (or nodes): the train step runs data-parallel, one process per GPU, through
-# flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod; a PyTorchJob over
-# several nodes). Such a plugin task cannot be reusable: each step starts its pods, loads the base
-# and restores the adapter and optimizer state from its input folder (train_restore_s).
+def _train_step_elastic(processes: int):
+    """flyteplugins-pytorch's Elastic config for the train step, whose task fails with what its
+    processes raised: the plugin turns any worker failure into a RuntimeError with exit codes only
+    (flyteplugins/pytorch/task.py, `execute`), which Flyte retries, so an input error (a damaged
+    adapter, no usable CUDA) would run, reloading the base, twice more. The processes record their
+    errors (trainer.train_step_distributed); an input error fails the task not retried."""
+    from flyte.extend import TaskPluginRegistry
+    from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
+    from flyteplugins.pytorch.task import TorchFunctionTask
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from grpo_flyte.errors import GrpoFlyteError, failed_workers, not_retried
+
+    class TrainStepElastic(Elastic):
+        """Elastic, run by `TrainStepTask` (flyte picks a task's plugin by its config's type)."""
+
+    class TrainStepTask(TorchFunctionTask):
+        async def execute(self, *args, **kwargs):
+            try:
+                return await super().execute(*args, **kwargs)
+            except RuntimeError as exc:
+                if not isinstance(exc.__cause__, ChildFailedError):
+                    raise
+                error = failed_workers(exc.__cause__.failures, processes)
+                raise (not_retried(error) if isinstance(error, GrpoFlyteError) else error) from None
+
+    TaskPluginRegistry.register(TrainStepElastic, TrainStepTask)
+    # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
+    return TrainStepElastic(nnodes=settings.train_nodes, nproc_per_node=processes, max_restarts=0)
+
+
+# Several train GPUs: the train step runs data-parallel, one process per GPU, through
+# flyteplugins-pytorch's Elastic plugin (torch's elastic launcher in the pod). Such a plugin task
+# cannot be reusable: each step starts its pod, loads the base and restores the adapter and
+# optimizer state from its input folder (train_restore_s).
 train_dist_env = None
 if train_problem is None and train_world_size(settings) > 1:
-    from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
-
     train_dist_env = flyte.TaskEnvironment(
         name="grpo_flyte-train-dist",
-        description="The GRPO train step, data-parallel over the train GPUs (and nodes).",
+        description="The GRPO train step, data-parallel over the train GPUs.",
         image=image,
-        resources=flyte.Resources(cpu=settings.train_cpu * gpu_count(_train_gpu), memory=settings.train_memory, gpu=_train_gpu, shm="auto"),
+        # one process per GPU: CPU and memory for each (each loads the base straight onto its GPU,
+        # models.load_base); one download of the base for the pod (storage.NodeDirCache)
+        resources=flyte.Resources(
+            cpu=settings.train_cpu * gpu_count(_train_gpu),
+            memory=_times(settings.train_memory, gpu_count(_train_gpu)),
+            gpu=_train_gpu,
+            disk=settings.train_disk,
+            shm="auto",
+        ),
         secrets=_hf_token,
         env_vars=_gpu_env,
-        # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
-        plugin_config=Elastic(nnodes=settings.train_nodes, nproc_per_node=gpu_count(_train_gpu), max_restarts=0),
+        plugin_config=_train_step_elastic(gpu_count(_train_gpu)),
     )
 
 driver_env = flyte.TaskEnvironment(

@@ -133,6 +133,45 @@ def input_errors_not_retried() -> Iterator[None]:
         raise
 
 
+def _recorded(failure: Any) -> str:
+    """The error a failed worker process recorded (torch elastic's `ProcessFailure.message`: a dict
+    holding 'Kind: detail' when the process ran under torch's `record`, else a note), '' if none."""
+    message = failure.message.get("message") if isinstance(failure.message, dict) else None
+    return str(message or "")
+
+
+def _user_error(recorded: str) -> Exception | None:
+    """The not-retried error `recorded` ('Kind: detail') names, raised again here; None for any other."""
+    kind, _, detail = recorded.partition(": ")
+    if kind == NOT_RETRIED:
+        import flyte.errors
+
+        return flyte.errors.NonRecoverableError(detail)
+    kinds = [GrpoFlyteError]
+    while kinds:
+        cls = kinds.pop()
+        if cls.__name__ == kind:
+            return cls(detail)
+        kinds.extend(cls.__subclasses__())
+    return None
+
+
+def failed_workers(failures: dict[int, Any], processes: int) -> Exception:
+    """What a data-parallel step raises when its processes failed (torch elastic's
+    `ChildFailedError.failures`, rank -> ProcessFailure): a process's input error as that error,
+    which is not retried, as in a one-process step (every process reads the same inputs); else a
+    RuntimeError with the first recorded error, or the exit code, which may pass the next attempt
+    (a process killed for memory, say)."""
+    recorded = {rank: _recorded(failure) for rank, failure in sorted(failures.items())}
+    for message in recorded.values():
+        error = _user_error(message)
+        if error is not None:
+            return error
+    rank = next((r for r, message in recorded.items() if message), min(recorded))
+    detail = recorded[rank] or f"exit code {failures[rank].exitcode}"
+    return RuntimeError(f"train process {rank} of {processes} failed: {detail}")
+
+
 def quoted(value: Any, limit: int = 200) -> str:
     """`repr(value)` for an error message, cut to `limit` characters; never raises, so that the path
     reporting a bad value cannot itself fail on it (an int of 5,000 digits has no repr, a user

@@ -243,21 +243,31 @@ def load_base(model_path: str, dtype: str, load_in_4bit: bool = False, embedding
     """The base model for training, on `best_device`: in `dtype` or, with `load_in_4bit`, with its
     linear layers in NF4 (QLoRA: 4-bit NormalFloat, double quantization of the scales) computing in
     `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`, unless
-    `embeddings_in_4bit` (`nf4_embeddings`). Its attention is `set_attention`'s."""
+    `embeddings_in_4bit` (`nf4_embeddings`). Its attention is `set_attention`'s.
+
+    The weights load straight onto the device (`load_device`), never whole into CPU memory first:
+    the processes of a multi-GPU train step each load the base at once, in one pod."""
     quiet_bitsandbytes()
     from transformers import AutoModelForCausalLM
 
     model = (
         _load_4bit(model_path, dtype, embeddings_in_4bit)
         if load_in_4bit
-        else AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype)).to(best_device())
+        else AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype), device_map={"": load_device()})
     )
     set_attention(model, best_device())
     return model
 
 
-def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
+def load_device():
+    """Where this process loads a model: its current GPU (a data-parallel process has set its own),
+    or the CPU."""
     import torch
+
+    return torch.cuda.current_device() if best_device() == "cuda" else "cpu"
+
+
+def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quantization = BitsAndBytesConfig(
@@ -267,7 +277,7 @@ def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
         bnb_4bit_compute_dtype=torch_dtype(dtype),
     )
     # A 4-bit model cannot be moved after loading: it is placed as it loads (on this process's GPU).
-    device = torch.cuda.current_device() if best_device() == "cuda" else "cpu"
+    device = load_device()
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
     )

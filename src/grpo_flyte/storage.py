@@ -108,6 +108,34 @@ def replica_cache(name: str, capacity: int) -> LocalDirCache:
     return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
 
 
+class NodeDirCache:
+    """Remote directories downloaded once per node, shared by the processes of a data-parallel train
+    step (one per GPU, in one pod): the first process to ask downloads, the others wait for it on
+    a file lock and use its copy. The pod lives one step, so nothing is evicted."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    async def get(self, d: Dir) -> str:
+        from filelock import AsyncFileLock
+
+        if not is_remote(d.path):
+            return local_path(d.path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+        done = target.with_name(target.name + ".done")  # holds the downloaded path, written last
+        async with AsyncFileLock(str(target) + ".lock"):
+            if not done.is_file():
+                shutil.rmtree(target, ignore_errors=True)  # a process that died while downloading
+                done.write_text(await d.download(str(target)))
+            return done.read_text()
+
+
+def node_cache(name: str) -> NodeDirCache:
+    """A download cache shared by every process of this node (this pod) that uses `name`."""
+    return NodeDirCache(cache_root() / "node" / name)
+
+
 async def publish_dir(build: Callable[[Path], T], name: str, folder: str = "adapters", key: str | None = None) -> tuple[Dir, T]:
     """Write a directory with `build(path)` and return it as a Dir, never half-written, with what
     `build` returned.
@@ -171,7 +199,7 @@ async def as_payload(items: list[M], name: str) -> tuple[list[M], list[Dir]]:
     return [], [folder]
 
 
-async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache: LocalDirCache) -> list[M]:
+async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache: LocalDirCache | NodeDirCache) -> list[M]:
     """The items `as_payload` split: inline, or read back from the folder."""
     for folder in payload:
         path = await cache.get(folder)

@@ -22,9 +22,9 @@ from flyte.io import Dir
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
-from grpo_flyte.errors import AdapterError, input_errors_not_retried
+from grpo_flyte.errors import AdapterError, failed_workers, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
-from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
+from grpo_flyte.storage import from_payload, is_remote, node_cache, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 logger = logging.getLogger(__name__)
@@ -200,6 +200,8 @@ _warm = WarmOptimizer()
 _model_dirs = replica_cache("train-models", capacity=1)
 _payload_dirs = replica_cache("train-payloads", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
+# The processes of a data-parallel step (one pod, one per GPU) share one download of each folder.
+_node_dirs = node_cache("train-step")
 
 
 @train_env.task(retries=2)
@@ -686,15 +688,7 @@ def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
     try:
         results = elastic_launch(config, _recorded_train_rank)(job, str(out))
     except ChildFailedError as exc:
-        failure = next(iter(exc.failures.values()))
-        message = failure.message.get("message") if isinstance(failure.message, dict) else failure.message
-        kind, _, detail = str(message or "").partition(": ")
-        if kind == AdapterError.__name__:  # a damaged adapter stays damaged: not retried, as in one process
-            raise AdapterError(detail) from None
-        # anything else may pass the next attempt (a process killed for memory, say)
-        raise RuntimeError(
-            f"train process {failure.local_rank} of {processes} failed: {message or f'exit code {failure.exitcode}'}"
-        ) from None
+        raise failed_workers(exc.failures, processes) from None  # e.g. a damaged adapter: the AdapterError
     return results[0]
 
 
@@ -740,11 +734,11 @@ async def rank_step(
     take the step (`train_rank`); rank 0 writes the adapter into `out` and returns the result
     (its adapter names `out`), the others None."""
     started = time.perf_counter()
-    model_path = await _model_dirs.get(base_model)
+    model_path = await _node_dirs.get(base_model)
     fetched = time.perf_counter()
-    adapter_path = await _adapter_dirs.get(adapter.dir)
+    adapter_path = await _node_dirs.get(adapter.dir)
     download_s = time.perf_counter() - fetched
-    scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
+    scored = await from_payload(scored, scored_payload, ScoredGroup, _node_dirs)
     sequences, num_rollouts = build_sequences(scored, train)
     version = adapter.version + 1
     steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
@@ -776,39 +770,70 @@ if train_dist_env is not None:
         total_iterations: int = 0,
     ) -> TrainStepResult | None:
         """train_step over the train GPUs: the Elastic plugin runs this in one process per GPU (a
-        sync function, as the plugin calls it), each with torch.distributed's variables set."""
+        sync function, as the plugin calls it), each with torch.distributed's variables set. A
+        process's error is recorded for the launcher (torch elastic's `record`), so that the task
+        fails with it, not with exit codes only (envs.train_dist_env's plugin)."""
         import asyncio
 
-        with input_errors_not_retried():
-            return asyncio.run(
-                _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
-            )
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        def step() -> TrainStepResult | None:
+            with input_errors_not_retried():
+                return asyncio.run(
+                    _distributed_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations)
+                )
+
+        return record(step)()
 
     DISTRIBUTED_STEP = train_step_distributed
 else:
     DISTRIBUTED_STEP = None
 
 
+# The merged model's largest file: saving copies one file's tensors to the CPU at a time.
+MERGE_SHARD_SIZE = "2GB"
+
+
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     """Save base + LoRA as one plain transformers model folder (weights in the base's own dtype).
 
-    The merge runs in float32, so a small adapter update is not lost to bfloat16 rounding before
-    the single cast back at the end; the tokenizer is saved alongside.
+    The base loads in its own dtype straight onto this process's device (the train pool's GPU), so
+    the merge needs one copy of the 16-bit base in GPU memory and none in the pod's memory (a
+    float32 copy on the CPU, 12 GB for a 3B base, did not fit the train pod). PEFT adds each
+    layer's update B @ A (computed from its float32 LoRA weights) to the weight in that dtype; the
+    folder is written in shards of at most `MERGE_SHARD_SIZE`, each copied to the CPU on its own.
+    The tokenizer is saved alongside.
     """
     import torch
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from grpo_flyte.models import load_device
+
     saved = AutoConfig.from_pretrained(model_path)
-    target = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
-    if isinstance(target, str):
-        target = getattr(torch, target, None)
-    if not isinstance(target, torch.dtype):
-        target = torch.float32
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    dtype = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map={"": load_device()})
     merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
-    merged.to(target).save_pretrained(str(out))
+    merged.save_pretrained(str(out), max_shard_size=MERGE_SHARD_SIZE)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
+
+
+def release_trainer_model() -> None:
+    """Free the warm training model and its optimizer state (GPU memory the merge needs); the next
+    step loads them again, as a cold replica would."""
+    import gc
+
+    _warm.clear()
+    _peft_model.cache_clear()
+    gc.collect()
+    if best_device() == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 @train_env.task(retries=2)
@@ -817,5 +842,9 @@ async def merge_adapter(base_model: Dir, adapter: AdapterRef) -> Dir:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
 
-    merged, _ = await publish_dir(functools.partial(merge_into_base, model_path, adapter_path), f"merged-v{adapter.version:04d}")
+    def build(out: Path) -> None:
+        release_trainer_model()  # the run's last step is done: its model would only share the GPU with the merge
+        merge_into_base(model_path, adapter_path, out)
+
+    merged, _ = await publish_dir(build, f"merged-v{adapter.version:04d}")
     return merged
