@@ -3,9 +3,11 @@
 One judge prompt per group (RULER-style, see grpo_flyte.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
 model once (its own engine slot, grpo_flyte.engines) and its batcher puts concurrent judge calls in
-one engine batch, as the generate pool does. vLLM constrains the reply to the scores' JSON; the
-transformers backend cannot, so an unparsable reply is sampled once more, and a chunk still
-unparsable fails the task (on_reward_error='fail') or scores 0 and is counted ('zero').
+one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
+(`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
+grpo_flyte.decoding), so it parses. A reply that still does not (an engine without the constraint,
+or a reply cut at its token budget) is sampled once more, and a chunk still unparsable fails the task
+(on_reward_error='fail') or scores 0 and is counted ('zero').
 
 Usable from your own workflow like the other tasks:
 
