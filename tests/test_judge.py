@@ -112,7 +112,7 @@ def test_a_group_too_long_for_the_context_is_split_and_each_chunk_lands_at_its_c
 
 
 def test_the_judge_reward_needs_a_judge_model_and_a_readable_rubric(tmp_path):
-    with pytest.raises(ConfigError, match="rewards name 'judge' but no judge_model is set"):
+    with pytest.raises(ConfigError, match="--rewards names 'judge' but --judge-model is not set"):
         make_config(rewards={"judge": 1.0})
     with pytest.raises(ConfigError, match=r"--judge-rubric='missing.txt': rubric file 'missing.txt' cannot be read"):
         make_config(rewards={"judge": 1.0}, judge_model="embedded", judge_rubric="missing.txt")
@@ -130,7 +130,7 @@ def test_a_judge_config_error_stops_the_cli_with_one_line_before_any_work(tmp_pa
     run_dir = tmp_path / "run"
     rc = cli_main(["--local", "--rewards", "judge=1.0", "--run-dir", str(run_dir)])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and len(err.splitlines()) == 1 and "judge_model" in err, err
+    assert rc == 2 and len(err.splitlines()) == 1 and "--rewards names 'judge' but --judge-model is not set" in err, err
     rc = cli_main(["--local", "--rewards", "judge=1.0", "--judge-model", str(tmp_path / "nowhere"), "--run-dir", str(run_dir)])
     err = capsys.readouterr().err.strip()
     assert rc != 0 and len(err.splitlines()) == 1 and "nowhere" in err, err

@@ -62,11 +62,10 @@ def check_submission(config: RunConfig) -> None:
             f"--train-processes {config.train.train_processes} is for local runs; on a cluster the train GPUs set the "
             f"processes: GRPO_FLYTE_TRAIN_GPU={settings.train_gpu.rpartition(':')[0] or 'L4'}:{config.train.train_processes}"
         )
-    per_step = config.rollouts_per_iter // config.train.updates_per_iter
-    if train_world_size(settings) > per_step:
+    if train_world_size(settings) > config.rollouts_per_step:
         raise UserError(
             f"{train_world_size(settings)} train processes (GRPO_FLYTE_TRAIN_GPU={settings.train_gpu} x GRPO_FLYTE_TRAIN_NODES="
-            f"{settings.train_nodes}) with {per_step} rollouts per optimizer step: expected at most {per_step} processes"
+            f"{settings.train_nodes}) with {config.rollouts_per_step_given()}: expected at most {config.rollouts_per_step} processes"
         )
 
     if config.wandb_project and not settings.wandb_secret:
