@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 
 import pytest
 from flyte.io import Dir
@@ -15,7 +16,9 @@ from flyte.io import Dir
 from grpo_flyte import engines
 from grpo_flyte import judge as judge_module
 from grpo_flyte.cli import main as cli_main
+from grpo_flyte.cli import parse_args
 from grpo_flyte.config import JudgeConfig, RewardConfig, make_config
+from grpo_flyte.data import train_eval_split
 from grpo_flyte.errors import ConfigError, RewardError
 from grpo_flyte.types import Example, Rollout, RolloutGroup
 
@@ -133,8 +136,87 @@ def test_a_judge_config_error_stops_the_cli_with_one_line_before_any_work(tmp_pa
     assert rc == 2 and len(err.splitlines()) == 1 and "--rewards names 'judge' but --judge-model is not set" in err, err
     rc = cli_main(["--local", "--rewards", "judge=1.0", "--judge-model", str(tmp_path / "nowhere"), "--run-dir", str(run_dir)])
     err = capsys.readouterr().err.strip()
-    assert rc != 0 and len(err.splitlines()) == 1 and "nowhere" in err, err
+    # the judge's model is named by its own flag, not the base model's
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: --judge-model {str(tmp_path / 'nowhere')!r}: no such"), err
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("option", ["--judge-model", "--model"])
+@pytest.mark.parametrize(
+    ("kept", "problem"), [(["config.json"], "has no weights"), (["config.json", "model.safetensors"], "tokenizer cannot be loaded")]
+)
+def test_a_model_folder_without_its_weights_or_tokenizer_is_one_line_before_start(tmp_path, tiny_model_dir, capsys, option, kept, problem):
+    """The judge's folder is checked as the base model's: one line naming its flag, before any work
+    (not a tokenizer library's 40 lines at the first judge call)."""
+    folder = tmp_path / "half-a-model"
+    folder.mkdir()
+    for name in kept:
+        shutil.copy(tiny_model_dir / name, folder / name)
+    models = {"--model": str(tiny_model_dir), "--judge-model": str(tiny_model_dir), option: str(folder)}
+    run_dir = tmp_path / "run"
+    argv = ["--local", "--rewards", "judge=1.0", *[a for flag, m in models.items() for a in (flag, m)], "--run-dir", str(run_dir)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {option} {str(folder)!r}: ") and problem in err, err
+    assert not run_dir.exists()
+
+
+def test_what_the_judge_is_told_must_leave_room_for_a_completion_before_start(tmp_path, tiny_model_dir, capsys):
+    """A rubric (inline or a file) that, with the judge's instructions and the longest question, leaves
+    no room in --judge-context-tokens for a whole completion is refused before start, with the numbers."""
+    from grpo_flyte.preflight import check_judge_fits
+
+    run_dir = tmp_path / "run"
+    models = ["--model", str(tiny_model_dir), "--judge-model", str(tiny_model_dir), "--rewards", "judge=1.0"]
+    inline = "Prefer correct answers that show their work. " * 2300  # 104 KB
+    assert len(inline.encode()) > 100_000
+    assert cli_main(["--local", *models, "--judge-rubric", inline, "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    pattern = (
+        r"error: --judge-rubric of (\d+) tokens, with the judge's instructions and the longest question \((\d+) tokens\), leaves "
+        r"(-?\d+) of --judge-context-tokens=(\d+) for a completion; expected room for a whole one \(--max-new-tokens=(\d+)\): "
+        r"a shorter rubric, or --judge-context-tokens (\d+) or more"
+    )
+    found = re.fullmatch(pattern, err)
+    assert found and len(err.splitlines()) == 1, err
+    rubric_tokens, _, room, budget, completion, needed = map(int, found.groups())
+    assert rubric_tokens > 10_000 and room < 0 and (budget, completion) == (4096, 64) and needed == budget - room + completion
+    assert not run_dir.exists()
+    # a rubric file, and the context it needs: the number the message suggests is enough, one less is not
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Prefer correct answers that show their work. " * 300)
+    argv = ["--local", *models, "--judge-rubric", str(rubric), "--judge-context-tokens", "1024", "--run-dir", str(run_dir)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    found = re.fullmatch(pattern, err)
+    assert found and int(found.group(4)) == 1024, err
+    needed = int(found.group(6))
+    for context, fits in [(needed, True), (needed - 1, False)]:
+        _, config, _ = parse_args([*models, "--judge-rubric", str(rubric), "--judge-context-tokens", str(context)])
+        if fits:
+            check_judge_fits(config, tiny_model_dir, train_eval_split(config, None))
+        else:
+            with pytest.raises(ConfigError, match=f"leaves 63 of --judge-context-tokens={context} for a completion"):
+                check_judge_fits(config, tiny_model_dir, train_eval_split(config, None))
+    assert not run_dir.exists()
+
+
+def test_a_rubric_value_naming_a_file_is_that_file_whatever_its_extension(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rubric.rst").write_text("Prefer answers that show their work.\n")
+    (tmp_path / "RUBRIC").write_text("Prefer short answers.\n")
+    judge = ["--rewards", "judge=1.0", "--judge-model", "embedded"]
+    for value, text in [("rubric.rst", "Prefer answers that show their work."), ("RUBRIC", "Prefer short answers."),
+                        ("Prefer kind answers.", "Prefer kind answers.")]:  # fmt: skip
+        assert parse_args([*judge, "--judge-rubric", value])[1].judge.judge_rubric == text, value
+    # a value shaped like a file's name that names none is a typo: one line, not the rubric
+    assert cli_main(["--local", *judge, "--judge-rubric", "rubrics/judge.rst", "--run-dir", "run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --judge-rubric='rubrics/judge.rst': rubric file 'rubrics/judge.rst' cannot be read (No such file or directory); "
+        "expected rubric text or a readable UTF-8 file"
+    ), err
+    assert not (tmp_path / "run").exists()
 
 
 # --------------------------------------------------------------------------- real runs (tiny model)

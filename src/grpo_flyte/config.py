@@ -16,6 +16,7 @@ import difflib
 import functools
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -52,8 +53,11 @@ DEFAULT_RUBRIC = (
     "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
     "higher score."
 )
-# A --judge-rubric value ending so is a file to read (rubric text is never a lone file name).
-RUBRIC_FILE_TYPES = (".txt", ".md")
+# A --judge-rubric value that names an existing file is that file, whatever its extension (refusing
+# rubric.rst or a file without one would only make the user rename it). Rubric text is sentences: a
+# value without spaces holding a '/' or ending in an extension is a file's name, and names no file
+# when it is missing (a typo is an error, not the rubric).
+RUBRIC_FILE_NAME = re.compile(r"\S*(/\S*|\.[A-Za-z0-9]{1,8})")
 MAX_RUBRIC_CHARS = 20_000
 # Appended to the question in the user turn: a small model follows an instruction there more
 # often than one in the system prompt (measured: docs/measurements.md, the learning section).
@@ -269,6 +273,13 @@ class RewardConfig(_Part):
         return rewards
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: text
+        return False
+
+
 class JudgeConfig(_Part):
     """The LLM judge (the 'judge' reward): its model, its rubric and its context budget."""
 
@@ -284,8 +295,10 @@ class JudgeConfig(_Part):
         DEFAULT_RUBRIC,
         min_length=1,
         description=(
-            "What the judge scores, as text or a .txt/.md file (read when the config is made); the judge scores "
-            "every completion of a group in [0, 1] relative to the others, in one call."
+            "What the judge scores, as text or a file (a value naming an existing file is that file, whatever its "
+            "extension; read when the config is made); the judge scores every completion of a group in [0, 1] "
+            "relative to the others, in one call. With the judge's instructions and a question it must leave room in "
+            "judge_context_tokens for a whole completion (checked before a run starts)."
         ),
     )
     judge_context_tokens: int = Field(
@@ -303,9 +316,11 @@ class JudgeConfig(_Part):
     def _rubric_text(cls, rubric: str) -> str:
         """A rubric file's text (so a cluster's pods, which cannot read this machine's files, get the text)."""
         candidate = rubric.strip()
-        if "\n" in candidate or not candidate.lower().endswith(RUBRIC_FILE_TYPES):
+        if "\n" in candidate:
             return rubric
         path = Path(candidate).expanduser()
+        if not _exists(path) and not RUBRIC_FILE_NAME.fullmatch(candidate):
+            return rubric
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

@@ -59,6 +59,23 @@ def render_judge_prompt(tokenizer, rubric: str, question: str, completions: Sequ
     return f"{plain}\n\nJudge:\n{REPLY_PREFIX}", False
 
 
+def token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fixed_tokens(tokenizer, rubric: str, question: str) -> int:
+    """The tokens of a judge prompt besides its completions: the instructions with the rubric, the
+    question, and the reply's frame."""
+    frame, _ = render_judge_prompt(tokenizer, rubric, question, [])
+    return token_count(tokenizer, frame) + REPLY_BASE_TOKENS
+
+
+def completion_room(fixed: int, budget: int) -> int:
+    """The most tokens of one completion a judge prompt of `fixed` tokens holds in `budget`
+    (with its header and its score)."""
+    return budget - fixed - HEADER_TOKENS - REPLY_TOKENS_PER_SCORE
+
+
 def scores_regex(n: int) -> str:
     """What may follow REPLY_PREFIX: exactly `n` scores in [0, 1], then the closing brackets
     (vLLM's structured outputs, or the transformers backend's logits mask, hold the judge to it)."""
