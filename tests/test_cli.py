@@ -355,6 +355,37 @@ BAD_INPUT_IN_PROCESS = [
         ["--rewards 'no_such_mod:judge'", "cannot import module 'no_such_mod'"],
     ),
     ("reward-weight-not-a-number", ["--local", "--rewards", "correct=high", "--run-dir", "D"], None, ["--rewards", "high"]),
+    # errors about two options together name both flags, as an error about one does
+    (
+        "train-processes-vs-rollouts-per-step",
+        ["--local", "--train-processes", "64", "--prompts-per-iter", "2", "--group-size", "2", "--run-dir", "D"],
+        None,
+        ["--train-processes=64 with 4 rollouts per optimizer step (--prompts-per-iter=2 x --group-size=2 / --updates-per-iter=1)"],
+    ),
+    (
+        "adapters-to-keep-vs-staleness",
+        ["--local", "--adapters-to-keep", "2", "--max-staleness", "2", "--run-dir", "D"],
+        None,
+        ["--adapters-to-keep=2 with --max-staleness=2: expected at least 3"],
+    ),
+    (
+        "adapter-cache-vs-staleness",
+        ["--local", "--adapter-cache-size", "2", "--max-staleness", "1", "--run-dir", "D"],
+        None,
+        ["--adapter-cache-size=2 with --max-staleness=1: expected at least 3"],
+    ),
+    (
+        "embeddings-without-4bit",
+        ["--local", "--embeddings-in-4bit", "--run-dir", "D"],
+        None,
+        ["error: --embeddings-in-4bit needs --load-in-4bit"],
+    ),
+    (
+        "judge-without-model",
+        ["--local", "--rewards", "judge=1", "--run-dir", "D"],
+        None,
+        ["--rewards names 'judge' but --judge-model is not set"],
+    ),
 ]
 
 
@@ -808,7 +839,12 @@ def test_more_train_processes_than_rollouts_per_step_is_one_line_before_any_work
         "D",
     ]
     result = _main_in(tmp_path, monkeypatch, capsys, argv, None)
-    _check_bad_input(result, ["train_processes=5 with 4 rollouts per optimizer step", "expected at most 4"])
+    _check_bad_input(
+        result,
+        [
+            "--train-processes=5 with 4 rollouts per optimizer step (--prompts-per-iter=2 x --group-size=4 / --updates-per-iter=2): expected at most 4"
+        ],
+    )
 
 
 @pytest.mark.parametrize(
@@ -835,6 +871,11 @@ def test_train_gpus_or_nodes_the_plugin_cannot_run_are_one_line_before_submittin
     [
         (["--train-processes", "2"], "L4:1", "--train-processes 2 is for local runs; on a cluster the train GPUs set the processes"),
         (["--prompts-per-iter", "1", "--group-size", "2"], "L4:4", "4 train processes (GRPO_FLYTE_TRAIN_GPU=L4:4 x"),
+        (
+            ["--prompts-per-iter", "1", "--group-size", "2"],
+            "L4:4",
+            "with 2 rollouts per optimizer step (--prompts-per-iter=1 x --group-size=2 / --updates-per-iter=1): expected at most 2",
+        ),
     ],
 )
 def test_cluster_train_processes_are_checked_before_submitting(monkeypatch, capsys, argv, gpu, words):

@@ -434,7 +434,7 @@ def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
 
 
 def test_embeddings_in_4bit_needs_the_4bit_base():
-    with pytest.raises(ConfigError, match=r"embeddings_in_4bit=True needs load_in_4bit=True \(--load-in-4bit\)"):
+    with pytest.raises(ConfigError, match=r"^--embeddings-in-4bit needs --load-in-4bit: the rest of the base in 4 bits$"):
         make_config(embeddings_in_4bit=True)
     assert make_config(load_in_4bit=True, embeddings_in_4bit=True).lora.embeddings_in_4bit
 

@@ -281,3 +281,46 @@ def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
     for dtype in ("bfloat16", "float32"):
         engine = engines.HFGenerator(str(tiny_model_dir), dtype, 1)
         assert engine.base.config._attn_implementation == GROUPED_ATTENTION and str(engine.base.dtype) == f"torch.{dtype}"
+
+
+def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
+    """The judge's reply on the transformers backend: the random model, left alone, writes noise;
+    held to the scores' regex (one matcher per row), each sampled or greedy row is exactly a match,
+    ends there, and a row without a matcher in the same batch samples as it would alone."""
+    import re
+
+    from grpo_flyte.decoding import grammar_tokenizer, regex_matcher
+    from grpo_flyte.judging import parse_scores, scores_regex
+
+    model, tokenizer = tiny
+    eos = {tokenizer.eos_token_id}
+    grammar = grammar_tokenizer(tokenizer, model.get_output_embeddings().weight.shape[0], eos)
+    regex = scores_regex(3)
+    for sampling in (Sampling(1.0, 1.0, 40), Sampling(1.0, 1.0, 40, greedy=True)):
+        free = run(model, PROMPTS, sampling, eos=eos)
+        with torch.inference_mode():
+            seeds = [(5, row) for row in range(len(PROMPTS))]
+            held = decode(
+                model,
+                PROMPTS,
+                seeds,
+                sampling,
+                eos,
+                pad_id=0,
+                matchers=[regex_matcher(grammar, regex), None, regex_matcher(grammar, regex)],
+            )
+        for ids, _ in (held[0], held[2]):
+            assert ids[-1] in eos, tokenizer.decode(ids)  # the match, then the end of sequence (nothing else was allowed)
+            text = tokenizer.decode(ids[:-1])
+            assert re.fullmatch(regex, text) and parse_scores(text, 3) is not None, text
+        assert held[1] == free[1]  # the unconstrained row is untouched by its neighbours' constraint
+        assert all(parse_scores(tokenizer.decode(ids, skip_special_tokens=True), 3) is None for ids, _ in free)
+
+
+def test_a_regex_the_matcher_cannot_use_is_a_clear_error(tiny):
+    from grpo_flyte.decoding import grammar_tokenizer, regex_matcher
+
+    model, tokenizer = tiny
+    grammar = grammar_tokenizer(tokenizer, model.get_output_embeddings().weight.shape[0], {tokenizer.eos_token_id})
+    with pytest.raises(ValueError, match=r"regex '\(' cannot constrain decoding"):
+        regex_matcher(grammar, "(")

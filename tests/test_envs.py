@@ -423,6 +423,10 @@ def test_the_local_extra_stays_inside_the_tested_versions():
     for name, version in tested.items():
         assert version in local[name], (name, str(local[name]))
         assert not local[name].contains("5.23.0" if name == "transformers" else "99.0"), (name, str(local[name]))  # bounded above
+    # the judge's constraint on the transformers backend: the version the tests run, bounded above
+    from importlib import metadata
+
+    assert metadata.version("llguidance") in local["llguidance"] and not local["llguidance"].contains("99.0")
 
 
 # --------------------------------------------------------------------------- several train GPUs (issue 27)

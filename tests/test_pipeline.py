@@ -46,9 +46,9 @@ def test_max_staleness_sizes_the_adapter_caches_and_refuses_too_small_ones():
     config = RunConfig(max_staleness=4)
     assert (config.adapters_to_keep, config.engine.adapter_cache_size) == (5, 6)
     assert (RunConfig().adapters_to_keep, RunConfig().engine.adapter_cache_size) == (3, 4)
-    with pytest.raises(ConfigError, match="adapters_to_keep=2 with max_staleness=2: expected at least 3"):
+    with pytest.raises(ConfigError, match=r"^--adapters-to-keep=2 with --max-staleness=2: expected at least 3$"):
         make_config(max_staleness=2, adapters_to_keep=2)
-    with pytest.raises(ConfigError, match="adapter_cache_size=3 with max_staleness=2: expected at least 4"):
+    with pytest.raises(ConfigError, match=r"^--adapter-cache-size=3 with --max-staleness=2: expected at least 4$"):
         make_config(max_staleness=2, adapter_cache_size=3)
     with pytest.raises(ConfigError, match="--max-staleness=7"):
         make_config(max_staleness=7)

@@ -222,22 +222,24 @@ def test_generate_pod_samples_a_group_on_the_tiny_model(rehearsal, base_model, a
         assert all(math.isfinite(lp) and lp <= 0 for lp in rollout.sampling_logprobs)
 
 
-@pytest.mark.parametrize("on_reward_error", ["zero", "fail"])
-def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal, base_model, on_reward_error):
+@pytest.mark.parametrize("rubric_fits", [True, False])
+def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal, base_model, rubric_fits):
     """The judge's pod: the judge model comes in as a Dir, the bundle brings grpo_flyte.judge. The
-    tiny random model never writes the scores' JSON: with 'zero' the group is counted invalid after
-    one retry; with 'fail' the pod fails, not retried (the same judge would fail the same way)."""
-    config = RunConfig(rewards={"judge": 1.0}, judge_model="tiny", on_reward_error=on_reward_error, backend="hf")
+    tiny random model, which left alone writes noise, is held to the scores' regex: its one reply
+    parses. A rubric that leaves no room in the judge's context fails the pod, not retried (the same
+    judge would fail the same way; the CLI refuses it before start, a task called directly here)."""
+    fit = {} if rubric_fits else {"judge_rubric": "Prefer correct answers that show their work. " * 40, "judge_context_tokens": 256}
+    config = RunConfig(rewards={"judge": 1.0}, judge_model="tiny", backend="hf", **fit)
     pod = rehearsal.run(judge_group, config.judge, config.engine, config.scoring, base_model, GROUP)
-    if on_reward_error == "zero":
+    if rubric_fits:
         assert pod.error is None, pod.log[-4000:]
         verdict = pod.outputs
         assert isinstance(verdict, JudgeVerdict)
-        assert (verdict.calls, verdict.retries, verdict.invalid, verdict.failed) == (1, 1, 1, [True] * 3)
+        assert (verdict.calls, verdict.retries, verdict.invalid, verdict.failed) == (1, 0, 0, [False] * 3)
         assert (pod.workdir / "grpo_flyte" / "judge.py").is_file()
     else:
         assert pod.outputs is None
-        assert pod.error.error.message.startswith("reward 'judge': the judge's reply to 3 completions is not")
+        assert pod.error.error.message.startswith("the judge's rubric and the question take"), pod.error.error.message
         assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
 
 

@@ -16,6 +16,7 @@ import difflib
 import functools
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -52,8 +53,11 @@ DEFAULT_RUBRIC = (
     "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
     "higher score."
 )
-# A --judge-rubric value ending so is a file to read (rubric text is never a lone file name).
-RUBRIC_FILE_TYPES = (".txt", ".md")
+# A --judge-rubric value that names an existing file is that file, whatever its extension (refusing
+# rubric.rst or a file without one would only make the user rename it). Rubric text is sentences: a
+# value without spaces holding a '/' or ending in an extension is a file's name, and names no file
+# when it is missing (a typo is an error, not the rubric).
+RUBRIC_FILE_NAME = re.compile(r"\S*(/\S*|\.[A-Za-z0-9]{1,8})")
 MAX_RUBRIC_CHARS = 20_000
 # Appended to the question in the user turn: a small model follows an instruction there more
 # often than one in the system prompt (measured: docs/measurements.md, the learning section).
@@ -270,6 +274,13 @@ class RewardConfig(_Part):
         return rewards
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: text
+        return False
+
+
 class JudgeConfig(_Part):
     """The LLM judge (the 'judge' reward): its model, its rubric and its context budget."""
 
@@ -285,8 +296,10 @@ class JudgeConfig(_Part):
         DEFAULT_RUBRIC,
         min_length=1,
         description=(
-            "What the judge scores, as text or a .txt/.md file (read when the config is made); the judge scores "
-            "every completion of a group in [0, 1] relative to the others, in one call."
+            "What the judge scores, as text or a file (a value naming an existing file is that file, whatever its "
+            "extension; read when the config is made); the judge scores every completion of a group in [0, 1] "
+            "relative to the others, in one call. With the judge's instructions and a question it must leave room in "
+            "judge_context_tokens for a whole completion (checked before a run starts)."
         ),
     )
     judge_context_tokens: int = Field(
@@ -304,9 +317,11 @@ class JudgeConfig(_Part):
     def _rubric_text(cls, rubric: str) -> str:
         """A rubric file's text (so a cluster's pods, which cannot read this machine's files, get the text)."""
         candidate = rubric.strip()
-        if "\n" in candidate or not candidate.lower().endswith(RUBRIC_FILE_TYPES):
+        if "\n" in candidate:
             return rubric
         path = Path(candidate).expanduser()
+        if not _exists(path) and not RUBRIC_FILE_NAME.fullmatch(candidate):
+            return rubric
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -356,7 +371,7 @@ class LoraConfig(_Part):
     @model_validator(mode="after")
     def _embeddings_need_4bit(self) -> LoraConfig:
         if self.embeddings_in_4bit and not self.load_in_4bit:
-            raise ValueError("embeddings_in_4bit=True needs load_in_4bit=True (--load-in-4bit): the rest of the base in 4 bits")
+            raise ValueError(f"{flag('embeddings_in_4bit')} needs {flag('load_in_4bit')}: the rest of the base in 4 bits")
         return self
 
     @field_validator("lora_target_modules")
@@ -577,20 +592,23 @@ class RunConfig(_Part):
         generate replicas must keep them."""
         k = self.max_staleness
         if self.adapters_to_keep < k + 1:
-            raise ValueError(f"adapters_to_keep={self.adapters_to_keep} with max_staleness={k}: expected at least {k + 1}")
+            raise ValueError(
+                f"{given('adapters_to_keep', self.adapters_to_keep)} with {given('max_staleness', k)}: expected at least {k + 1}"
+            )
         if self.engine.adapter_cache_size < k + 2:
-            raise ValueError(f"adapter_cache_size={self.engine.adapter_cache_size} with max_staleness={k}: expected at least {k + 2}")
+            raise ValueError(
+                f"{given('adapter_cache_size', self.engine.adapter_cache_size)} with {given('max_staleness', k)}: expected at least {k + 2}"
+            )
         return self
 
     @model_validator(mode="after")
     def _a_share_for_every_process(self) -> RunConfig:
         """Every train process forwards a share of each optimizer step's rollouts: more processes
         than rollouts per step would leave some with nothing to do."""
-        per_step = self.rollouts_per_iter // self.train.updates_per_iter
-        if self.train.train_processes > per_step:
+        if self.train.train_processes > self.rollouts_per_step:
             raise ValueError(
-                f"train_processes={self.train.train_processes} with {per_step} rollouts per optimizer step "
-                f"(prompts_per_iter x group_size / updates_per_iter): expected at most {per_step}"
+                f"{given('train_processes', self.train.train_processes)} with {self.rollouts_per_step_given()}: "
+                f"expected at most {self.rollouts_per_step}"
             )
         return self
 
@@ -598,8 +616,8 @@ class RunConfig(_Part):
     def _judge_has_a_model(self) -> RunConfig:
         if JUDGE_REWARD in self.scoring.rewards and self.judge.judge_model is None:
             raise ValueError(
-                "rewards name 'judge' but no judge_model is set; expected --judge-model embedded, a local model directory "
-                "or a Hugging Face repo id"
+                f"{flag('rewards')} names '{JUDGE_REWARD}' but {flag('judge_model')} is not set; expected {flag('judge_model')} "
+                "embedded, a local model directory or a Hugging Face repo id"
             )
         return self
 
@@ -615,6 +633,18 @@ class RunConfig(_Part):
     @property
     def rollouts_per_iter(self) -> int:
         return self.prompts_per_iter * self.sampling.group_size
+
+    @property
+    def rollouts_per_step(self) -> int:
+        """The rollouts each optimizer step trains on (the train processes share them)."""
+        return self.rollouts_per_iter // self.train.updates_per_iter
+
+    def rollouts_per_step_given(self) -> str:
+        """`rollouts_per_step` in an error, with the options it comes from."""
+        return (
+            f"{self.rollouts_per_step} rollouts per optimizer step ({given('prompts_per_iter', self.prompts_per_iter)} x "
+            f"{given('group_size', self.sampling.group_size)} / {given('updates_per_iter', self.train.updates_per_iter)})"
+        )
 
 
 def _staleness_defaults(values: dict[str, Any]) -> dict[str, Any]:
@@ -830,6 +860,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def given(name: str, value: Any) -> str:
+    """An option as an error about several options names it: its flag and its value, as an error
+    about one option does (`--max-staleness=2`)."""
+    return f"{flag(name)}={shown(value)}"
+
+
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: the flag, the value given, and what was expected."""
     index = _leaf_index()
@@ -840,6 +876,9 @@ def format_validation_error(exc: ValidationError) -> str:
         name = next((n for n in reversed(names) if n in index), names[-1] if names else None)
         where = flag(name) if name else "config"
         msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        if err.get("type") == "value_error" and (name is None or name in _PARTS):
+            lines.append(msg)  # a check of several options together (a model validator): its message names their flags
+            continue
         if err.get("type") == "extra_forbidden":
             loc = [str(part) for part in err.get("loc", ())]
             problem = _misplaced(loc[-2], loc[-1]) if len(loc) >= 2 and loc[-2] in _PARTS else None

@@ -16,6 +16,9 @@ With a `PrefixCache` (models whose cache is plain keys and values per layer), ev
 is prefilled once, on its own and without padding: the rows of a group share their prompt's pass, and
 a multi-turn episode's next turn starts from the key/value cache its last turn left, so only the
 environment's reply is new work. Rows are then left-padded in the cache, not in the input.
+
+A row may be held to a regular expression (the LLM judge's reply, as vLLM's structured outputs hold
+it): a `regex_matcher` masks the tokens that would leave the expression out of each step's logits.
 """
 
 from __future__ import annotations
@@ -107,6 +110,51 @@ def choose_tokens(
             chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
             return tokens, chosen - cdf[:, -1].log().to(chosen.dtype)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# Held to a regular expression (the judge's reply): llguidance computes each step's allowed tokens.
+# Chosen over the other structured-output libraries vLLM uses (it is vLLM's own fallback backend):
+# one wheel with no dependencies, where xgrammar brings triton (~1 GB on Linux) and TVM's FFI into a
+# CPU install; it builds its view of a local tokenizer object (outlines-core's vocabulary comes from
+# a Hub name); and it masks lazily from the regex, nothing compiled per regex over the vocabulary.
+GRAMMAR_INSTALL = "pip install 'grpo-flyte[local]'"
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
+    """llguidance's view of a transformers tokenizer, for `regex_matcher` (about 0.4 s to build:
+    once per engine). `vocab_size` is the model's logits width (it may exceed the tokenizer's)."""
+    try:
+        import llguidance.hf
+    except ImportError as exc:
+        raise ImportError(f"a constrained reply (the LLM judge) on the transformers backend needs llguidance: {GRAMMAR_INSTALL}") from exc
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+
+
+def regex_matcher(grammar_tokenizer, regex: str):
+    """A matcher that allows, token by token, only text matching `regex` in full, then an
+    end-of-sequence token (llguidance.LLMatcher; fed each sampled token by `decode`)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(grammar_tokenizer, llguidance.LLMatcher.grammar_from_regex(regex), log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"regex {regex!r} cannot constrain decoding: {matcher.get_error()}")
+    return matcher
+
+
+def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
+    """(rows, vocab_size) bool: the tokens each row's matcher allows next (every token where it has none)."""
+    import torch
+
+    allowed = torch.ones(len(matchers), vocab_size, dtype=torch.bool)
+    for row, matcher in enumerate(matchers):
+        if matcher is None:
+            continue
+        bias = matcher.compute_logit_bias()  # one byte per token: 0 (not allowed) or 200
+        if matcher.is_error():
+            raise RuntimeError(f"the token constraint failed: {matcher.get_error()}")
+        allowed[row] = False
+        allowed[row, : len(bias)] = torch.frombuffer(bytearray(bias), dtype=torch.uint8)[:vocab_size] > 0
+    return allowed
 
 
 # Per layer, (keys, values) of one context: each (1, kv heads, its tokens, head dim).
@@ -283,6 +331,7 @@ def decode(
     tokenizer=None,
     prefixes: PrefixCache | None = None,
     continued: frozenset[int] = frozenset(),
+    matchers: list | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Sample a completion for each prompt in one batch; returns (token ids, log-probs) per row.
 
@@ -290,7 +339,9 @@ def decode(
     end-of-sequence token (kept), at the token that completes one of `sampling.stop` (kept; the
     tokenizer decodes the row's tail to see it) or after `max_new_tokens`. With `prefixes` (and a
     model with a plain cache), contexts start from their longest stored prefix, and the rows in
-    `continued` store theirs (prompt and completion) for a later call to extend.
+    `continued` store theirs (prompt and completion) for a later call to extend. `matchers[i]`
+    (`regex_matcher`, or None) holds row i to its regex: the tokens it does not allow are masked
+    out of every step's logits before the draw, and it is fed each token drawn.
     """
     if sampling.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer")
@@ -332,12 +383,17 @@ def decode(
         logits = model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
         ).logits[:, -1]
+        if matchers is not None:
+            allowed = allowed_tokens([matchers[r] for r in active], logits.shape[-1]).to(logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         uniforms = None if sampling.greedy else torch.tensor([streams[r].random() for r in active], dtype=torch.float64)
         banned = eos_list if step < sampling.min_new_tokens else None
         tokens, logprobs = choose_tokens(logits, sampling, uniforms, banned)
         for r, t, lp in zip(active, tokens.tolist(), logprobs.tolist(), strict=True):
             out_ids[r].append(t)
             out_lps[r].append(lp)
+            if matchers is not None and matchers[r] is not None:
+                matchers[r].consume_token(t)
         finished = torch.isin(tokens, eos)
         if sampling.stop:
             stopped = [hits_stop(tokenizer, out_ids[r], sampling.stop) for r in active]

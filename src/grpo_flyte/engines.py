@@ -6,8 +6,9 @@
 - `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
   replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
   the GPU). The LLM judge (grpo_flyte.judge) has a slot of its own: a judge engine serves the
-  model without an adapter, its replies held to a regex by vLLM's structured outputs, and a local
-  run, one process, holds it beside the policy's.
+  model without an adapter, its replies held to a regex (vLLM's structured outputs; on transformers
+  a logits mask per step, grpo_flyte.decoding), and a local run, one process, holds it beside the
+  policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
   batch. Every row draws from its own random stream seeded by (request seed, row), so a completion
@@ -68,7 +69,7 @@ class SamplingRequest(BaseModel):
     stop: tuple[str, ...] = ()  # multi-turn: strings that end a model turn (kept in it)
     continues: bool = False  # multi-turn: a later turn extends this context (the transformers engine keeps its cache)
     # The judge: a regular expression the completion must match (vLLM's structured outputs; the
-    # transformers backend does not constrain, and its caller parses and retries).
+    # transformers backend masks each step's logits to it, decoding.regex_matcher).
     regex: str | None = None
 
     def sampling(self) -> Sampling:
@@ -123,6 +124,18 @@ class HFGenerator:
         self.eos_ids.discard(None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.prefixes = PrefixCache(prefix_cache_bytes)
+        self._grammar_tokenizer = None  # built on the first request with a regex (the judge's)
+
+    def _matchers(self, regexes: list[str | None]) -> list | None:
+        """Each batch row's `decoding.regex_matcher`, or None where a row has no regex (None: no row has one)."""
+        from grpo_flyte.decoding import grammar_tokenizer, regex_matcher
+
+        if all(r is None for r in regexes):
+            return None
+        if self._grammar_tokenizer is None:
+            vocab_size = self.base.get_output_embeddings().weight.shape[0]
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, vocab_size, self.eos_ids)
+        return [None if r is None else regex_matcher(self._grammar_tokenizer, r) for r in regexes]
 
     def close(self) -> None:
         import gc
@@ -179,8 +192,9 @@ class HFGenerator:
         owners = [r for r in requests for _ in range(r.group_size)]  # each batch row's request
         continued = frozenset(i for i, r in enumerate(owners) if r.continues)
         sampling = requests[0].sampling()
+        matchers = self._matchers([r.regex for r in owners])
         with torch.inference_mode(), base_only:
-            rows = decode(model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued)
+            rows = decode(model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued, matchers)
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)

@@ -3,9 +3,11 @@
 One judge prompt per group (RULER-style, see grpo_flyte.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
 model once (its own engine slot, grpo_flyte.engines) and its batcher puts concurrent judge calls in
-one engine batch, as the generate pool does. vLLM constrains the reply to the scores' JSON; the
-transformers backend cannot, so an unparsable reply is sampled once more, and a chunk still
-unparsable fails the task (on_reward_error='fail') or scores 0 and is counted ('zero').
+one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
+(`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
+grpo_flyte.decoding), so it parses. A reply that still does not (an engine without the constraint,
+or a reply cut at its token budget) is sampled once more, and a chunk still unparsable fails the task
+(on_reward_error='fail') or scores 0 and is counted ('zero').
 
 Usable from your own workflow like the other tasks:
 
@@ -23,15 +25,15 @@ from grpo_flyte.config import EngineConfig, JudgeConfig, RewardConfig
 from grpo_flyte.envs import judge_env
 from grpo_flyte.errors import RewardError, input_errors_not_retried
 from grpo_flyte.judging import (
-    HEADER_TOKENS,
-    REPLY_BASE_TOKENS,
     REPLY_END,
-    REPLY_TOKENS_PER_SCORE,
     chunk_indices,
+    completion_room,
+    fixed_tokens,
     parse_scores,
     render_judge_prompt,
     reply_tokens,
     scores_regex,
+    token_count,
 )
 from grpo_flyte.models import resolve_dtype
 from grpo_flyte.storage import replica_cache
@@ -52,10 +54,6 @@ class _Chunk:
         self.scores: list[float] | None = None
         self.retried = False
         self.reply = ""
-
-
-def _token_count(tokenizer, text: str) -> int:
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _cut(tokenizer, text: str, max_tokens: int) -> str:
@@ -95,11 +93,10 @@ async def judge(key: engines.EngineKey, judging: JudgeConfig, on_error: str, gro
     tokenizer = (await run_on_torch_thread(engines.get_engine, key)).tokenizer
     texts = [r.text for r in group.rollouts]
     question = group.example.question
-    frame, _ = render_judge_prompt(tokenizer, judging.judge_rubric, question, [])
-    fixed = _token_count(tokenizer, frame) + REPLY_BASE_TOKENS
+    fixed = fixed_tokens(tokenizer, judging.judge_rubric, question)
     budget = judging.judge_context_tokens
-    chunks = [_Chunk(indices) for indices in chunk_indices(fixed, [_token_count(tokenizer, t) for t in texts], budget)]
-    room = budget - fixed - HEADER_TOKENS - REPLY_TOKENS_PER_SCORE  # one completion alone gets this much at most
+    chunks = [_Chunk(indices) for indices in chunk_indices(fixed, [token_count(tokenizer, t) for t in texts], budget)]
+    room = completion_room(fixed, budget)  # one completion alone gets this much at most
     if room < 1:
         raise RewardError(
             f"the judge's rubric and the question take {fixed} of judge_context_tokens={budget} tokens; expected room for a completion"

@@ -4,8 +4,7 @@ context, and adding its scores to a group's rewards (no Flyte, no torch; the tas
 Group-relative scoring as OpenPipe's RULER does it: one judge prompt holds the question once and
 every completion of the group, numbered; the judge answers `{"scores": [s1, ..., sN]}`, one score in
 [0, 1] per completion, each relative to its siblings. The reply is started for the judge (the
-prompt ends with `{"scores": [`), so even a small unconstrained model mostly completes it; vLLM
-constrains the rest to `scores_regex(n)`.
+prompt ends with `{"scores": [`), and both backends constrain the rest to `scores_regex(n)`.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ REPLY_PREFIX = '{"scores": ['
 REPLY_END = "}"  # no score holds one: the first closes the reply's object
 # A score as the judge writes one: 0, 0.5, 0.75, 1, 1.0 (two decimals at most).
 SCORE_PATTERN = r"(0(\.[0-9]{1,2})?|1(\.0{1,2})?)"
-# Reply tokens: the closing brackets, then a score and its separator per completion. vLLM holds
-# a score to two decimals ('0.75, ' is at most 6 tokens); an unconstrained small judge writes
-# scores like 0.7856530388620062, which must fit too or the reply is cut before it parses.
+# Reply tokens: the closing brackets, then a score and its separator per completion. The regex
+# holds a score to two decimals ('0.75, ' is at most 6 tokens); the margin is for an engine that
+# does not constrain (a small judge left alone writes scores like 0.7856530388620062).
 REPLY_BASE_TOKENS = 8
 REPLY_TOKENS_PER_SCORE = 16
 # Each completion's header in the prompt ('\n\nAnswer 12:\n'), in tokens at most.
@@ -60,9 +59,26 @@ def render_judge_prompt(tokenizer, rubric: str, question: str, completions: Sequ
     return f"{plain}\n\nJudge:\n{REPLY_PREFIX}", False
 
 
+def token_count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def fixed_tokens(tokenizer, rubric: str, question: str) -> int:
+    """The tokens of a judge prompt besides its completions: the instructions with the rubric, the
+    question, and the reply's frame."""
+    frame, _ = render_judge_prompt(tokenizer, rubric, question, [])
+    return token_count(tokenizer, frame) + REPLY_BASE_TOKENS
+
+
+def completion_room(fixed: int, budget: int) -> int:
+    """The most tokens of one completion a judge prompt of `fixed` tokens holds in `budget`
+    (with its header and its score)."""
+    return budget - fixed - HEADER_TOKENS - REPLY_TOKENS_PER_SCORE
+
+
 def scores_regex(n: int) -> str:
     """What may follow REPLY_PREFIX: exactly `n` scores in [0, 1], then the closing brackets
-    (vLLM's structured outputs hold the judge to it)."""
+    (vLLM's structured outputs, or the transformers backend's logits mask, hold the judge to it)."""
     if n < 1:
         raise ValueError(f"n={n}: a judge prompt holds at least one completion")
     rest = f"(, {SCORE_PATTERN}){{{n - 1}}}" if n > 1 else ""

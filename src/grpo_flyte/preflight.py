@@ -1,6 +1,6 @@
 """Checks before start: everything a run's config asks of its data, rewards, environment, packages
-and model, checked on the submitting machine before any task starts (a user's error is never a
-failed, retried task). Used by local and cluster runs alike.
+and models (the base and the judge), checked on the submitting machine before any task starts (a
+user's error is never a failed, retried task). Used by local and cluster runs alike.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_flyte.config import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig
+from grpo_flyte.config import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig, flag, given
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
@@ -74,24 +74,51 @@ def _installed(module: str) -> bool:
 
 
 def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
-    """What the config asks of the model, checked before any task starts: the LoRA target layers
-    and, when the rows are known here, every prompt's length in the model's tokens."""
-    from grpo_flyte.models import lora_target_problem
+    """What the config asks of the model, checked before any task starts: a usable folder (weights,
+    a tokenizer that loads), the LoRA target layers and, when the rows are known here, every
+    prompt's length in the model's tokens."""
+    from grpo_flyte.models import check_model_folder, lora_target_problem
 
+    tokenizer = check_model_folder(model_dir, field="model")
     problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
     if problem:
         raise ConfigError(problem, field="lora_target_modules")
     if split is not None:
-        check_prompt_lengths(config, model_dir, [*split[0], *split[1]])
+        check_prompt_lengths(config, tokenizer, [*split[0], *split[1]])
 
 
-def check_prompt_lengths(config: RunConfig, model_dir: Path, rows: list[Example]) -> None:
-    from transformers import AutoTokenizer
+def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What the config asks of the judge model, checked as the base model is: a usable folder, and
+    a judge prompt (its instructions, the rubric and the longest training question; no question
+    when the rows are not known here) that leaves room in judge_context_tokens for one whole
+    completion (a group then fits in as many judge calls as it needs)."""
+    from grpo_flyte.judging import completion_room, fixed_tokens, token_count
+    from grpo_flyte.models import check_model_folder
 
+    tokenizer = check_model_folder(judge_dir, field="judge_model")
+    questions = [e.question for e in split[0]] if split is not None else []  # the held-out evaluation is not judged
+    lengths = [len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"]] if questions else [0]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    judging = config.judge
+    fixed = fixed_tokens(tokenizer, judging.judge_rubric, questions[longest] if questions else "")
+    room = completion_room(fixed, judging.judge_context_tokens)
+    name = "max_episode_tokens" if config.episode.multi_turn else "max_new_tokens"
+    completion = getattr(config.episode if config.episode.multi_turn else config.sampling, name)
+    if room < completion:
+        raise ConfigError(
+            f"of {token_count(tokenizer, judging.judge_rubric)} tokens, with the judge's instructions and the longest question "
+            f"({lengths[longest]} tokens), leaves {room} of {given('judge_context_tokens', judging.judge_context_tokens)} for a "
+            f"completion; expected room for a whole one ({given(name, completion)}): a shorter rubric, or "
+            f"{flag('judge_context_tokens')} {judging.judge_context_tokens - room + completion} or more",
+            field="judge_rubric",
+        )
+
+
+def check_prompt_lengths(config: RunConfig, tokenizer, rows: list[Example]) -> None:
     from grpo_flyte.prompts import overlong_prompts
 
     limit = config.prompt.max_prompt_tokens
-    over = overlong_prompts(AutoTokenizer.from_pretrained(model_dir), rows, config.prompt)
+    over = overlong_prompts(tokenizer, rows, config.prompt)
     if not over:
         return
     longest = max(over, key=over.__getitem__)

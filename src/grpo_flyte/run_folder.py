@@ -24,7 +24,7 @@ from grpo_flyte.config import PROG, RunConfig, format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.loop_state import LoopState
-from grpo_flyte.preflight import check_inputs, check_model_fits
+from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.storage import is_remote
 from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
 
@@ -310,7 +310,9 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     check_cache_writable()
     model_dir = resolve_local_model(config.base.model)
     check_model_fits(config, model_dir, split)
-    judge_dir = resolve_local_model(config.judge.judge_model) if config.judging else None
+    judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model") if config.judging else None
+    if judge_dir is not None:
+        check_judge_fits(config, judge_dir, split)
     if not resuming:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

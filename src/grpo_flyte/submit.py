@@ -17,7 +17,7 @@ from typing import Any
 
 from grpo_flyte.config import EMBEDDED_MODEL, RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
-from grpo_flyte.preflight import check_inputs, check_model_fits
+from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.storage import payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
 
@@ -28,8 +28,9 @@ logger = logging.getLogger("grpo_flyte")
 BUNDLE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def resolve_remote_model(model: str):
-    """The base model as a Dir in remote storage: prefetched from the Hub or uploaded from here."""
+def resolve_remote_model(model: str, field: str = "model"):
+    """A model (the base, or the judge's: `field`) as a Dir in remote storage: prefetched from the
+    Hub or uploaded from here."""
     import flyte
     import flyte.prefetch
     from flyte.io import Dir
@@ -38,10 +39,10 @@ def resolve_remote_model(model: str):
     from grpo_flyte.models import resolve_local_model
 
     if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
-        return Dir.from_local_sync(str(resolve_local_model(model)))
+        return Dir.from_local_sync(str(resolve_local_model(model, field)))
     if model.count("/") != 1:
         raise ModelError(
-            f"{model!r}: expected 'embedded', a local model directory or a Hugging Face repo id like 'Qwen/Qwen3-0.6B'", field="model"
+            f"{model!r}: expected 'embedded', a local model directory or a Hugging Face repo id like 'Qwen/Qwen3-0.6B'", field=field
         )
     logger.info("prefetching %s into the cluster's storage (cached after the first time)", model)
     prefetch = flyte.prefetch.hf_model(repo=model, hf_token_key=settings.hf_token_secret)
@@ -62,11 +63,10 @@ def check_submission(config: RunConfig) -> None:
             f"--train-processes {config.train.train_processes} is for local runs; on a cluster the train GPUs set the "
             f"processes: GRPO_FLYTE_TRAIN_GPU={settings.train_gpu.rpartition(':')[0] or 'L4'}:{config.train.train_processes}"
         )
-    per_step = config.rollouts_per_iter // config.train.updates_per_iter
-    if train_world_size(settings) > per_step:
+    if train_world_size(settings) > config.rollouts_per_step:
         raise UserError(
             f"{train_world_size(settings)} train processes (GRPO_FLYTE_TRAIN_GPU={settings.train_gpu} x GRPO_FLYTE_TRAIN_NODES="
-            f"{settings.train_nodes}) with {per_step} rollouts per optimizer step: expected at most {per_step} processes"
+            f"{settings.train_nodes}) with {config.rollouts_per_step_given()}: expected at most {config.rollouts_per_step} processes"
         )
 
     if config.wandb_project and not settings.wandb_secret:
@@ -198,8 +198,10 @@ def run_remote(config: RunConfig) -> int:
     runner = _connect(context)
     if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
         check_model_fits(config, resolve_local_model(config.base.model), split)
+    if config.judging and not is_repo_id(config.judge.judge_model):  # a Hub judge: by the judge task
+        check_judge_fits(config, resolve_local_model(config.judge.judge_model, field="judge_model"), split)
     base_model = resolve_remote_model(config.base.model)
-    inputs_judge = {"judge_model": resolve_remote_model(config.judge.judge_model)} if config.judging else {}
+    inputs_judge = {"judge_model": resolve_remote_model(config.judge.judge_model, field="judge_model")} if config.judging else {}
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
     task = train_rl.override(links=links) if links else train_rl
     with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
