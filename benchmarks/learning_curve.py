@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from grpo_flyte.cli import main as cli_main
@@ -227,11 +228,14 @@ def driver_args(folder: Path, args: argparse.Namespace, driver_flags: list[str],
     ]  # fmt: skip
 
 
-def run_parallel(jobs: list[tuple[str, Path, list[str]]], parallel: int) -> dict[str, float]:
+def run_parallel(
+    jobs: list[tuple[str, Path, list[str]]], parallel: int, done: Callable[[str, Path, float], None] | None = None
+) -> dict[str, float]:
     """Each (label, folder, driver args) as a process of its own, `parallel` at a time, each with
     the cores split between them (torch's threads: two processes at a core's worth each beat two
-    fighting over both); its console output goes to <folder>/console.log. Returns each label's wall
-    seconds; a run that fails stops the rest."""
+    fighting over both); its console output goes to <folder>/console.log. `done(label, folder,
+    wall seconds)` is called as each run ends. Returns each label's wall seconds; a run that fails
+    stops the rest."""
     threads = str(max(1, (os.cpu_count() or 1) // parallel))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     pending, running, walls = list(jobs), {}, {}
@@ -254,6 +258,8 @@ def run_parallel(jobs: list[tuple[str, Path, list[str]]], parallel: int) -> dict
                     raise RuntimeError(f"{label} exited {proc.returncode}; see {folder / 'console.log'}")
                 walls[label] = time.perf_counter() - started
                 print(f"{label}: done in {walls[label] / 60:.1f} min", flush=True)
+                if done is not None:
+                    done(label, folder, walls[label])
     finally:
         for proc, log, _, _ in running.values():
             proc.terminate()

@@ -29,29 +29,34 @@ from pathlib import Path
 import _common
 from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, combine, driver_args, run_parallel, summarize
 
-# The default recipe (RunConfig's defaults), the sweep's center: flag -> value.
+# The default recipe (RunConfig's defaults), the sweep's center: flag -> value. The sweep began at
+# learning rate 5e-4 (the old default); that center collapsed on one seed in three and 2e-4 did not,
+# so the center moved there (docs/measurements.md, "How the default recipe was chosen").
 CENTER = {
-    "--rewards": "correct=1.0", "--temperature": "0.5", "--learning-rate": "5e-4", "--lr-scheduler-type": "constant",
-    "--warmup-ratio": "0", "--loss-type": "grpo", "--scale-rewards": "group", "--max-new-tokens": "64",
+    "--rewards": "correct=1.0", "--temperature": "0.5", "--learning-rate": "2e-4", "--lr-scheduler-type": "constant",
+    "--warmup-ratio": "0", "--loss-type": "grpo", "--scale-rewards": "group", "--max-new-tokens": "64", "--beta": "0",
 }  # fmt: skip
-# Each cell: the flags whose values differ from the center's.
+# Each cell: the flags whose values differ from the center's, in the order they were run.
 CELLS: dict[str, dict[str, str]] = {
     "center": {},
-    "temperature=0.3": {"--temperature": "0.3"},
-    "temperature=0.7": {"--temperature": "0.7"},
-    "lr=2e-4": {"--learning-rate": "2e-4"},
-    "lr=1e-3": {"--learning-rate": "1e-3"},
-    "lr=1e-4": {"--learning-rate": "1e-4"},
+    "lr=5e-4": {"--learning-rate": "5e-4"},
     "cosine, warmup 0.1": {"--lr-scheduler-type": "cosine", "--warmup-ratio": "0.1"},
-    "lr=2e-4, cosine, warmup 0.1": {"--learning-rate": "2e-4", "--lr-scheduler-type": "cosine", "--warmup-ratio": "0.1"},
-    "beta=0.04": {"--beta": "0.04"},
+    "lr=1e-4": {"--learning-rate": "1e-4"},
+    "temperature=0.7": {"--temperature": "0.7"},
+    "+correct_format=0.2": {"--rewards": "correct=1.0,correct_format=0.2"},
+    "+format=0.2": {"--rewards": "correct=1.0,format=0.2"},
     "loss dr_grpo": {"--loss-type": "dr_grpo", "--scale-rewards": "none"},
     "loss dapo": {"--loss-type": "dapo"},
-    "+format=0.2": {"--rewards": "correct=1.0,format=0.2"},
-    "+correct_format=0.2": {"--rewards": "correct=1.0,correct_format=0.2"},
     "max_new_tokens=32": {"--max-new-tokens": "32"},
+    "temperature=0.3": {"--temperature": "0.3"},
+    "beta=0.04": {"--beta": "0.04"},
+    "lr=1e-3": {"--learning-rate": "1e-3"},
     "max_new_tokens=128": {"--max-new-tokens": "128"},
-    "old recipe (format=0.2, temperature=0.7)": {"--rewards": "correct=1.0,format=0.2", "--temperature": "0.7"},
+    "old recipe (lr=5e-4, format=0.2, temperature=0.7)": {
+        "--learning-rate": "5e-4",
+        "--rewards": "correct=1.0,format=0.2",
+        "--temperature": "0.7",
+    },
 }
 SEEDS = (0, 1, 2)
 GATE_GAIN = 0.10
@@ -108,16 +113,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, {len(jobs)} runs to make, {args.jobs} at a time; runs in {run_dir}")
     _common.flush()
     started = time.perf_counter()
-    walls = run_parallel(jobs, args.jobs)
+    # each run's summary is written as it ends: a sweep stopped halfway keeps the runs it finished
+    run_parallel(
+        jobs,
+        args.jobs,
+        lambda _, folder, wall: (folder / "learning_curve.json").write_text(json.dumps(summarize(folder, wall), indent=2) + "\n"),
+    )
     results = {}
     for cell in cells:
-        per_seed = {}
-        for seed in args.seeds:
-            folder = folders[cell, seed]
-            label = f"{cell} seed {seed}"
-            if label in walls:
-                (folder / "learning_curve.json").write_text(json.dumps(summarize(folder, walls[label]), indent=2) + "\n")
-            per_seed[seed] = json.loads((folder / "learning_curve.json").read_text())
+        per_seed = {seed: json.loads((folders[cell, seed] / "learning_curve.json").read_text()) for seed in args.seeds}
         results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
     print("\n" + table(results))
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min; runs in {run_dir}")

@@ -3,7 +3,7 @@
 Workload, both sides: the embedded SmolLM2-135M-Instruct, 4 arithmetic prompts (grpo_flyte's
 iteration-0 prompts, in its chat format) x 6 completions, 128 new tokens, the default temperature, top-p 1,
 no top-k, LoRA r=16 alpha=32 on q/k/v/o, one optimizer step per step, no KL term (beta=0), learning
-rate 5e-4, the same arithmetic reward (the default), CPU generation with
+rate (the default), the same arithmetic reward (the default), CPU generation with
 transformers on both sides.
 
 Equal generation work: by default every completion is exactly 128 tokens on both sides (EOS is

@@ -385,7 +385,7 @@ class LoraConfig(_Part):
 class TrainConfig(_Part):
     """The GRPO objective and its optimizer."""
 
-    learning_rate: float = Field(5e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
+    learning_rate: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
