@@ -72,16 +72,44 @@ def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
 def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
     import learning_curve
 
-    def result(reward: float, accuracy: float, ess: float) -> dict:
+    def result(reward: float, accuracy: float, ess: float, lowest: float, floor_run: int = 0) -> dict:
         last = {"iteration": 20, "eval_reward": reward, "eval_reward_ci95": 0.05, "eval_accuracy": accuracy}
-        return {"curve": [{"iteration": 0, "eval_reward": 0.17, "eval_accuracy": 0.17}, last], "is_ess_mean": ess}
+        return {
+            "curve": [{"iteration": 0, "eval_reward": 0.17, "eval_accuracy": 0.17}, last],
+            "is_ess_mean": ess,
+            "accuracy_gain": accuracy - 0.17,
+            "accuracy_gain_ci95": 0.06,
+            "lowest_eval_accuracy": lowest,
+            "lowest_eval_iteration": 5,
+            "train_floor_run": floor_run,
+        }
 
-    combined = learning_curve.combine({0: result(0.5, 0.3, 1.0), 1: result(0.3, 0.1, 0.98), 2: result(0.4, 0.2, 0.96)})
+    seeds = {0: result(0.5, 0.37, 1.0, 0.17), 1: result(0.3, 0.27, 0.98, 0.13), 2: result(0.4, 0.32, 0.96, 0.15, floor_run=3)}
+    combined = learning_curve.combine(seeds, min_gain=0.10)
     assert list(combined["seeds"]) == ["0", "1", "2"]
-    assert combined["final_reward"] == pytest.approx({"mean": 0.4, "sd": 0.1})
-    assert combined["final_accuracy"] == pytest.approx({"mean": 0.2, "sd": 0.1})
+    assert combined["final_reward"]["mean"] == pytest.approx(0.4) and combined["final_reward"]["sd"] == pytest.approx(0.1)
+    # gains +0.20, +0.10, +0.15: mean 0.15, sd 0.05, t(2 df) = 4.303 -> half-width 4.303 * 0.05 / sqrt(3)
+    assert combined["accuracy_gain"]["mean"] == pytest.approx(0.15)
+    assert combined["accuracy_gain"]["ci95"] == pytest.approx(4.303 * 0.05 / 3**0.5)
+    assert combined["accuracy_gain"]["min"] == pytest.approx(0.10)
+    assert combined["lowest_eval_accuracy"]["min"] == pytest.approx(0.13)
     assert combined["is_ess_mean"]["mean"] == pytest.approx(0.98)
-    assert "over 3 seeds: reward 0.400 (sd 0.100)" in learning_curve.report_seeds(combined)
+    # seed 1 dips 4 points below its start and seed 2 sat at the training floor for 3 iterations
+    gate = combined["gate"]
+    assert not gate["passed"] and list(gate["failures"]) == ["1", "2"]
+    assert "more than 3% below its start" in gate["failures"]["1"][0]
+    assert "3 iterations in a row" in gate["failures"]["2"][0]
+    text = learning_curve.report_seeds(combined)
+    assert "over 3 seeds: paired accuracy gain +15.0% +- 12.4%" in text and "FAILED" in text
     with pytest.raises(SystemExit) as stop:  # before any run starts
         learning_curve.main(["--seeds", "0", "1", "--seed", "3"])
     assert stop.value.code == 2
+    with pytest.raises(SystemExit):
+        learning_curve.main(["--gate", "0.1"])  # the gate is over seeds
+
+
+def test_learning_curve_counts_the_longest_run_at_the_training_floor():
+    import learning_curve
+
+    assert learning_curve.longest_run([False, True, True, False, True, True, True, False]) == 3
+    assert learning_curve.longest_run([]) == 0

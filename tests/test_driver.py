@@ -66,7 +66,7 @@ def _scored(index: int, rewards: list[float], finishes: list[str], lengths: list
 
 
 def test_iteration_metrics_hand_computed():
-    config = RunConfig(group_size=2, prompts_per_iter=2)
+    config = RunConfig(group_size=2, prompts_per_iter=2, rewards={"correct": 1.0, "format": 0.2})
     scored = [
         _scored(0, [1.2, 0.0], ["stop", "length"], [4, 8]),  # informative
         _scored(1, [0.0, 0.0], ["stop", "stop"], [2, 6]),  # every completion scored alike
