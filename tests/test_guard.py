@@ -497,3 +497,23 @@ def test_a_rollback_with_two_train_processes(tmp_path, tiny_model_dir, monkeypat
     rows = _rows(run_dir)
     assert _events(rows) == {1: "new_best", 2: "rollback"}
     assert [(r["train_world_size"], r["lr"]) for r in rows[1:]] == [(2, 5e-4), (2, 5e-4), (2, 2.5e-4)]
+
+
+def test_on_the_recipe_sweeps_runs_the_guard_leaves_every_healthy_run_alone_and_catches_the_collapse():
+    """The thresholds' evidence (docs/measurements.md, "The guard"): the sweep's finished runs, as the
+    guard reads them. A run counts as collapsed when its held-out accuracy ended more than 10 points
+    below its best and below its start."""
+    data = json.loads((Path(__file__).parent / "data" / "guard_sweep_runs.json").read_text())
+    first: dict[str, tuple[int, str] | None] = {}
+    for name, run in data["runs"].items():
+        g = Replay(on_collapse="warn")
+        for row in run["rows"]:
+            values = [float(c) for c in run["correct"][str(row["iteration"])]] if str(row["iteration"]) in run["correct"] else None
+            if row["iteration"] == 0:
+                g.step(values)
+            else:
+                g.step(values, **{k: v for k, v in row.items() if k != "iteration"})
+        events = [(r.iteration, r.guard.guard_signal) for r in g.history if r.guard and r.guard.guard_event == "collapse"]
+        first[name] = events[0] if events else None
+    assert {name for name, run in data["runs"].items() if run["collapsed"]} == {"lr=0.0005, constant, seed 1"}
+    assert first == {name: (10, "held_out") if run["collapsed"] else None for name, run in data["runs"].items()}
