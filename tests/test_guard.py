@@ -146,7 +146,7 @@ def test_rollbacks_scale_the_learning_rate_until_max_rollbacks_then_the_run_stop
     stop = g.step([0.0, 0.0])
     assert stop.guard_event == "stop" and g.state.rollbacks == 2 and g.state.lr_scale == 0.0625
     assert g.state.stopped == stop.guard_reason
-    assert stop.guard_reason.startswith("stopped at iteration 3: collapse, held-out accuracy 0.0% is 100.0 pp")
+    assert stop.guard_reason.startswith("stopped at iteration 3: collapse (held_out), held-out accuracy 0.0% is 100.0 pp")
     assert stop.guard_reason.endswith("; 2 rollbacks already (--max-rollbacks 2)")
 
 
@@ -408,7 +408,10 @@ def test_warn_goes_on_and_stop_ends_the_run_at_the_first_collapse(tmp_path, tiny
     else:
         assert _events(rows) == {1: "new_best", 2: "stop"} and len(rows) == 3
         messages = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"]
-        assert messages[-2].startswith("stopped at iteration 2: collapse, held-out reward -5.000 is 6.000 +- 0.000 below the best")
+        assert messages[-2].startswith(
+            "stopped at iteration 2: collapse (held_out), held-out reward -5.000 is 6.000 +- 0.000 below the best"
+        )
+        assert any(line.strip() == messages[-2] for message in messages[:-2] for line in message.splitlines())  # the iteration's line too
         assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == 2
     assert json.loads((run_dir / "best" / "grpo_state.json").read_text())["version"] == 1
 
@@ -423,7 +426,9 @@ def test_a_run_that_keeps_collapsing_stops_after_max_rollbacks(tmp_path, tiny_mo
     assert _events(rows) == {1: "new_best", 2: "rollback", 3: "rollback", 4: "stop"} and len(rows) == 5
     assert [r["lr"] for r in rows[1:]] == pytest.approx([5e-4, 5e-4, 5e-5, 5e-6])
     messages = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"]
-    assert messages[-2].startswith("stopped at iteration 4: collapse") and messages[-2].endswith("2 rollbacks already (--max-rollbacks 2)")
+    assert messages[-2].startswith("stopped at iteration 4: collapse (held_out)") and messages[-2].endswith(
+        "2 rollbacks already (--max-rollbacks 2)"
+    )
     assert messages[-1].startswith("best adapter: iteration 1 (held-out reward 1.000, --select-by eval_reward), 6.000 +- 0.000 above")
     state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
     assert state.guard.stopped == messages[-2] and state.guard.rollbacks == 2
@@ -450,12 +455,13 @@ def test_early_stop_patience_stops_a_stalled_run(tmp_path, tiny_model_dir, monke
 
 
 # A kill before the rollback is checkpointed (the iteration is done again: one rollback), and after
-# it, while the next step trains from the best adapter (the resume trains from it too: no second one).
-@pytest.mark.parametrize(("point", "nth"), [("checkpoint", 4), ("train", 4)])
-def test_a_guarded_run_killed_around_its_rollback_resumes_with_one_rollback_and_the_same_best(tmp_path, tiny_model_dir, point, nth):
+# it, while the next step trains from the best adapter (the resume trains from it too: no second
+# one); pipelined, after it (the batches in flight, regenerated from the restored adapter, are too).
+@pytest.mark.parametrize(("point", "nth", "flags"), [("checkpoint", 4, []), ("train", 4, []), ("train", 4, ["--max-staleness", "1"])])
+def test_a_guarded_run_killed_around_its_rollback_resumes_with_one_rollback_and_the_same_best(tmp_path, tiny_model_dir, point, nth, flags):
     run_dir = tmp_path / "run"
     reward = rigged_reward(tmp_path, run_dir, [0.0, 1.0, 2.0, -5.0, 2.0])
-    args = _args(tiny_model_dir, run_dir, 5, reward)
+    args = _args(tiny_model_dir, run_dir, 5, reward, *flags)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SRC)])}
     killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, env=env)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
@@ -472,6 +478,8 @@ def test_a_guarded_run_killed_around_its_rollback_resumes_with_one_rollback_and_
     state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
     assert (state.guard.rollbacks, state.guard.lr_scale, state.guard.best.iteration) == (1, 0.5, 2)
     assert _same(_lora(run_dir / "best"), _lora(run_dir / "flyte" / "adapters" / "v0002"))
+    if flags:  # as in the run that was not killed (below)
+        assert [(r["staleness_max"], r["stale_dropped"]) for r in rows[1:]] == [(0, 0), (1, 0), (1, 0), (0, 0), (1, 0)]
 
 
 def test_a_pipelined_run_regenerates_its_batches_from_the_restored_adapter(tmp_path, tiny_model_dir, monkeypatch):

@@ -284,7 +284,7 @@ def _act(config: GuardConfig, state: GuardState, iteration: int, collapse: tuple
         )
         record.update(guard_event="rollback", lr_scale=update["lr_scale"], rollbacks=update["rollbacks"])
     elif action == "stop":
-        reason = f"stopped at iteration {iteration}: collapse, {reason}"
+        reason = f"stopped at iteration {iteration}: collapse ({signal}), {reason}"
         update["stopped"] = reason
         record["guard_event"] = "stop"
     record["guard_reason"] = reason

@@ -169,7 +169,7 @@ def eta_seconds(config: RunConfig, history: list[MetricsRow], done: int) -> floa
 
 
 # What the guard did, as the console says it (its reason follows).
-_GUARD_EVENTS = {"new_best": "new best", "collapse": "COLLAPSE", "rollback": "ROLLBACK", "stop": "STOP", "early_stop": "EARLY STOP"}
+_GUARD_EVENTS = {"collapse": "COLLAPSE", "rollback": "ROLLBACK"}
 
 
 def guard_lines(row: MetricsRow) -> tuple[str, str]:
@@ -185,9 +185,10 @@ def guard_lines(row: MetricsRow) -> tuple[str, str]:
             best += f", this vs the best before: {'+' if g.vs_best >= 0 else ''}{shown_change(g.select_by, g.vs_best)}"
             best += f" {change_plus_minus(g.select_by, g.vs_best_ci99)} (99%)"
     event = ""
-    if g.guard_event is not None and g.guard_event != "new_best":
-        signal = f" ({g.guard_signal})" if g.guard_signal else ""
-        event = f"{_GUARD_EVENTS[g.guard_event]}{signal}: {g.guard_reason}"
+    if g.guard_event in ("stop", "early_stop"):
+        event = str(g.guard_reason)  # 'stopped at iteration N: ...'
+    elif g.guard_event is not None and g.guard_event != "new_best":
+        event = f"{_GUARD_EVENTS[g.guard_event]} ({g.guard_signal}): {g.guard_reason}"
     elif g.guard_event == "new_best":
         best = best.replace("| best:", "| new best:", 1)
     return best, event
