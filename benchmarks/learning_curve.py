@@ -229,13 +229,16 @@ def driver_args(folder: Path, args: argparse.Namespace, driver_flags: list[str],
 
 
 def run_parallel(
-    jobs: list[tuple[str, Path, list[str]]], parallel: int, done: Callable[[str, Path, float], None] | None = None
+    jobs: list[tuple[str, Path, list[str]]],
+    parallel: int,
+    done: Callable[[str, Path, float], None] | None = None,
+    extra_env: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, float]:
     """Each (label, folder, driver args) as a process of its own, `parallel` at a time, each with
     the cores split between them (torch's threads: two processes at a core's worth each beat two
     fighting over both); its console output goes to <folder>/console.log. `done(label, folder,
-    wall seconds)` is called as each run ends. Returns each label's wall seconds; a run that fails
-    stops the rest."""
+    wall seconds)` is called as each run ends; `extra_env`: more environment variables for some
+    labels' processes. Returns each label's wall seconds; a run that fails stops the rest."""
     threads = str(max(1, (os.cpu_count() or 1) // parallel))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     pending, running, walls = list(jobs), {}, {}
@@ -245,7 +248,12 @@ def run_parallel(
                 label, folder, argv = pending.pop(0)
                 folder.mkdir(parents=True, exist_ok=True)
                 log = (folder / "console.log").open("w")
-                proc = subprocess.Popen([sys.executable, "-m", "grpo_flyte.driver", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "grpo_flyte.driver", *argv],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**env, **(extra_env or {}).get(label, {})},
+                )
                 running[label] = (proc, log, time.perf_counter(), folder)
                 print(f"{label}: started ({folder / 'console.log'})", flush=True)
             time.sleep(2)

@@ -3,8 +3,8 @@
     python examples/local_run.py
 
 Like `python -m grpo_flyte --local --iterations 2`, spelled out: the base model is a
-`flyte.io.Dir`, the config one `RunConfig`, and the result a `RunResult` (final adapter, metrics
-history, report). The CLI also writes a run folder; here the outputs stay in Flyte's raw data.
+`flyte.io.Dir`, the config one `RunConfig`, and the result a `RunResult` (final and best adapters,
+metrics history, report). The CLI also writes a run folder; here the outputs stay in Flyte's raw data.
 """
 
 from pathlib import Path
@@ -26,4 +26,6 @@ if __name__ == "__main__":
     for row in result.history:
         print(row.flat())
     print(f"final adapter v{result.adapter.version}: {result.adapter.dir.path}")
+    if result.best is not None:  # the best by the held-out evaluations (grpo_flyte.guard)
+        print(f"best adapter v{result.best.version}: {result.best.dir.path}")
     print(f"report: {Path(result.report.path) / 'report.html'}")

@@ -282,6 +282,10 @@ def _make_small_jsonl(d: Path) -> None:
     (d / "small.jsonl").write_text("".join(f'{{"question": "What is {i} + 1?", "answer": {i + 1}}}\n' for i in range(3)))
 
 
+def _make_unanswered_jsonl(d: Path) -> None:
+    (d / "poems.jsonl").write_text("".join(json.dumps({"question": f"A poem about {w}."}) + "\n" for w in ("rain", "sun", "snow", "wind")))
+
+
 def _make_bad_gsm8k(d: Path) -> None:
     good = {"question": "Tom has 3 pens and buys 2. How many now?", "answer": "3+2=<<3+2=5>>5\n#### 5"}
     bad = {"question": "Sue has 4 cats. How many legs?", "answer": "Each cat has 4 legs, so 16 legs.\n#### "}
@@ -385,6 +389,37 @@ BAD_INPUT_IN_PROCESS = [
         ["--local", "--rewards", "judge=1", "--run-dir", "D"],
         None,
         ["--rewards names 'judge' but --judge-model is not set"],
+    ),
+    # the guard's options
+    ("on-collapse-unknown", ["--local", "--on-collapse", "panic", "--run-dir", "D"], None, ["--on-collapse='panic'", "rollback"]),
+    ("rollback-lr-factor-zero", ["--local", "--rollback-lr-factor", "0", "--run-dir", "D"], None, ["--rollback-lr-factor=0"]),
+    ("rollback-lr-factor-above-1", ["--local", "--rollback-lr-factor", "2", "--run-dir", "D"], None, ["--rollback-lr-factor=2"]),
+    ("max-rollbacks-negative", ["--local", "--max-rollbacks", "-1", "--run-dir", "D"], None, ["--max-rollbacks=-1"]),
+    ("select-by-unknown", ["--local", "--select-by", "loss", "--run-dir", "D"], None, ["--select-by='loss'", "eval_accuracy"]),
+    ("export-adapter-unknown", ["--local", "--export-adapter", "last", "--run-dir", "D"], None, ["--export-adapter='last'", "final"]),
+    (
+        "patience-without-evaluations",
+        ["--local", "--early-stop-patience", "2", "--eval-size", "0", "--run-dir", "D"],
+        None,
+        ["--early-stop-patience=2 with --eval-size=0: patience counts held-out evaluations"],
+    ),
+    (
+        "select-by-accuracy-without-answers",
+        [
+            "--local",
+            "--dataset",
+            "poems.jsonl",
+            "--rewards",
+            "format=1",
+            "--select-by",
+            "eval_accuracy",
+            "--eval-size",
+            "2",
+            "--run-dir",
+            "D",
+        ],
+        _make_unanswered_jsonl,
+        ["--select-by eval_accuracy: 2 of the 2 held-out questions have no gold answer", "--select-by eval_reward"],
     ),
 ]
 

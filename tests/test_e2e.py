@@ -291,9 +291,11 @@ def test_sigkill_mid_run_then_resume_records_each_iteration_once(tmp_path, tiny_
     versions = [r["adapter_version"] for r in rows]
     assert versions == sorted(set(versions)) and versions[0] == 0
     assert json.loads((run_dir / "adapter" / "grpo_state.json").read_text())["version"] == versions[-1]
-    # Old adapter versions are pruned (adapters_to_keep=3 by default).
+    # Old adapter versions are pruned (adapters_to_keep=3 by default), but the best one (v0: the tiny
+    # random model's held-out reward never rises above the start's, and a tie is no new best).
     kept = sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir() if not p.name.startswith("."))
-    assert kept == ["v0004", "v0005", "v0006"]
+    assert kept == ["v0000", "v0004", "v0005", "v0006"]
+    assert {r["best_iteration"] for r in rows if "eval_reward" in r} == {0}
     # and the final adapter loads
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -910,6 +912,8 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
     card = (repo / "README.md").read_text()
     rows = read_metrics(run_dir)
     assert f"base_model: {tiny_model_dir}" in card and "library_name: peft" in card
-    assert "**Data:** `arithmetic`" in card and "`correct` x 1, `format` x 0.2" in card
-    assert f"| after (iteration 1) | {rows[-1]['eval_reward']:.3f}" in card
+    assert "**Data:** `arithmetic`" in card and "**Rewards:** `correct` x 1\n" in card
+    # the best adapter by default (--export-adapter best): the tiny model never beats its start, so iteration 0's
+    assert "the adapter of iteration 0 of 1 (the best held-out evaluation)" in card
+    assert f"| after (iteration 0) | {rows[0]['eval_reward']:.3f}" in card
     assert json.loads((repo / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)

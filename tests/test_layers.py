@@ -24,6 +24,8 @@ LAYERS = {
     "config": 3, "report_helpers": 3, "judging": 3, "__init__": 4,
     # 4-5: models, prompts, data, metrics, progress text, storage, engines, the task environments
     "models": 4, "prompts": 4, "data": 4, "metrics": 4, "progress": 4, "storage": 5, "hub": 5, "engines": 5, "envs": 5,
+    # 5: the run's guard (the best adapter, collapses, early stop: pure, on the recorded metrics)
+    "guard": 5,
     # 6: the task modules, side by side; the loop's checkpointed state; the checks before start
     "rollout": 6, "reward": 6, "judge": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
     # 7-10: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`

@@ -188,3 +188,24 @@ def test_a_terminal_run_shows_the_bars_under_whole_log_lines_and_sigterm_still_p
     # the bars are gone before it (flyte may still log the cancelled tasks after it)
     assert max(i for i, line in enumerate(lines) if "━" in line) < lines.index(hint[0])
     assert Path(run_dir / "metrics.jsonl").is_file()
+
+
+def test_the_progress_line_says_what_the_guard_did():
+    from grpo_flyte.types import GuardRecord
+
+    metrics = EvalMetrics(
+        eval_reward=0.07, eval_reward_ci95=0.035, eval_accuracy=0.07, eval_accuracy_ci95=0.035, eval_format_rate=0.1,
+        eval_reward_means={}, eval_reward_errors=0, eval_size=200, eval_s=40.0,
+    )  # fmt: skip
+    record = GuardRecord(
+        select_by="eval_accuracy", best_iteration=5, vs_best=-0.285, vs_best_ci99=0.086, guard_event="rollback",
+        guard_signal="held_out", guard_reason="held-out accuracy 7.0% is 28.5 pp +- 8.6 pp below the best; rolled back",
+    )  # fmt: skip
+    line = progress.progress_line(MetricsRow(iteration=0, adapter_version=0, eval=metrics, guard=record), 20)
+    first, event = line.splitlines()
+    assert first.endswith("(n=200, 40.0s)  | best: iteration 5, this vs the best before: -28.5 pp +- 8.6 pp (99%)")
+    assert event == "  ROLLBACK (held_out): held-out accuracy 7.0% is 28.5 pp +- 8.6 pp below the best; rolled back"
+    new_best = record.model_copy(update={"guard_event": "new_best", "vs_best": 0.1, "guard_signal": None, "guard_reason": None})
+    assert "| new best: iteration 5, this vs the best before: +10.0 pp" in progress.progress_line(
+        MetricsRow(iteration=0, adapter_version=0, eval=metrics, guard=new_best), 20
+    )

@@ -141,11 +141,22 @@ def _eval_metrics(i: int) -> dict[str, object]:
     }
 
 
+def _guard(i: int) -> dict[str, object]:
+    """What the guard records: the best evaluation on evaluated rows, and a rollback at iteration 3
+    (its marker is drawn on every chart, in a colour no series has)."""
+    guard: dict[str, object] = {"select_by": "eval_accuracy", "best_iteration": 2 if i >= 2 else 0} if i % 2 == 0 else {}
+    if i == 3:
+        guard.update(
+            guard_event="rollback", guard_signal="entropy", guard_reason="entropy at or below 0.02 <b>nats</b>", lr_scale=0.5, rollbacks=1
+        )
+    return guard
+
+
 def _history() -> list[dict[str, object]]:
     """A 4-iteration run evaluated before training and every 2 iterations, as the driver records it."""
-    history: list[dict[str, object]] = [{"iteration": 0, "adapter_version": 0, **_eval_metrics(0)}]
+    history: list[dict[str, object]] = [{"iteration": 0, "adapter_version": 0, **_eval_metrics(0), **_guard(0)}]
     for i in range(1, 5):
-        history.append({**_iteration_row(i), **(_eval_metrics(i) if i % 2 == 0 else {})})
+        history.append({**_iteration_row(i), **(_eval_metrics(i) if i % 2 == 0 else {}), **_guard(i)})
     return history
 
 

@@ -420,3 +420,26 @@ def test_held_out_answers_are_shown_escaped_and_cut():
     assert "x" * 400 + " \u2026" in table and "x" * 401 not in table
     assert table.count("<tr>") == 3 and ">yes<" in table and ">no<" in table
     assert "Held-out answers" not in render_report(title="t", status="complete", config={}, history=[_row(1)])
+
+
+def test_the_guards_events_are_marked_on_the_charts_and_the_best_adapter_has_a_card():
+    reason = "held-out accuracy 7.0% is 28.5 pp +- 8.6 pp below the best, iteration 1's 35.5% <b>"
+    history = [
+        {"iteration": 0, "adapter_version": 0, "eval_reward": 0.18, "eval_accuracy": 0.18, "select_by": "eval_accuracy", "best_iteration": 0},
+        _row(1, eval_reward=0.355, eval_accuracy=0.355, select_by="eval_accuracy", best_iteration=1, guard_event="new_best"),
+        _row(2, eval_reward=0.07, eval_accuracy=0.07, select_by="eval_accuracy", best_iteration=1, vs_best=-0.285, guard_event="rollback", guard_reason=reason),
+        _row(3, guard_event="early_stop", guard_reason="stopped at iteration 3"),
+    ]  # fmt: skip
+    html = _render(history)
+    charts = {figure.split("</figcaption>")[0]: figure for figure in html.split("<figure><figcaption>")[1:]}
+    for title in ("Loss", "Held-out evaluation"):
+        assert charts[title].count('class="guard-marker rollback"') == 1 and charts[title].count('class="guard-marker early_stop"') == 1
+    assert "new_best" not in html.split("<table")[0]  # a new best is no event to mark; the best's iteration is
+    assert charts["Held-out evaluation"].count('class="guard-marker best"') == 1 and "guard-marker best" not in charts["Loss"]
+    assert "<title>held-out accuracy 7.0% is 28.5 pp +- 8.6 pp below the best, iteration 1&#x27;s 35.5% &lt;b&gt;</title>" in html
+    card = html.split('class="stat stat-best"')[1].split("</div></div>")[0]
+    assert "Best adapter (held-out accuracy)" in card and "35.5%" in card and "iteration 1" in card
+    # the marker's colour is no series colour: the browser test finds each series by its colour
+    from grpo_flyte.report_helpers import _BEST_COLOUR, _MARKER_COLOUR, _SERIES_COLOURS
+
+    assert {_MARKER_COLOUR, _BEST_COLOUR}.isdisjoint(_SERIES_COLOURS)

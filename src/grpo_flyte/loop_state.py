@@ -10,6 +10,7 @@ from pathlib import Path
 import flyte
 from pydantic import BaseModel
 
+from grpo_flyte.guard import GuardState
 from grpo_flyte.storage import located_path, portable_path, save_checkpoint
 from grpo_flyte.types import AdapterRef, BestCompletion, EvalAnswer, MetricsRow
 
@@ -30,6 +31,8 @@ class LoopState(BaseModel):
     # generating it. A resumed run regenerates exactly those, with those versions.
     recent_adapters: list[AdapterRef] = []
     in_flight: dict[int, int] = {}
+    # The guard: the best adapter so far, rollbacks, the learning-rate scale, patience, a stop.
+    guard: GuardState = GuardState()
 
 
 async def restore_state(resume_from: str | None) -> tuple[flyte.Checkpoint | None, LoopState | None]:
@@ -53,7 +56,12 @@ def _with_adapter_paths(state: LoopState, convert: Callable[[str], str]) -> Loop
     def moved(adapter: AdapterRef) -> AdapterRef:
         return adapter.model_copy(update={"dir": adapter.dir.model_copy(update={"path": convert(adapter.dir.path)})})
 
-    return state.model_copy(update={"adapter": moved(state.adapter), "recent_adapters": [moved(a) for a in state.recent_adapters]})
+    guard = state.guard
+    if guard.best is not None:
+        guard = guard.model_copy(update={"best": guard.best.model_copy(update={"adapter": moved(guard.best.adapter)})})
+    return state.model_copy(
+        update={"adapter": moved(state.adapter), "recent_adapters": [moved(a) for a in state.recent_adapters], "guard": guard}
+    )
 
 
 def checkpoint_payload(state: LoopState) -> bytes:

@@ -39,6 +39,13 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     for name in config.scoring.rewards:
         if name != JUDGE_REWARD:  # the judge is a model, checked with the base model
             resolve_reward(name)
+    if config.guard.select_by == "eval_accuracy" and split is not None:
+        unanswered = sum(not ex.answer.strip() for ex in split[1])
+        if unanswered:
+            raise UserError(
+                f"--select-by eval_accuracy: {unanswered} of the {len(split[1])} held-out questions have no gold answer, so "
+                "their accuracy is not measured; expected --select-by eval_reward (or auto), or answers in --answer-column"
+            )
     if config.episode.multi_turn:
         load_environment(config.episode.env)
     if config.wandb_project and not _installed("wandb"):

@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.text import Text
 
 from grpo_flyte.config import RunConfig, eval_due
-from grpo_flyte.types import MetricsRow, plus_minus
+from grpo_flyte.types import MetricsRow, change_plus_minus, plus_minus, shown_change
 
 
 class Checkpointed(Protocol):
@@ -168,19 +168,48 @@ def eta_seconds(config: RunConfig, history: list[MetricsRow], done: int) -> floa
     return statistics.fmean(times) * (config.iterations - done) + (statistics.fmean(evals) * due if evals else 0.0)
 
 
+# What the guard did, as the console says it (its reason follows).
+_GUARD_EVENTS = {"collapse": "COLLAPSE", "rollback": "ROLLBACK"}
+
+
+def guard_lines(row: MetricsRow) -> tuple[str, str]:
+    """The guard's part of an evaluation's line (the best adapter so far, this one against it) and
+    its event's own line ('' for none)."""
+    g = row.guard
+    if g is None:
+        return "", ""
+    best = ""
+    if g.best_iteration is not None:
+        best = f"  | best: iteration {g.best_iteration}"
+        if g.vs_best is not None:
+            best += f", this vs the best before: {'+' if g.vs_best >= 0 else ''}{shown_change(g.select_by, g.vs_best)}"
+            best += f" {change_plus_minus(g.select_by, g.vs_best_ci99)} (99%)"
+    event = ""
+    if g.guard_event in ("stop", "early_stop"):
+        event = str(g.guard_reason)  # 'stopped at iteration N: ...'
+    elif g.guard_event is not None and g.guard_event != "new_best":
+        event = f"{_GUARD_EVENTS[g.guard_event]} ({g.guard_signal}): {g.guard_reason}"
+    elif g.guard_event == "new_best":
+        best = best.replace("| best:", "| new best:", 1)
+    return best, event
+
+
 def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> str:
     e, t = row.eval, row.train
+    best, event = guard_lines(row)
     held_out = (
         f"held-out reward {e.eval_reward:.3f} {plus_minus(e.eval_reward_ci95)}  acc {e.eval_accuracy:.1%}  "
         f"format {e.eval_format_rate:.1%}"
         + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
         + (f"  tool errors {e.eval_tool_errors}" if e.eval_tool_errors else "")
         + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"
+        + best
         if e
         else ""
     )
+    event = f"\n  {event}" if event else ""
     if t is None:  # the evaluation before training
-        return f"iter 0/{total}  {held_out}"
+        return f"iter 0/{total}  {held_out}{event}"
     # accuracy and format rate are shown anyway; other rewards and failed scores are added
     others = "".join(f"  {name} {mean:.3f}" for name, mean in t.reward_means.items() if name not in ("correct", "format"))
     errors = f"  reward errors {t.reward_errors}" if t.reward_errors else ""
@@ -210,4 +239,5 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
         f"total {t.iteration_s:.1f}s"
         + (f"  | ETA {clock(eta_s)}" if eta_s is not None and row.iteration < total else "")
         + (f"\n  {held_out}" if held_out else "")
+        + event
     )

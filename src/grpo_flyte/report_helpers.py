@@ -44,6 +44,14 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.
 _BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95", "eval_tool_call_rate": "eval_tool_call_rate_ci95"}
 
+# The guard's events (grpo_flyte.guard) marked on every chart: a dashed vertical line at the
+# iteration, labelled, the reason as its tooltip; the best adapter's iteration on the held-out chart.
+# The marker colours are no series colour (a series is found by its colour in the browser test).
+_GUARD_MARKERS = {"collapse": "collapse", "rollback": "rollback", "stop": "stop", "early_stop": "early stop"}
+_MARKER_COLOUR = "#bf3989"
+_BEST_COLOUR = "#9a6700"
+_BEST_CHART = "Held-out evaluation"
+
 DASH = "\u2013"
 _MINUS = "\u2212"
 
@@ -247,7 +255,22 @@ def _cards(history: Sequence[Mapping]) -> str:
         before = first if latest is not first else None
         cards += _card("eval_reward", "Held-out reward", "num", latest, before, since)
         cards += _card("eval_accuracy", "Held-out accuracy", "pct", latest, before, since)
+        cards += _best_card(evaluated)
     return f'<section class="cards" aria-label="Latest iteration">{cards}</section>'
+
+
+def _best_card(evaluated: Sequence[Mapping]) -> str:
+    """The best adapter so far by the guard's metric: its value and iteration ('' before the guard names one)."""
+    latest = evaluated[-1]
+    metric, iteration = latest.get("select_by"), latest.get("best_iteration")
+    best = next((row for row in evaluated if row.get("iteration") == iteration), None)
+    if best is None or metric not in ("eval_accuracy", "eval_reward"):
+        return ""
+    kind, what = ("pct", "accuracy") if metric == "eval_accuracy" else ("num", "reward")
+    return (
+        f'<div class="stat stat-best"><div class="label">Best adapter (held-out {what})</div>'
+        f'<div class="value">{_format(best.get(metric), kind)}</div><div class="delta">iteration {_esc(iteration)}</div></div>'
+    )
 
 
 # --------------------------------------------------------------------------- charts
@@ -346,6 +369,33 @@ def _series_svg(key: str, points: Sequence[tuple[float, float]], colour: str, sc
     return "".join(parts)
 
 
+def _guard_marks(history: Sequence[Mapping], best: bool) -> list[tuple[float, str, str, str, str]]:
+    """(iteration, label, class, colour, tooltip) of the guard's events (and, with `best`, the best
+    adapter's iteration)."""
+    marks = [
+        (x, _GUARD_MARKERS[str(row["guard_event"])], str(row["guard_event"]), _MARKER_COLOUR, str(row.get("guard_reason", "")))
+        for row in history
+        if row.get("guard_event") in _GUARD_MARKERS and (x := _finite(row.get("iteration"))) is not None
+    ]
+    iteration = next((_finite(row.get("best_iteration")) for row in reversed(history) if row.get("best_iteration") is not None), None)
+    if best and iteration is not None:
+        marks.append((iteration, "best", "best", _BEST_COLOUR, f"the best adapter so far: iteration {_tick_label(iteration)}"))
+    return marks
+
+
+def _markers_svg(marks: Sequence[tuple[float, str, str, str, str]], scale: _Scale) -> str:
+    """The marks as labelled dashed vertical lines, the tooltip on each."""
+    parts = []
+    for x, label, css, colour, tip in marks:
+        cx, bottom = scale.x(x), _H - _BOTTOM
+        parts.append(
+            f'<g class="guard-marker {_esc(css)}"><title>{_esc(tip)}</title>'
+            f'<line x1="{cx:.1f}" y1="{_TOP}" x2="{cx:.1f}" y2="{bottom}" stroke="{colour}" stroke-width="1.5" stroke-dasharray="4 3"/>'
+            f'<text x="{cx + 3:.1f}" y="{_TOP + 10}" style="fill:{colour}">{_esc(label)}</text></g>'
+        )
+    return "".join(parts)
+
+
 def _legend(keys: Sequence[str]) -> str:
     items = "".join(
         f'<li><span class="swatch" style="background:{_SERIES_COLOURS[i % len(_SERIES_COLOURS)]}"></span>{_esc(key)}</li>'
@@ -364,10 +414,12 @@ def _chart(title: str, keys: Sequence[str], history: Sequence[Mapping]) -> str:
     bands = {key: _band(history, key) for key in keys}
     points = [point for _, pts in series for point in pts]
     band_ys = [y for band in bands.values() for _, lo, hi in band for y in (lo, hi)]
-    # With nothing finite to plot, still draw empty axes rather than fail.
-    scale = _Scale([x for x, _ in points] or [1.0], [y for _, y in points] + band_ys or [0.0, 1.0])
+    marks = _guard_marks(history, best=title == _BEST_CHART)
+    # With nothing finite to plot, still draw empty axes rather than fail; the guard's marks widen the x-axis to them.
+    scale = _Scale([x for x, _ in points] + [m[0] for m in marks] or [1.0], [y for _, y in points] + band_ys or [0.0, 1.0])
     colours = {key: _SERIES_COLOURS[i % len(_SERIES_COLOURS)] for i, key in enumerate(keys)}
     body = "".join(_band_svg(bands[key], colours[key], scale) for key in keys)
+    body += _markers_svg(marks, scale)
     body += "".join(_series_svg(key, pts, colours[key], scale) for key, pts in series)
     label = _esc(f"{title}: {', '.join(keys)} by iteration")
     svg = (

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from grpo_flyte.config import PROG, RunConfig, format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
+from grpo_flyte.guard import best_summary
 from grpo_flyte.loop_state import LoopState
 from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.storage import is_remote
@@ -36,6 +37,7 @@ FLYTE_DATA = "flyte"  # Flyte's raw data (adapters, checkpoint) inside a local r
 METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 ADAPTER_DIR = "adapter"
+BEST_DIR = "best"  # the best adapter by the held-out evaluations (grpo_flyte.guard)
 MERGED_DIR = "merged"
 DATA_FILE = "data.json"  # the data the run started with (a fingerprint), checked on --resume
 CHECKPOINT_FILE = "checkpoint"  # the driver's saved loop state, under FLYTE_DATA
@@ -121,7 +123,9 @@ def _holdings(run_dir: Path) -> str:
     done = finished_iterations(run_dir)
     parts = [f"{METRICS_FILE} (iterations {min(done)}-{max(done)})"] if done else []
     parts += [
-        name + "/" if (run_dir / name).is_dir() else name for name in (ADAPTER_DIR, REPORT_FILE, EVAL_DIR) if (run_dir / name).exists()
+        name + "/" if (run_dir / name).is_dir() else name
+        for name in (ADAPTER_DIR, BEST_DIR, REPORT_FILE, EVAL_DIR)
+        if (run_dir / name).exists()
     ]
     return ", ".join(parts) or "nothing but its config"
 
@@ -150,12 +154,14 @@ def saved_state(run_dir: Path) -> tuple[str | None, LoopState | None]:
             f"--resume: the saved loop state {str(checkpoint)!r} is damaged ({format_validation_error(exc)[:200]}); "
             f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written"
         ) from None
-    adapter = Path(state.adapter.dir.path)
-    if not is_remote(state.adapter.dir.path) and not (adapter if adapter.is_absolute() else run_dir / FLYTE_DATA / adapter).is_dir():
-        raise UserError(
-            f"--resume: adapter v{state.adapter.version} of the saved loop state is missing ({str(adapter)!r}); "
-            f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written"
-        )
+    named = [("adapter", state.adapter)] + ([("best adapter", state.guard.best.adapter)] if state.guard.best else [])
+    for what, ref in named:
+        adapter = Path(ref.dir.path)
+        if not is_remote(ref.dir.path) and not (adapter if adapter.is_absolute() else run_dir / FLYTE_DATA / adapter).is_dir():
+            raise UserError(
+                f"--resume: {what} v{ref.version} of the saved loop state is missing ({str(adapter)!r}); "
+                f"{str(run_dir)!r} still holds {_holdings(run_dir)}. Nothing was written"
+            )
     return str(checkpoint.resolve()), state
 
 
@@ -245,7 +251,7 @@ class LocalRunFiles:
         if answers is not None:
             rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump(exclude_none=True)}) + "\n" for a in answers)
             write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
-        self.prune_adapters(state.adapter)
+        self.prune_adapters(state.adapter, keep=state.guard.best.adapter if state.guard.best else None)
         # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
         for payload in (self.root / FLYTE_DATA / "payloads").glob("scored-*"):
             shutil.rmtree(payload, ignore_errors=True)
@@ -256,24 +262,27 @@ class LocalRunFiles:
     def evaluating(self, iteration: int, answered: int, total: int) -> None:
         """An evaluation's answers are written once it is recorded."""
 
-    def prune_adapters(self, current: AdapterRef) -> None:
-        """Delete adapter versions older than the newest `adapters_to_keep` from the run's Flyte data."""
+    def prune_adapters(self, current: AdapterRef, keep: AdapterRef | None = None) -> None:
+        """Delete adapter versions older than the newest `adapters_to_keep` from the run's Flyte data,
+        but `keep`'s folder (the best adapter: a rollback restores it, the export writes it)."""
         path = Path(current.dir.path)
         if is_remote(current.dir.path) or not path.parent.is_dir():
             return
+        kept = Path(keep.dir.path).resolve() if keep is not None and not is_remote(keep.dir.path) else None
         for old in path.parent.glob("v[0-9]*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - self.adapters_to_keep:
+            if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - self.adapters_to_keep and old.resolve() != kept:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def export_adapter(self, adapter: AdapterRef) -> Path:
-        """The adapter to share: PEFT's files, naming a base others can load; the optimizer state
-        stays with the run's adapter versions (flyte/adapters), which a resume reads."""
+    def export_adapter(self, adapter: AdapterRef, name: str = ADAPTER_DIR) -> Path:
+        """An adapter to share, as the run folder's `name` (adapter/, best/): PEFT's files, naming a
+        base others can load; the optimizer state stays with the run's adapter versions
+        (flyte/adapters), which a resume reads."""
 
         def copy(d: Path) -> None:
             shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
 
-        build_dir_atomic(self.root / ADAPTER_DIR, copy)
-        return self.root / ADAPTER_DIR
+        build_dir_atomic(self.root / name, copy)
+        return self.root / name
 
     def export_merged(self, merged_path: str) -> Path:
         """Move the (complete) merged model folder into the run folder: a rename, so never half there."""
@@ -440,10 +449,16 @@ def _run_locked(
         logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
         return 1
     files.export_adapter(result.adapter)
-    logger.info("done: adapter %s, report %s, metrics %s", run_dir / ADAPTER_DIR, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
+    best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
+    logger.info("done: adapter %s%s, report %s, metrics %s", run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
     if result.merged is not None:
+        merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
         where = files.export_merged(result.merged.path)
         logger.info(
-            "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", result.adapter.version, where
+            "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", merged.version, where
         )
+    stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
+    for line in (stopped, best_summary(result.history)):
+        if line:
+            logger.info("%s", line)  # the last line: which adapter was best, and by how much
     return 0

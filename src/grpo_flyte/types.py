@@ -306,21 +306,68 @@ def plus_minus(half_width: float | None) -> str:
     return f"+- {half_width:.3f}" if half_width is not None else "(one question: no interval)"
 
 
+def shown(metric: str | None, value: float) -> str:
+    """A value of a held-out metric (eval_accuracy, eval_reward) as a person reads it: a percentage for the accuracy."""
+    return f"{value:.1%}" if metric == "eval_accuracy" else f"{value:.3f}"
+
+
+def shown_change(metric: str | None, value: float) -> str:
+    """A difference of a held-out metric: percentage points for the accuracy."""
+    return f"{value * 100:.1f} pp" if metric == "eval_accuracy" else f"{value:.3f}"
+
+
+def change_plus_minus(metric: str | None, half_width: float | None) -> str:
+    """An interval's half-width around a difference of a held-out metric."""
+    return f"+- {shown_change(metric, half_width)}" if half_width is not None else "(one question: no interval)"
+
+
+def metric_name(metric: str | None) -> str:
+    return "held-out accuracy" if metric == "eval_accuracy" else "held-out reward"
+
+
+GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]
+
+
+class GuardRecord(BaseModel):
+    """What the run's guard (grpo_flyte.guard) made of one iteration.
+
+    On a row with a held-out evaluation: `select_by` (the metric that picks the best adapter),
+    `best_iteration` (the best evaluation's iteration, this one included) and, from the second
+    evaluation on, `vs_best` (this evaluation minus the best one before it, paired over the same
+    questions) with `vs_best_ci99`, the half-width of its 99% interval (the guard's collapse test). `guard_event` is what happened, if
+    anything: a new best, a collapse ('collapse': warned or at the last iteration; 'rollback';
+    'stop'), or 'early_stop'; `guard_signal` names what showed the collapse ('held_out' or a
+    signal between evaluations) and `guard_reason` says it in words. A rollback row has the
+    learning-rate scale from then on (`lr_scale`) and the rollbacks so far (`rollbacks`).
+    """
+
+    select_by: str | None = None
+    best_iteration: int | None = None
+    vs_best: float | None = None
+    vs_best_ci99: float | None = None
+    guard_event: GuardEvent | None = None
+    guard_signal: str | None = None
+    guard_reason: str | None = None
+    lr_scale: float | None = None
+    rollbacks: int | None = None
+
+
 class MetricsRow(BaseModel):
     """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
-    an iteration without a held-out evaluation has no `eval`."""
+    an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of it."""
 
     iteration: int
     adapter_version: int
     train: TrainMetrics | None = None
     eval: EvalMetrics | None = None
+    guard: GuardRecord | None = None
 
     def flat(self) -> dict[str, Any]:
         """The row as flat keys (`reward/<name>`, `eval_reward/<name>`, `ended/<reason>`): metrics.jsonl,
         the report, W&B. Multi-turn metrics appear in multi-turn runs only."""
         row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
         nested = {"reward_means": "reward/", "eval_reward_means": "eval_reward/", "episode_ends": "ended/"}
-        for part in (self.train, self.eval):
+        for part in (self.train, self.eval, self.guard):
             if part is None:
                 continue
             for key, value in part.model_dump().items():
@@ -329,6 +376,28 @@ class MetricsRow(BaseModel):
                 elif value is not None or key == "kl":
                     row[key] = value
         return row
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> MetricsRow:
+        """A row as `flat` wrote it (a line of metrics.jsonl) back as a MetricsRow."""
+        nested = {"reward/": "reward_means", "eval_reward/": "eval_reward_means", "ended/": "episode_ends"}
+        values: dict[str, Any] = {name: {} for name in nested.values()}
+        for key, value in flat.items():
+            prefix = next((p for p in nested if key.startswith(p)), None)
+            if prefix is None:
+                values[key] = value
+            else:
+                values.setdefault(nested[prefix], {})[key[len(prefix) :]] = value
+        parts = {}
+        for name, model, marker in (
+            ("train", TrainMetrics, "mean_reward"),
+            ("eval", EvalMetrics, "eval_reward"),
+            ("guard", GuardRecord, None),
+        ):
+            fields = {key: values[key] for key in model.model_fields if key in values}
+            if (marker is None and fields) or (marker is not None and marker in values):
+                parts[name] = model(**fields)
+        return cls(iteration=flat["iteration"], adapter_version=flat["adapter_version"], **parts)
 
 
 class EvalAnswer(BaseModel):
@@ -361,9 +430,12 @@ class BestCompletion(BaseModel):
 
 class RunResult(BaseModel):
     """What `train_rl` returns: the final adapter, every metrics row, the final report (a folder
-    holding report.html) and, with `export_merged`, the merged model folder."""
+    holding report.html), the best adapter by the held-out evaluations (None when nothing was
+    evaluated) and, with `export_merged`, the merged model folder (of the adapter
+    `export_adapter` names)."""
 
     adapter: AdapterRef
     history: list[MetricsRow]
     report: Dir
     merged: Dir | None = None
+    best: AdapterRef | None = None
