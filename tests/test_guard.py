@@ -18,7 +18,7 @@ from flyte.io import Dir
 
 from grpo_flyte import trainer
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import GuardConfig
+from grpo_flyte.config import GuardConfig, RunConfig
 from grpo_flyte.guard import (
     COLLAPSE_Z,
     SIGNAL_RUN,
@@ -33,6 +33,8 @@ from grpo_flyte.guard import (
 )
 from grpo_flyte.loop_state import LoopState
 from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, MetricsRow, TrainMetrics
+
+LR = RunConfig().train.learning_rate  # the runs below keep the default learning rate
 
 DRILL = Path(__file__).with_name("kill_drill.py")
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -372,8 +374,8 @@ def test_a_collapse_rolls_back_to_the_best_adapter_and_its_optimizer_state_at_a_
     assert _same_optimizer_state(recorded_steps[3]["optimizer"], best_optimizer)
     assert not _same_optimizer_state(recorded_steps[2]["optimizer_after"], best_optimizer)  # iteration 3's own state
     # the learning rate halved from the rollback on; the schedule's step index goes on with the run's versions
-    assert [s["lr"] for s in recorded_steps] == [5e-4, 5e-4, 5e-4, 2.5e-4, 2.5e-4]
-    assert [s["index"] for s in recorded_steps] == [0, 1, 2, 3, 4] and [r["lr"] for r in rows[4:]] == [2.5e-4, 2.5e-4]
+    assert [s["lr"] for s in recorded_steps] == [LR, LR, LR, LR * 0.5, LR * 0.5]
+    assert [s["index"] for s in recorded_steps] == [0, 1, 2, 3, 4] and [r["lr"] for r in rows[4:]] == [LR * 0.5, LR * 0.5]
 
     # the best adapter's folder outlived --adapters-to-keep 1; best/ holds it, adapter/ the final one
     assert sorted(p.name for p in (run_dir / "flyte" / "adapters").iterdir()) == ["v0002", "v0005"]
@@ -424,7 +426,7 @@ def test_a_run_that_keeps_collapsing_stops_after_max_rollbacks(tmp_path, tiny_mo
         assert cli_main(_args(tiny_model_dir, run_dir, 6, reward, "--max-rollbacks", "2", "--rollback-lr-factor", "0.1")) == 0
     rows = _rows(run_dir)
     assert _events(rows) == {1: "new_best", 2: "rollback", 3: "rollback", 4: "stop"} and len(rows) == 5
-    assert [r["lr"] for r in rows[1:]] == pytest.approx([5e-4, 5e-4, 5e-5, 5e-6])
+    assert [r["lr"] for r in rows[1:]] == pytest.approx([LR, LR, LR * 0.1, LR * 0.01])
     messages = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"]
     assert messages[-2].startswith("stopped at iteration 4: collapse (held_out)") and messages[-2].endswith(
         "2 rollbacks already (--max-rollbacks 2)"
@@ -474,7 +476,7 @@ def test_a_guarded_run_killed_around_its_rollback_resumes_with_one_rollback_and_
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert _events(rows) == {1: "new_best", 2: "new_best", 3: "rollback"}
-    assert [r["lr"] for r in rows[1:]] == [5e-4, 5e-4, 5e-4, 2.5e-4, 2.5e-4]
+    assert [r["lr"] for r in rows[1:]] == [LR, LR, LR, LR * 0.5, LR * 0.5]
     state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
     assert (state.guard.rollbacks, state.guard.lr_scale, state.guard.best.iteration) == (1, 0.5, 2)
     assert _same(_lora(run_dir / "best"), _lora(run_dir / "flyte" / "adapters" / "v0002"))
@@ -504,7 +506,7 @@ def test_a_rollback_with_two_train_processes(tmp_path, tiny_model_dir, monkeypat
     assert cli_main(_args(tiny_model_dir, run_dir, 3, reward, "--train-processes", "2")) == 0
     rows = _rows(run_dir)
     assert _events(rows) == {1: "new_best", 2: "rollback"}
-    assert [(r["train_world_size"], r["lr"]) for r in rows[1:]] == [(2, 5e-4), (2, 5e-4), (2, 2.5e-4)]
+    assert [(r["train_world_size"], r["lr"]) for r in rows[1:]] == [(2, LR), (2, LR), (2, LR * 0.5)]
 
 
 def test_on_the_recipe_sweeps_runs_the_guard_leaves_every_healthy_run_alone_and_catches_the_collapse():
