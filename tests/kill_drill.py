@@ -65,7 +65,6 @@ def save_adapter_or_die(model, optimizer, version, out):
 
 
 trainer.grpo_step, trainer.save_adapter = grpo_step_or_die, save_adapter_or_die
-# --train-processes starts its processes with multiprocessing's spawn, which imports this script
-# again in each of them (as __mp_main__): only the drill's own process runs the CLI.
+# Only the drill's own process runs the CLI (a script that another process imports stays inert).
 if __name__ == "__main__":
     sys.exit(cli.main(args))

@@ -642,6 +642,19 @@ def test_resume_run_reruns_the_named_run_with_recovery(monkeypatch, capsys):
     assert "--resume-run 'r1': this cluster cannot recover runs (no RunSpec.relation)" in err and len(err.splitlines()) == 1
 
 
+def test_ctrl_c_before_a_run_starts_or_during_a_submission_is_one_line_and_130(monkeypatch, capsys):
+    """A started local run says what it kept (tests/test_run_folder.py); before that, and while a
+    cluster run is submitted, Ctrl-C is one line too, not a traceback."""
+    from grpo_flyte import cli
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_remote", interrupted)
+    assert cli.main(["--iterations", "1"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_model_dir, monkeypatch):
     """Rows past Flyte's inline limit are uploaded as one folder (content-hashed) and read back by
     the driver: the driver trains on exactly the rows of the file."""

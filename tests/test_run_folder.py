@@ -147,6 +147,88 @@ def test_sigterm_stops_like_ctrl_c_with_the_resume_command(tmp_path, tiny_model_
     assert _iterations(run_dir) == list(range(done + 2))
 
 
+# --------------------------------------------------------------------------- Ctrl-C and SIGTERM in every mode (issue 40)
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """The live processes whose environment holds TEST_RUN_TAG=`tag` (a run and every process it
+    started, wherever they were reparented): pid -> command line. Zombies are dead and left out."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"TEST_RUN_TAG={tag}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def _interrupt(tmp_path: Path, args: list[str], ready, sig: signal.Signals, to_group: bool) -> tuple[int, list[str], str]:
+    """Start the CLI in a session of its own, wait until `ready(tag, console so far)`, then send
+    `sig` to the run (`to_group`: to its whole process group, as a terminal's Ctrl-C does).
+    Returns (exit status, the console lines written after the signal, the whole console)."""
+    from uuid import uuid4
+
+    tag, console = uuid4().hex, tmp_path / "console.txt"
+    with console.open("w") as err:
+        proc = subprocess.Popen([*ENTRY, *args], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                                env={**os.environ, "TEST_RUN_TAG": tag}, start_new_session=True)  # fmt: skip
+        try:
+            _wait_for(proc, lambda: ready(tag, console.read_text()))
+            mark = console.stat().st_size
+            os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _tagged(tag) and time.monotonic() < deadline:  # killed children take a moment to go
+        time.sleep(0.1)
+    assert _tagged(tag) == {}, "processes of the run outlived it"
+    text = console.read_text()
+    return code, text[mark:].splitlines(), text
+
+
+def _train_processes(tag: str) -> list[str]:
+    """The run's child processes that are not reward workers: its train processes."""
+    return [c for c in _tagged(tag).values() if "grpo_flyte.sandbox" not in c and " grpo_flyte.driver " not in c]
+
+
+@pytest.mark.parametrize(("sig", "to_group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm-to-the-run"])
+def test_a_signal_during_a_data_parallel_step_stops_the_run_in_one_line_and_ends_its_processes(tmp_path, tiny_model_dir, sig, to_group):
+    """--train-processes 2, the signal while the step's processes run: the run ends at once with
+    one line (its processes, in sessions of their own, print nothing), 130 for Ctrl-C and 143 for
+    SIGTERM, no process of it left behind, and the resume finishes. Before: two tracebacks of
+    the train processes, and a run that went on for the step's length and printed Flyte's retries."""
+    run_dir = tmp_path / "run"
+    args = [*_args(tiny_model_dir, run_dir, 30), "--train-processes", "2"]
+    code, after, console = _interrupt(tmp_path, args, lambda tag, _: len(_train_processes(tag)) >= 2, sig, to_group)
+    assert code == (130 if sig == signal.SIGINT else 143), console[-3000:]
+    how = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"
+    assert len(after) == 1 and how in after[0] and f"--resume --run-dir {run_dir}" in after[0], console[-3000:]
+    assert "Traceback" not in console and "KeyboardInterrupt" not in console
+    done = max(_iterations(run_dir))
+    assert cli_main([*_args(tiny_model_dir, run_dir, done + 1), "--train-processes", "2", "--resume"]) == 0
+    assert _iterations(run_dir) == list(range(done + 2))
+
+
+def test_ctrl_c_while_a_pipelined_run_scores_its_next_batch_prints_no_reward_worker_traceback(tmp_path, tiny_model_dir):
+    """--max-staleness 1: Ctrl-C (to the run's process group) while the next batch is generated
+    and scored: one line, exit 130, the reward workers gone without a word. Before: every
+    worker's KeyboardInterrupt traceback (sandbox._serve), over a hundred lines."""
+    run_dir = tmp_path / "run"
+    args = [*_args(tiny_model_dir, run_dir, 30), "--max-staleness", "1"]
+
+    def scoring(tag: str, console: str) -> bool:  # iteration 1 is recorded, the next batch is in flight
+        return " iter 1/30 " in console and any("grpo_flyte.sandbox" in c for c in _tagged(tag).values())
+
+    code, after, console = _interrupt(tmp_path, args, scoring, signal.SIGINT, True)
+    assert code == 130, console[-3000:]
+    assert len(after) == 1 and "interrupted: iterations 1-" in after[0], console[-3000:]
+    assert "Traceback" not in console and "KeyboardInterrupt" not in console
+
+
 # --------------------------------------------------------------------------- a user's files in the run folder
 
 # Names a user may keep in a run folder, of every shape that the clean-up of a killed writer's

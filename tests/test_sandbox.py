@@ -4,10 +4,14 @@ that dies or desynchronizes is one reward error, never a hang."""
 
 from __future__ import annotations
 
+import os
+import signal
 import textwrap
+import time
 
 import pytest
 
+from grpo_flyte import child_processes
 from grpo_flyte.errors import RewardError, RewardTimeout
 from grpo_flyte.sandbox import Worker, WorkerRaised
 
@@ -107,3 +111,48 @@ def test_the_worker_holds_no_pipe_a_subprocess_could_inherit(noisy):
     # a subprocess of user code that keeps every inheritable descriptor (os.system, fork) still
     # sees only stdin (empty), stdout (our stderr) and stderr
     assert noisy.call("noisy_rewards:open_descriptors", (), 30, "a subprocess") == [0, 1, 2, 3]  # 3: the listing's own
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_worker_has_a_session_of_its_own_and_a_stopped_one_ends_what_its_reward_started(tmp_path, monkeypatch):
+    """A terminal's Ctrl-C (sent to the run's process group) never reaches a worker, which would
+    print its traceback: the run ends it. A reward past its limit leaves none of its processes."""
+    (tmp_path / "spawner.py").write_text(
+        "import os, pathlib, subprocess, time\n\n"
+        "def session():\n    return os.getpid(), os.getsid(0)\n\n"
+        "def spawn(path):\n    pathlib.Path(path).write_text(str(subprocess.Popen(['sleep', '300']).pid))\n    time.sleep(300)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    worker = Worker()
+    try:
+        pid, session = worker.call("spawner:session", (), 30, "reward 'session'")
+        assert session == pid != os.getsid(0)
+        with pytest.raises(RewardTimeout):
+            worker.call("spawner:spawn", (str(tmp_path / "pid"),), 5, "reward 'spawner'")
+        grandchild = int((tmp_path / "pid").read_text())
+        for _ in range(100):  # the kill is sent; the process takes a moment to go
+            if not _alive(grandchild):
+                break
+            time.sleep(0.05)
+        assert not _alive(grandchild)
+    finally:
+        worker.stop()
+
+
+def test_stop_all_kills_every_started_worker_and_refuses_new_ones(noisy, monkeypatch):
+    """What a run does as it stops on Ctrl-C or SIGTERM (`run_folder.exit_now`)."""
+    monkeypatch.setattr(child_processes, "_stopped", False)  # restored afterwards: the test process goes on
+    assert noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'") == 3
+    proc = noisy.proc
+    child_processes.stop_all()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    with pytest.raises(child_processes.Stopping, match="the run is stopping"):
+        noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'")

@@ -209,3 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     except GrpoFlyteError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a local run starts (a started one says what it kept), or a submission
+        print("interrupted", file=sys.stderr)
+        return 130

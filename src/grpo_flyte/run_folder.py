@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import signal
+import sys
+import typing
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from grpo_flyte import child_processes
 from grpo_flyte.config import PROG, RunConfig, format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
@@ -237,6 +240,19 @@ def sigterm_stops_like_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def exit_now(code: int) -> typing.NoReturn:
+    """End this process now, with `code`: its children killed (`child_processes.stop_all`: train
+    processes, reward workers), the console flushed, and no wait for the work on its other threads
+    (a train step or a generation runs on for minutes; Flyte would retry a step whose processes were
+    just killed, and print it). Every file of a run folder is written whole or not at all, so this
+    leaves what a killed run leaves, which --resume continues (the kill drills of the tests)."""
+    child_processes.stop_all()
+    logging.shutdown()  # flushes every handler
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 class LocalRunFiles:
     """The files of a local run folder, each written whole (atomically) as the driver reports progress."""
 
@@ -430,11 +446,13 @@ def _run_locked(
             )
             result = run.outputs()[0]
     except KeyboardInterrupt as exc:
+        for stopping in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while the run stops changes nothing
+            signal.signal(stopping, signal.SIG_IGN)
         done = [i for i in finished_iterations(run_dir) if i > 0]
         where = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
         how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
         logger.error("%s: %s in %s; continue with: %s --local --resume --run-dir %s", how, where, run_dir, PROG, run_dir)
-        return 143 if isinstance(exc, Terminated) else 130
+        exit_now(143 if isinstance(exc, Terminated) else 130)
     except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
         done = [i for i in finished_iterations(run_dir) if i > 0]
         kept = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"

@@ -9,6 +9,10 @@ group. Hand-written rather than a pool library (pebble, concurrent.futures): tho
 through multiprocessing, which forks a threaded process (unsafe) or, with "spawn", runs the parent's
 __main__ script again in the worker (an unguarded user script would start its training run there).
 
+The workers are the run's children in sessions of their own (`child_processes`): a terminal's
+Ctrl-C reaches the run, which ends them, and never a worker halfway through a call. Stopping a
+worker kills its process group: whatever a reward started goes with it.
+
 Protocol: (import path, 'module:function', args) in; ("ok", value) or ("raised", (type name,
 message)) out, each a pickle in a frame (a marker, then its length), over two pipes of their own
 that user code never writes to. The worker's standard output is the parent's standard error and
@@ -20,17 +24,20 @@ for a reply.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import os
 import pickle
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
+from grpo_flyte import child_processes
 from grpo_flyte.errors import RewardError, RewardTimeout
 
 WORKER_START_S = 120
@@ -110,8 +117,10 @@ class Worker:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            child_processes.ended(self.proc.pid)
             self.proc = None
             for fd in (self.requests, self.replies):
                 os.close(fd)
@@ -120,17 +129,19 @@ class Worker:
     def _started(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
-            request_r, request_w = os.pipe()
-            reply_r, reply_w = os.pipe()
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            try:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", str(request_r), str(reply_w), *self.preload],
-                    stdin=subprocess.DEVNULL, stdout=2, pass_fds=(request_r, reply_w), env=env,
-                )  # fmt: skip
-            finally:
-                os.close(request_r)
-                os.close(reply_w)
+            with child_processes.starting() as started:
+                request_r, request_w = os.pipe()
+                reply_r, reply_w = os.pipe()
+                try:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", str(request_r), str(reply_w), *self.preload],
+                        stdin=subprocess.DEVNULL, stdout=2, pass_fds=(request_r, reply_w), env=env, start_new_session=True,
+                    )  # fmt: skip
+                    started(self.proc.pid)
+                finally:
+                    os.close(request_r)
+                    os.close(reply_w)
             self.requests, self.replies = request_w, reply_r
             # Start-up (Python and the preloaded modules) is not any call's time.
             try:

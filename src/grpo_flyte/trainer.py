@@ -22,7 +22,7 @@ from flyte.io import Dir
 from grpo_flyte import grpo
 from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
-from grpo_flyte.errors import AdapterError, failed_workers, input_errors_not_retried
+from grpo_flyte.errors import AdapterError, GrpoFlyteError, failed_workers, input_errors_not_retried
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.storage import from_payload, is_remote, node_cache, publish_dir, replica_cache
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, AdapterRef, ScoredGroup, StepStats, TrainStepResult
@@ -655,41 +655,80 @@ def train_rank(job: RankJob, out: str) -> StepStats | None:
     return stats.model_copy(update={"restore_s": restore_s}) if rank == 0 else None
 
 
-def _recorded_train_rank(job: RankJob, out: str) -> StepStats | None:
-    """`train_rank`, its exception recorded for the launcher (torch elastic's `record`): a failed
-    process is then reported with its error, not only its exit code."""
+def _rank_main() -> None:
+    """A train process of `launch_ranks`: `python -c ... JOB_FILE OUT STATS_FILE`. Its error is
+    recorded for the launcher (torch elastic's `record`: the step fails with it, not with an exit
+    code only); rank 0 writes the step's statistics to STATS_FILE."""
+    import pickle
+    import sys
+
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(train_rank)(job, out)
+    job_file, out, stats_file = sys.argv[1:4]
+    try:
+        stats = record(train_rank)(pickle.loads(Path(job_file).read_bytes()), out)
+    except GrpoFlyteError:
+        sys.exit(1)  # recorded: the step raises it, and the run says it in one line (a bug's traceback is shown)
+    if stats is not None:
+        Path(stats_file).write_text(stats.model_dump_json())
+
+
+# How often the launcher looks at its train processes.
+RANK_POLL_S = 0.1
 
 
 def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
-    """The train step in `processes` local processes (gloo on a CPU), launched by torch's
-    elastic launcher (what torchrun runs); rank 0's statistics."""
-    import uuid
+    """The train step in `processes` local processes (gloo on a CPU): each started as torchrun
+    starts one, by torch elastic's `start_processes`, with a session of its own (a terminal's
+    Ctrl-C reaches the run, which ends them: `child_processes`), meeting at a TCP store this
+    process hosts on a free port; rank 0's statistics.
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    Not torch's `elastic_launch`: its agent adds restarts and rendezvous across nodes, which one
+    node with no restarts does not use, and it stops its processes only on a signal in the main
+    thread, while this runs on the torch thread (a Ctrl-C left them running the step)."""
+    import os
+    import pickle
+    import sys
+    import tempfile
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=processes,
-        run_id=f"grpo-flyte-train-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port
-        max_restarts=0,  # a failed step fails the task; Flyte's retries start it again
-        monitor_interval=0.1,
-    )
-    # It warns on every call that it cannot register signal handlers from a thread other than the
-    # main one (it runs on this process's torch thread). The processes are this process's children:
-    # Ctrl-C reaches them too; after a SIGTERM or a kill of this process they finish the step and exit.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.ERROR)
-    try:
-        results = elastic_launch(config, _recorded_train_rank)(job, str(out))
-    except ChildFailedError as exc:
-        raise failed_workers(exc.failures, processes) from None  # e.g. a damaged adapter: the AdapterError
-    return results[0]
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from grpo_flyte import child_processes
+
+    with tempfile.TemporaryDirectory(prefix="grpo_flyte-train-") as tmp:
+        job_file, stats_file = Path(tmp) / "job.pkl", Path(tmp) / "stats.json"
+        job_file.write_bytes(pickle.dumps(job))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: a free one
+        common = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # the processes join this store, none hosts one
+            "WORLD_SIZE": str(processes),
+            "LOCAL_WORLD_SIZE": str(processes),
+            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+        }
+        envs = {rank: {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(processes)}
+        # Its warnings (no signal handlers off the main thread: `child_processes` ends the processes;
+        # the others ended once one failed) and its error line (the step raises the failure) say
+        # nothing the run does not.
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        command = ("-c", "from grpo_flyte.trainer import _rank_main; _rank_main()", str(job_file), str(out), str(stats_file))
+        with child_processes.starting() as started:
+            ranks = start_processes(
+                "grpo-flyte-train", sys.executable, dict.fromkeys(range(processes), command), envs, DefaultLogsSpecs(log_dir=tmp)
+            )
+            for pid in ranks.pids().values():
+                started(pid)
+        try:
+            result = ranks.wait(period=RANK_POLL_S)  # once one fails, it ends the others
+        finally:
+            ranks.close()
+            for pid in ranks.pids().values():
+                child_processes.ended(pid)
+        if result.is_failed():
+            raise failed_workers(result.failures, processes)  # e.g. a damaged adapter: the AdapterError
+        return StepStats.model_validate_json(stats_file.read_text())
 
 
 async def _distributed_step(
