@@ -5,11 +5,12 @@ that dies or desynchronizes is one reward error, never a hang."""
 from __future__ import annotations
 
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from grpo_flyte.errors import RewardError, RewardTimeout
-from grpo_flyte.sandbox import Worker, WorkerRaised
+from grpo_flyte.sandbox import Worker, WorkerPool, WorkerRaised
 
 NOISY = """
 import os, subprocess, sys
@@ -107,3 +108,31 @@ def test_the_worker_holds_no_pipe_a_subprocess_could_inherit(noisy):
     # a subprocess of user code that keeps every inheritable descriptor (os.system, fork) still
     # sees only stdin (empty), stdout (our stderr) and stderr
     assert noisy.call("noisy_rewards:open_descriptors", (), 30, "a subprocess") == [0, 1, 2, 3]  # 3: the listing's own
+
+
+def test_a_pool_starts_workers_side_by_side_and_calls_then_start_none(tmp_path, monkeypatch):
+    """`WorkerPool.start` has the workers running before the calls that need them: three calls
+    at once then find three ready workers, and no call starts a process of its own."""
+    (tmp_path / "slow_add.py").write_text("import time\n\ndef add(x):\n    time.sleep(0.5)\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launched = []
+    real_launch = Worker._launch
+
+    def launch(worker: Worker) -> bool:
+        started = real_launch(worker)
+        launched.append(started)
+        return started
+
+    monkeypatch.setattr(Worker, "_launch", launch)
+    pool = WorkerPool(4)
+    try:
+        assert pool.start(3) == 3
+        assert sum(launched) == 3
+        assert sum(w.proc is not None and w.proc.poll() is None for w in pool.idle.queue) == 3
+        with ThreadPoolExecutor(3) as calls:
+            results = list(calls.map(lambda x: pool.call("slow_add:add", (x,), 30, "slow_add"), range(3)))
+        assert results == [1, 2, 3]
+        assert sum(launched) == 3  # the calls started nothing
+        assert pool.start(3) == 0  # already running
+    finally:
+        pool.stop()
