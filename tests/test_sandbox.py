@@ -136,3 +136,11 @@ def test_a_pool_starts_workers_side_by_side_and_calls_then_start_none(tmp_path, 
         assert pool.start(3) == 0  # already running
     finally:
         pool.stop()
+
+
+def test_a_launched_workers_ready_frame_is_never_taken_for_a_reply(noisy):
+    """A worker launched (by `WorkerPool.start`) whose start-up was not awaited, say because the
+    start was interrupted: its first call still reads the ready frame first, then its reply."""
+    with noisy.lock:
+        assert noisy._launch()
+    assert noisy.call("noisy_rewards:fd_write", (1,), 30, "fd_write") == 3

@@ -105,6 +105,7 @@ class Worker:
         self.preload = preload
         self.proc: subprocess.Popen | None = None
         self.requests = self.replies = -1  # the parent's ends of the two pipes
+        self.starting = False  # launched, its ready frame not read yet
         self.lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -116,10 +117,11 @@ class Worker:
             for fd in (self.requests, self.replies):
                 os.close(fd)
             self.requests = self.replies = -1
+            self.starting = False
 
     def _started(self) -> subprocess.Popen:
-        if self._launch():
-            self._await_ready()
+        self._launch()
+        self._await_ready()
         assert self.proc is not None
         return self.proc
 
@@ -141,11 +143,15 @@ class Worker:
             os.close(request_r)
             os.close(reply_w)
         self.requests, self.replies = request_w, reply_r
+        self.starting = True
         return True
 
     def _await_ready(self) -> None:
-        """The launched process's ready frame: start-up (Python and the preloaded modules) is not
-        any call's time. RewardError (and the process stopped) when it does not come."""
+        """The launched process's ready frame, unless read already: start-up (Python and the
+        preloaded modules) is not any call's time. RewardError (and the process stopped) when it
+        does not come."""
+        if not self.starting:
+            return
         try:
             ready = _read_frame(self.replies, time.monotonic() + WORKER_START_S)
         except (OSError, EOFError, TimeoutError, ProtocolError):
@@ -153,6 +159,7 @@ class Worker:
         if ready != ("ok", "ready"):
             self.stop()
             raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
+        self.starting = False
 
     def _exit_code(self) -> int | None:
         """The worker's exit code once it has ended (it may still be exiting as its pipe closes)."""
