@@ -40,8 +40,9 @@ TARGET = 1.05
 
 def record_grpo_steps() -> list[dict]:
     """Wrap trainer.grpo_step (both sides call it) to record each call's seconds and the process's
-    minor page faults during it: the gap between the sides has been in this step, with ~5x the
-    faults inside the Flyte task (see the README)."""
+    minor page faults during it: the gap between the sides was in this step, ~590,000 faults a step
+    inside the Flyte task until the torch thread kept its memory (docs/measurements.md, "Iteration
+    overhead"; grpo_flyte/allocator.py); both sides now fault about equally."""
     calls: list[dict] = []
     original = trainer.grpo_step
 
@@ -54,6 +55,19 @@ def record_grpo_steps() -> list[dict]:
 
     trainer.grpo_step = recorded
     return calls
+
+
+class Usage:
+    """The process's CPU seconds (every thread; not the reward workers' processes) and minor page
+    faults over a block: a side's work measured in counts that do not depend on the machine's load."""
+
+    def __enter__(self) -> Usage:
+        self.cpu, self.faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpu = time.process_time() - self.cpu
+        self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults
 
 
 def last(steps: list[dict], first: int) -> dict | None:
@@ -92,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = root / f"flyte-{next(counter)}"
         first = len(steps)
         started = time.perf_counter()
-        out = flyte_iteration(cfg, model_dir, run_dir)
+        with Usage() as used:
+            out = flyte_iteration(cfg, model_dir, run_dir)
         s = time.perf_counter() - started
         adapters["flyte"].append(out["adapter_dir"])
         row = out["row"]
         return {
             "s": s,
+            "cpu_s": used.cpu,
+            "minor_faults": used.faults,
             "iteration_s": row["iteration_s"],
             "generate_s": row["generate_s"],
             "train_s": row["train_s"],
@@ -113,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         first = len(steps)
         started = time.perf_counter()
         # On the thread grpo_flyte's tasks run torch on: two threads driving torch slow both.
-        out = on_torch_thread(bare_iteration, cfg, model_dir, out_dir)
+        with Usage() as used:
+            out = on_torch_thread(bare_iteration, cfg, model_dir, out_dir)
         s = time.perf_counter() - started
         adapters["bare"].append(out["adapter_dir"])
         return {
             "s": s,
+            "cpu_s": used.cpu,
+            "minor_faults": used.faults,
             "loss": out["stats"].loss,
             "num_groups": len(out["scored"]),
             "completion_tokens": sum(len(r.completion_ids) for sg in out["scored"] for r in sg.group.rollouts),
@@ -163,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         f"  grpo_step (median): flyte {_common.median_s(runs['flyte'], 'grpo_step_s'):.2f} s with "
         f"{statistics.median(r['grpo_step_faults'] for r in runs['flyte']) / 1000:.0f}k minor page faults, bare "
         f"{_common.median_s(runs['bare'], 'grpo_step_s'):.2f} s with {statistics.median(r['grpo_step_faults'] for r in runs['bare']) / 1000:.0f}k"
+    )
+    print(
+        f"  the whole side (median): flyte {_common.median_s(runs['flyte'], 'cpu_s'):.2f} s of CPU with "
+        f"{statistics.median(r['minor_faults'] for r in runs['flyte']) / 1000:.0f}k minor page faults, bare "
+        f"{_common.median_s(runs['bare'], 'cpu_s'):.2f} s with {statistics.median(r['minor_faults'] for r in runs['bare']) / 1000:.0f}k"
     )
     print(
         f"  flyte {flyte_s:.2f} s per run (median; of it {inside:.2f} s is run_iteration, the rest init_adapter, "

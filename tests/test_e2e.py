@@ -18,7 +18,7 @@ from console import failed_run_lines
 from flyte.io import Dir
 from tiny_model import scored_pair
 
-from grpo_flyte import reward_fns
+from grpo_flyte import reward, reward_fns, sandbox
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
 from grpo_flyte.trainer import init_adapter, peft_model, train_step
@@ -620,6 +620,33 @@ def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_fi
     assert "reward/chatty_reward:judge" in rows[1]
     err = capfd.readouterr().err  # the README: a reward's own output goes to standard error
     assert "checker says hello" in err and "printf from C" in err
+
+
+def test_the_reward_workers_start_together_before_the_first_group_is_scored(tmp_path, tiny_model_dir, monkeypatch):
+    """The workers a run scores with (one per group scored at once: here a round's 3 prompts) all
+    start as the run starts, side by side, and none inside an iteration: a worker imports
+    math-verify (about a second) before its first call, which made the first iteration's scoring
+    slow."""
+    reward_fns._workers.stop()
+    events = []
+    real_launch, real_score = sandbox.Worker._launch, reward.score
+
+    def launch(worker):
+        started = real_launch(worker)
+        if started:
+            events.append("worker started")
+        return started
+
+    def score(*args):
+        events.append("group scored")
+        return real_score(*args)
+
+    monkeypatch.setattr(sandbox.Worker, "_launch", launch)
+    monkeypatch.setattr(reward, "score", score)
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--prompts-per-iter", "3", "--iterations", "2"]
+    assert cli_main([*args, "--run-dir", str(tmp_path / "run")]) == 0
+    assert events[:3] == ["worker started"] * 3
+    assert events.count("worker started") == 3 and events.count("group scored") >= 3 * 2
 
 
 def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_model_dir, monkeypatch):

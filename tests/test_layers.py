@@ -15,10 +15,11 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 
 # Bottom to top: a module may import only modules of a lower layer.
 LAYERS = {
-    # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math); the reward
-    # sandbox, the reward functions and the multi-turn environments, each owning its registry of names
-    "errors": 0, "types": 0, "files": 0, "torch_thread": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0,
-    "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2,
+    # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math, the
+    # allocator's settings); the torch thread; the reward sandbox, the reward functions and the
+    # multi-turn environments, each owning its registry of names
+    "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0,
+    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2,
     # 3: the run's config (it checks reward and environment names with their registries); the report
     # renderer; the LLM judge's prompt, reply parsing and chunking
     "config": 3, "report_helpers": 3, "judging": 3, "__init__": 4,

@@ -8,12 +8,13 @@ import os
 import signal
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from grpo_flyte import child_processes
 from grpo_flyte.errors import RewardError, RewardTimeout
-from grpo_flyte.sandbox import Worker, WorkerRaised
+from grpo_flyte.sandbox import Worker, WorkerPool, WorkerRaised
 
 NOISY = """
 import os, subprocess, sys
@@ -156,3 +157,39 @@ def test_stop_all_kills_every_started_worker_and_refuses_new_ones(noisy, monkeyp
     assert proc.wait(timeout=30) == -signal.SIGKILL
     with pytest.raises(child_processes.Stopping, match="the run is stopping"):
         noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'")
+
+
+def test_a_pool_starts_workers_side_by_side_and_calls_then_start_none(tmp_path, monkeypatch):
+    """`WorkerPool.start` has the workers running before the calls that need them: three calls
+    at once then find three ready workers, and no call starts a process of its own."""
+    (tmp_path / "slow_add.py").write_text("import time\n\ndef add(x):\n    time.sleep(0.5)\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launched = []
+    real_launch = Worker._launch
+
+    def launch(worker: Worker) -> bool:
+        started = real_launch(worker)
+        launched.append(started)
+        return started
+
+    monkeypatch.setattr(Worker, "_launch", launch)
+    pool = WorkerPool(4)
+    try:
+        assert pool.start(3) == 3
+        assert sum(launched) == 3
+        assert sum(w.proc is not None and w.proc.poll() is None for w in pool.idle.queue) == 3
+        with ThreadPoolExecutor(3) as calls:
+            results = list(calls.map(lambda x: pool.call("slow_add:add", (x,), 30, "slow_add"), range(3)))
+        assert results == [1, 2, 3]
+        assert sum(launched) == 3  # the calls started nothing
+        assert pool.start(3) == 0  # already running
+    finally:
+        pool.stop()
+
+
+def test_a_launched_workers_ready_frame_is_never_taken_for_a_reply(noisy):
+    """A worker launched (by `WorkerPool.start`) whose start-up was not awaited, say because the
+    start was interrupted: its first call still reads the ready frame first, then its reply."""
+    with noisy.lock:
+        assert noisy._launch()
+    assert noisy.call("noisy_rewards:fd_write", (1,), 30, "fd_write") == 3

@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from grpo_flyte.errors import ConfigError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
 from grpo_flyte.reward_fns import JUDGE_REWARD, check_reward_name
+from grpo_flyte.types import TaskValue
 
 PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
 EMBEDDED_MODEL = "embedded"
@@ -64,7 +65,7 @@ MAX_RUBRIC_CHARS = 20_000
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
 
 
-class _Part(BaseModel):
+class _Part(TaskValue):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     def __hash__(self) -> int:

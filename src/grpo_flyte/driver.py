@@ -43,7 +43,7 @@ from grpo_flyte.loop_state import LoopState, checkpoint_payload, restore_state
 from grpo_flyte.metrics import best_completion, eval_results, informative_group, iteration_metrics
 from grpo_flyte.progress import eta_seconds, progress_line
 from grpo_flyte.report_helpers import render_report, render_report_fragment
-from grpo_flyte.reward import score_group, score_groups
+from grpo_flyte.reward import score_group, score_groups, start_reward_workers
 from grpo_flyte.reward_fns import JUDGE_REWARD
 from grpo_flyte.rollout import generate, generate_eval
 from grpo_flyte.storage import as_payload, from_payload, publish_dir, replica_cache, save_checkpoint
@@ -119,6 +119,22 @@ async def generate_and_score(generating: list[asyncio.Task], score: Callable[[An
             task.cancel()
         raise
     return results, generated - started, time.perf_counter() - generated
+
+
+def groups_scored_at_once(config: RunConfig) -> int:
+    """The most groups the loop scores at once: a round's prompts (with --max-staleness, the
+    batches ahead too), or the held-out evaluation's chunks."""
+    eval_chunks = -(-config.evaluation.eval_size // EVAL_CHUNK)
+    return max(config.prompts_per_iter * (config.max_staleness + 1), eval_chunks)
+
+
+async def started(workers: asyncio.Task) -> None:
+    """Wait for the reward workers' start; a failure is only logged: the first group that needs a
+    worker starts it again and reports what stops it."""
+    try:
+        await workers
+    except Exception as exc:  # noqa: BLE001 -- a head start only
+        logger.warning("the reward workers did not start ahead of the first group (%s: %s)", type(exc).__name__, exc)
 
 
 def engine_settings(config: RunConfig) -> EngineConfig:
@@ -443,16 +459,24 @@ async def _train_rl(
 ) -> RunResult:
     if config.judging and judge_model is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
-    dataset, held_out = train_eval_split(config, examples)
-    checkpoint, state = await restore_state(resume_from)
-    # The W&B run a cluster run's submitter chose (its id is in the run's W&B link); a resumed
-    # loop keeps the id in its checkpoint.
-    chosen = WandbRun.from_context(flyte.ctx().custom_context if flyte.ctx() else None)
-    if state is None:
-        adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
-        state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=chosen.id if chosen else new_run_id())
-    else:
-        logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
+    # The reward workers the run will score with start now, beside the first task (a worker
+    # imports math-verify, about a second of CPU), instead of inside its first iteration.
+    workers = asyncio.create_task(start_reward_workers(groups_scored_at_once(config)))
+    try:
+        dataset, held_out = train_eval_split(config, examples)
+        checkpoint, state = await restore_state(resume_from)
+        # The W&B run a cluster run's submitter chose (its id is in the run's W&B link); a resumed
+        # loop keeps the id in its checkpoint.
+        chosen = WandbRun.from_context(flyte.ctx().custom_context if flyte.ctx() else None)
+        if state is None:
+            adapter = await init_adapter(config.base, config.lora, config.seed, base_model)
+            state = LoopState(iterations_done=0, adapter=adapter, history=[], tracking_id=chosen.id if chosen else new_run_id())
+        else:
+            logger.info("resuming after iteration %d (adapter v%d)", state.iterations_done, state.adapter.version)
+    except BaseException:
+        workers.cancel()
+        raise
+    await started(workers)
     tracker = Tracker(config.wandb_project, state.tracking_id, config.flat(), entity=chosen.entity if chosen else None)
 
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:

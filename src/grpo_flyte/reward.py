@@ -1,4 +1,5 @@
-"""The `score_group` task (one prompt group) and `score_groups` (held-out evaluation), on CPU.
+"""The `score_group` task (one prompt group) and `score_groups` (held-out evaluation), on CPU, and
+`start_reward_workers`, which the driver calls as a run starts.
 
 The reward functions themselves are pure and live in `grpo_flyte.reward_fns`; the run's scoring part
 says which ones are weighted how (`rewards`) and what a failing one does (`on_reward_error`).
@@ -12,7 +13,7 @@ import time
 from grpo_flyte.config import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.reward_fns import JUDGE_REWARD, Group, score_completions
+from grpo_flyte.reward_fns import JUDGE_REWARD, Group, score_completions, start_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
@@ -58,3 +59,11 @@ async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: 
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
     with input_errors_not_retried():
         return await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in groups])
+
+
+@reward_env.task(retries=2)
+async def start_reward_workers(count: int) -> int:
+    """Start this replica's reward workers for `count` groups at once (at most its pool's size),
+    side by side, so that a run's first groups do not wait while each worker imports math-verify;
+    how many started now."""
+    return await asyncio.to_thread(start_workers, count)

@@ -37,11 +37,13 @@ import re
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute, quoted
 from grpo_flyte.sandbox import WorkerPool, WorkerRaised
-from grpo_flyte.types import RewardParts
+
+if TYPE_CHECKING:
+    from grpo_flyte.types import RewardParts
 
 MARKER = "####"
 # Model output is shown in error messages up to this many characters.
@@ -274,6 +276,12 @@ def resolve_reward(name: str) -> RewardFn:
 # start as needed, and math-verify loads before a worker's first timed call.
 MAX_WORKERS = 8
 _workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
+
+
+def start_workers(count: int) -> int:
+    """Start `count` workers (at most MAX_WORKERS) side by side ahead of the groups that will need
+    them, so that no group waits for a worker to import math-verify; how many started now."""
+    return _workers.start(min(count, MAX_WORKERS))
 
 
 def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
@@ -511,6 +519,10 @@ def score_completions(
     """Every completion's weighted reward, its per-reward scores, and its correct/format flags;
     each reward call and the accuracy check within `timeout_s` seconds. A score of None (the
     reward does not apply) adds nothing and is left out of that reward's scores."""
+    # Imported here: every reward worker imports this module, and grpo_flyte.types brings in Flyte
+    # (half of a worker's start-up).
+    from grpo_flyte.types import RewardParts
+
     scores: dict[str, list[float | None]] = {}
     failures: dict[str, list[bool]] = {}
     for name in weights:

@@ -112,6 +112,7 @@ class Worker:
         self.preload = preload
         self.proc: subprocess.Popen | None = None
         self.requests = self.replies = -1  # the parent's ends of the two pipes
+        self.starting = False  # launched, its ready frame not read yet
         self.lock = threading.Lock()
         atexit.register(self.stop)
 
@@ -125,33 +126,51 @@ class Worker:
             for fd in (self.requests, self.replies):
                 os.close(fd)
             self.requests = self.replies = -1
+            self.starting = False
 
     def _started(self) -> subprocess.Popen:
-        if self.proc is None or self.proc.poll() is not None:
-            self.stop()
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-            with child_processes.starting() as started:
-                request_r, request_w = os.pipe()
-                reply_r, reply_w = os.pipe()
-                try:
-                    self.proc = subprocess.Popen(
-                        [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", str(request_r), str(reply_w), *self.preload],
-                        stdin=subprocess.DEVNULL, stdout=2, pass_fds=(request_r, reply_w), env=env, start_new_session=True,
-                    )  # fmt: skip
-                    started(self.proc.pid)
-                finally:
-                    os.close(request_r)
-                    os.close(reply_w)
-            self.requests, self.replies = request_w, reply_r
-            # Start-up (Python and the preloaded modules) is not any call's time.
-            try:
-                ready = _read_frame(self.replies, time.monotonic() + WORKER_START_S)
-            except (OSError, EOFError, TimeoutError, ProtocolError):
-                ready = None
-            if ready != ("ok", "ready"):
-                self.stop()
-                raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
+        self._launch()
+        self._await_ready()
+        assert self.proc is not None
         return self.proc
+
+    def _launch(self) -> bool:
+        """Start the process unless it runs; whether it was started now (its ready frame still to
+        read: `_await_ready`). Call with `lock` held."""
+        if self.proc is not None and self.proc.poll() is None:
+            return False
+        self.stop()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with child_processes.starting() as started:
+            request_r, request_w = os.pipe()
+            reply_r, reply_w = os.pipe()
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", "from grpo_flyte.sandbox import _serve; _serve()", str(request_r), str(reply_w), *self.preload],
+                    stdin=subprocess.DEVNULL, stdout=2, pass_fds=(request_r, reply_w), env=env, start_new_session=True,
+                )  # fmt: skip
+                started(self.proc.pid)
+            finally:
+                os.close(request_r)
+                os.close(reply_w)
+        self.requests, self.replies = request_w, reply_r
+        self.starting = True
+        return True
+
+    def _await_ready(self) -> None:
+        """The launched process's ready frame, unless read already: start-up (Python and the
+        preloaded modules) is not any call's time. RewardError (and the process stopped) when it
+        does not come."""
+        if not self.starting:
+            return
+        try:
+            ready = _read_frame(self.replies, time.monotonic() + WORKER_START_S)
+        except (OSError, EOFError, TimeoutError, ProtocolError):
+            ready = None
+        if ready != ("ok", "ready"):
+            self.stop()
+            raise RewardError(f"the reward worker process did not start within {WORKER_START_S} s")
+        self.starting = False
 
     def _exit_code(self) -> int | None:
         """The worker's exit code once it has ended (it may still be exiting as its pipe closes)."""
@@ -224,12 +243,35 @@ def _message(exc: BaseException) -> str:
 
 class WorkerPool:
     """Up to `size` workers for concurrent callers, each call on a worker of its own. A worker
-    starts only when every started one is busy, so one caller at a time keeps one process."""
+    starts only when every started one is busy, so one caller at a time keeps one process; `start`
+    starts several at once, ahead of the calls that will need them."""
 
     def __init__(self, size: int, preload: tuple[str, ...] = ()) -> None:
         self.idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last used first: it is started
         for _ in range(size):
             self.idle.put(Worker(preload))
+
+    def start(self, count: int) -> int:
+        """Have `count` of the idle workers running (at most `size`): the missing ones start side by
+        side, each process importing its preloaded modules while the others do. A call that takes
+        one of them meanwhile waits for it to be ready instead of starting another. Returns how many
+        were started now; one that fails to start is left for its first call to report."""
+        with self.idle.mutex:
+            chosen = list(self.idle.queue)[-count:] if count > 0 else []  # the LIFO's next ones
+        held = [worker for worker in chosen if worker.lock.acquire(blocking=False)]
+        try:
+            launched = [worker for worker in held if worker._launch()]
+            started = 0
+            for worker in launched:
+                try:
+                    worker._await_ready()
+                    started += 1
+                except RewardError:
+                    pass
+            return started
+        finally:
+            for worker in held:
+                worker.lock.release()
 
     def stop(self) -> None:
         """Stop the idle workers (the next calls start new ones, with this process's stderr as it is now)."""

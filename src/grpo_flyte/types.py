@@ -7,6 +7,8 @@ never from each other. Importing it is cheap (pydantic and `flyte.io`).
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 from typing import Any, Literal
 
@@ -21,7 +23,30 @@ OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "grpo_state.json"
 
 
-class Message(BaseModel):
+class TaskValue(BaseModel):
+    """A value that crosses a task boundary (and the config parts, config._Part).
+
+    Flyte asks a type's JSON schema on every task call it is an input or output of, twice (the
+    task's interface and the input's literal type), and pydantic builds it anew each time: 8 of
+    the 12 ms Flyte's local mode spent converting a `generate` call's inputs. A class's schema
+    never changes, so it is built once per class and arguments; each caller gets its own copy.
+    """
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            schema = _json_schema(cls, args, tuple(sorted(kwargs.items())))
+        except TypeError:  # an argument that cannot be a cache key
+            return super().model_json_schema(*args, **kwargs)
+        return copy.deepcopy(schema)
+
+
+@functools.cache
+def _json_schema(cls: type[BaseModel], args: tuple, kwargs: tuple) -> dict[str, Any]:
+    return BaseModel.model_json_schema.__func__(cls, *args, **dict(kwargs))
+
+
+class Message(TaskValue):
     """One chat message of a conversational prompt (TRL's format)."""
 
     model_config = ConfigDict(frozen=True)
@@ -30,7 +55,7 @@ class Message(BaseModel):
     content: str
 
 
-class Example(BaseModel):
+class Example(TaskValue):
     """One dataset row: the question (or TRL's `prompt`), its gold answer and its other columns.
 
     `question` is the text shown in metrics and reports. `prompt` is set for rows in TRL's format:
@@ -51,14 +76,14 @@ class Example(BaseModel):
         return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True))
 
 
-class AdapterRef(BaseModel):
+class AdapterRef(TaskValue):
     """A LoRA adapter version: PEFT files plus the optimizer state that produced it."""
 
     version: int
     dir: Dir
 
 
-class EpisodeTurn(BaseModel):
+class EpisodeTurn(TaskValue):
     """One turn of a multi-turn episode: the model's ('model') or the environment's (its role)."""
 
     role: str
@@ -66,7 +91,7 @@ class EpisodeTurn(BaseModel):
     num_tokens: int
 
 
-class Episode(BaseModel):
+class Episode(TaskValue):
     """How a multi-turn episode went (see grpo_flyte.multiturn).
 
     `end`: 'done' (the environment ended it), or the budget that ran out: 'turns', 'turn_tokens'
@@ -94,7 +119,7 @@ class Episode(BaseModel):
         return [{"role": "assistant" if t.role == "model" else t.role, "content": t.text} for t in self.turns]
 
 
-class Rollout(BaseModel):
+class Rollout(TaskValue):
     """One completion, or one multi-turn episode: every token after the prompt, in order.
 
     `sampling_logprobs` has one entry per token of `completion_ids`: log softmax(logits /
@@ -131,7 +156,7 @@ class Rollout(BaseModel):
         return self.text if self.episode is None else self.episode.final_text
 
 
-class RolloutGroup(BaseModel):
+class RolloutGroup(TaskValue):
     """All completions of one prompt; `index` is the prompt's position within its iteration."""
 
     index: int
@@ -142,7 +167,7 @@ class RolloutGroup(BaseModel):
     generate_s: float
 
 
-class RewardParts(BaseModel):
+class RewardParts(TaskValue):
     """The reward of one completion, with each named reward's unweighted score.
 
     `correct` and `format` are always measured (for the accuracy and format-rate metrics), whether
@@ -157,7 +182,7 @@ class RewardParts(BaseModel):
     errors: list[str] = []
 
 
-class JudgeVerdict(BaseModel):
+class JudgeVerdict(TaskValue):
     """The LLM judge's scores of one group (grpo_flyte.judge): one score in [0, 1] per completion,
     relative to the others it was judged with.
 
@@ -176,7 +201,7 @@ class JudgeVerdict(BaseModel):
     judge_s: float = 0.0
 
 
-class ScoredGroup(BaseModel):
+class ScoredGroup(TaskValue):
     group: RolloutGroup
     rewards: list[RewardParts]
     score_s: float = 0.0
@@ -192,7 +217,7 @@ class ScoredGroup(BaseModel):
         return [r.finish_reason == "length" for r in self.group.rollouts]
 
 
-class StepStats(BaseModel):
+class StepStats(TaskValue):
     """What one iteration's optimizer steps measured (means over updates or tokens)."""
 
     loss: float = 0.0  # mean over the optimizer steps
@@ -211,7 +236,7 @@ class StepStats(BaseModel):
     restore_s: float = 0.0  # seconds reading the adapter and optimizer state back (0: a warm replica kept them)
 
 
-class TrainStepResult(BaseModel):
+class TrainStepResult(TaskValue):
     adapter: AdapterRef
     num_rollouts: int
     num_contributing: int  # rollouts with a nonzero advantage
@@ -219,7 +244,7 @@ class TrainStepResult(BaseModel):
     train_s: float
 
 
-class TrainMetrics(BaseModel):
+class TrainMetrics(TaskValue):
     """What one training iteration measured. `reward_means`: each weighted reward's mean unweighted
     score; `reward_errors`: (completion, reward) scores that failed and counted as 0."""
 
@@ -282,7 +307,7 @@ class TrainMetrics(BaseModel):
     episode_ends: dict[str, int] = {}
 
 
-class EvalMetrics(BaseModel):
+class EvalMetrics(TaskValue):
     """One held-out evaluation (greedy answers); `*_ci95` are 95% interval half-widths, None when a
     single held-out question gives no interval (shown with `plus_minus`)."""
 
@@ -352,7 +377,7 @@ class GuardRecord(BaseModel):
     rollbacks: int | None = None
 
 
-class MetricsRow(BaseModel):
+class MetricsRow(TaskValue):
     """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
     an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of it."""
 
@@ -400,7 +425,7 @@ class MetricsRow(BaseModel):
         return cls(iteration=flat["iteration"], adapter_version=flat["adapter_version"], **parts)
 
 
-class EvalAnswer(BaseModel):
+class EvalAnswer(TaskValue):
     """One held-out question, the model's greedy answer and its scores (a multi-turn episode: its
     turns and tool calls too)."""
 
@@ -415,7 +440,7 @@ class EvalAnswer(BaseModel):
     turns: list[EpisodeTurn] | None = None
 
 
-class BestCompletion(BaseModel):
+class BestCompletion(TaskValue):
     question: str
     answer: str
     completion: str
@@ -428,7 +453,7 @@ class BestCompletion(BaseModel):
     index: int | None = None
 
 
-class RunResult(BaseModel):
+class RunResult(TaskValue):
     """What `train_rl` returns: the final adapter, every metrics row, the final report (a folder
     holding report.html), the best adapter by the held-out evaluations (None when nothing was
     evaluated) and, with `export_merged`, the merged model folder (of the adapter
