@@ -11,6 +11,7 @@ to <run-dir>/learning_curve.json.
     python benchmarks/learning_curve.py --seeds 0 1 2 3 4     # one run per seed, and the spread over them
     python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --gate 0.10   # the gate in docs/measurements.md
     python benchmarks/learning_curve.py --seeds 0 1 2 --jobs 2          # two seeds at a time, a core each
+    python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --run-dir runs/gate   # reuses the seeds runs/gate finished
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
     python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations (the plumbing)
 
@@ -303,12 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
     seeds = args.seeds or [None]
     folders = {seed: run_dir if seed is None else run_dir / f"seed-{seed}" for seed in seeds}
-    walls = {}
-    if args.jobs > 1:
-        labelled = run_parallel([(f"seed {s}", folders[s], driver_args(folders[s], args, driver_flags, s)) for s in seeds], args.jobs)
-        walls = {s: labelled[f"seed {s}"] for s in seeds}
+    # A seed whose folder already holds its summary (a run finished before, in an earlier call) is reused.
     results = {}
     for seed in seeds:
+        if args.seeds and args.run_dir and (folders[seed] / "learning_curve.json").is_file():
+            results[seed] = json.loads((folders[seed] / "learning_curve.json").read_text())
+            print(f"seed {seed}: reused the finished run in {folders[seed]}")
+    to_run = [s for s in seeds if s not in results]
+    walls = {}
+    if args.jobs > 1 and to_run:
+        labelled = run_parallel([(f"seed {s}", folders[s], driver_args(folders[s], args, driver_flags, s)) for s in to_run], args.jobs)
+        walls = {s: labelled[f"seed {s}"] for s in to_run}
+    for seed in to_run:
         if seed not in walls:
             started = time.perf_counter()
             code = cli_main(driver_args(folders[seed], args, driver_flags, seed))
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         results[seed] = summarize(folders[seed], walls[seed])
         (folders[seed] / "learning_curve.json").write_text(json.dumps(results[seed], indent=2) + "\n")
         print(("" if seed is None else f"\nseed {seed}\n") + report(results[seed]))
+    results = {seed: results[seed] for seed in seeds}  # in the order given
     result = results[None] if args.seeds is None else combine(results, args.gate)
     for path in ([run_dir / "learning_curve.json"] if args.seeds else []) + ([args.out] if args.out else []):
         path.write_text(json.dumps(result, indent=2) + "\n")

@@ -108,6 +108,34 @@ def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
         learning_curve.main(["--gate", "0.1"])  # the gate is over seeds
 
 
+def test_learning_curve_reuses_the_seeds_a_run_folder_finished(tmp_path, monkeypatch):
+    """A gate of 5 seeds can be made in several sittings: a seed folder holding its summary is read, not run again."""
+    import learning_curve
+
+    summary = {
+        "curve": [
+            {"iteration": 0, "eval_reward": 0.17, "eval_reward_ci95": 0.05, "eval_accuracy": 0.17},
+            {"iteration": 20, "eval_reward": 0.3, "eval_reward_ci95": 0.06, "eval_accuracy": 0.3},
+        ],
+        "is_ess_mean": 1.0, "accuracy_gain": 0.13, "accuracy_gain_ci95": 0.05, "lowest_eval_accuracy": 0.17,
+        "lowest_eval_iteration": 0, "train_floor_run": 0,
+    }  # fmt: skip
+    for seed, gain in ((1, 0.05), (0, 0.13)):
+        (tmp_path / f"seed-{seed}").mkdir()
+        (tmp_path / f"seed-{seed}" / "learning_curve.json").write_text(json.dumps({**summary, "accuracy_gain": gain}))
+
+    def no_run(argv):
+        raise AssertionError(f"a finished seed was run again: {argv}")
+
+    monkeypatch.setattr(learning_curve, "cli_main", no_run)
+    monkeypatch.setattr(learning_curve, "run_parallel", no_run)
+    # seed 1 gained 5 points: the gate at +10 fails on it alone
+    assert learning_curve.main(["--seeds", "0", "1", "--run-dir", str(tmp_path), "--gate", "0.10", "--jobs", "2"]) == 1
+    combined = json.loads((tmp_path / "learning_curve.json").read_text())
+    assert list(combined["seeds"]) == ["0", "1"] and list(combined["gate"]["failures"]) == ["1"]
+    assert combined["accuracy_gain"]["mean"] == pytest.approx(0.09)
+
+
 def test_learning_curve_counts_the_longest_run_at_the_training_floor():
     import learning_curve
 
