@@ -55,6 +55,7 @@ def test_every_expected_task_is_declared(specs):
         "grpo_flyte-rollout.generate_eval",  # held-out evaluation runs on the same warm pool
         "grpo_flyte-reward.score_group",
         "grpo_flyte-reward.score_groups",
+        "grpo_flyte-reward.start_reward_workers",  # a run's reward workers, started as it starts
         "grpo_flyte-judge.judge_group",  # the 'judge' reward's LLM, on a warm pool of its own
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",

@@ -34,7 +34,7 @@ from tiny_model import scored_pair
 
 from grpo_flyte.config import RunConfig
 from grpo_flyte.judge import judge_group
-from grpo_flyte.reward import score_group
+from grpo_flyte.reward import score_group, start_reward_workers
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
 from grpo_flyte.types import (
@@ -138,6 +138,12 @@ def test_score_group_pod_scores_with_the_custom_reward_from_the_bundle(rehearsal
         {"correct": 0.0, SHIPPED: 0.0},
     ]
     assert (pod.workdir / "team_rewards.py").is_file() and (pod.workdir / "grpo_flyte" / "reward.py").is_file()  # a0 unpacked the bundle
+
+
+def test_start_reward_workers_pod_starts_the_workers_it_is_asked_for(rehearsal):
+    pod = rehearsal.run(start_reward_workers, 2)
+    assert pod.error is None, pod.log[-4000:]
+    assert pod.outputs == 2  # two worker processes, started side by side in the pod
 
 
 def test_a_reward_module_left_out_of_the_bundle_fails_the_pod_not_retried(rehearsal, monkeypatch):
