@@ -324,7 +324,8 @@ def test_each_submission_gets_warm_pools_of_its_own():
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
     first, second = _serialize_in(clean), _serialize_in(clean)
     pools = [name for name, spec in first.items() if spec["custom"].get("type") == "actor"]
-    assert len(pools) == 8  # generate, generate_eval, score_group(s), judge_group, init_adapter, train_step, merge_adapter
+    # generate, generate_eval, score_group(s), start_reward_workers, judge_group, init_adapter, train_step, merge_adapter
+    assert len(pools) == 9
     for name in pools:
         assert first[name]["custom"]["version"] != second[name]["custom"]["version"], name
         assert first[name]["custom"]["spec"] == second[name]["custom"]["spec"]  # the same pool otherwise
