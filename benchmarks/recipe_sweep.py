@@ -10,6 +10,7 @@ the lowest held-out accuracy any seed saw during its run, and how many seeds pas
     python benchmarks/recipe_sweep.py                         # every cell, seeds 0 1 2, two runs at a time
     python benchmarks/recipe_sweep.py --cells center lr=2e-4  # some cells
     python benchmarks/recipe_sweep.py --run-dir runs/sweep    # reuses the runs a folder already holds
+    python benchmarks/recipe_sweep.py --run-dir runs/sweep --report   # the table of what it holds, running nothing
     python benchmarks/recipe_sweep.py --quick                 # the plumbing: 2 cells, 1 seed, tiny runs
 
 The center is RunConfig's default recipe, written out here so that the table keeps its meaning
@@ -96,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     p.add_argument("--jobs", type=int, default=2, help="runs at a time, each a process with its share of the cores")
     p.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder; a run already there is reused")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="with --run-dir: the table of the runs it holds (each cell over its finished seeds); runs nothing",
+    )
     args = p.parse_args(argv)
+    if args.report and args.run_dir is None:
+        p.error("--report needs --run-dir (the folder of a sweep's runs)")
     cells = args.cells or list(CELLS)
     iterations, eval_every, eval_size, extra = ITERATIONS, EVAL_EVERY, EVAL_SIZE, []
     if args.quick:
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         for seed in args.seeds:
             folder = folders[cell, seed] = run_dir / folder_name(cell) / f"seed-{seed}"
-            if not (folder / "learning_curve.json").exists():
+            if not (folder / "learning_curve.json").exists() and not args.report:
                 jobs.append((f"{cell} seed {seed}", folder, driver_args(folder, settings, [*cell_flags(cell), *extra], seed)))
     print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, {len(jobs)} runs to make, {args.jobs} at a time; runs in {run_dir}")
     _common.flush()
@@ -121,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     for cell in cells:
-        per_seed = {seed: json.loads((folders[cell, seed] / "learning_curve.json").read_text()) for seed in args.seeds}
-        results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
+        done = [seed for seed in args.seeds if (folders[cell, seed] / "learning_curve.json").exists()]
+        if done:  # every seed, unless --report: then the seeds finished so far
+            per_seed = {seed: json.loads((folders[cell, seed] / "learning_curve.json").read_text()) for seed in done}
+            results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
     print("\n" + table(results))
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min; runs in {run_dir}")
     _common.write_result(

@@ -141,3 +141,46 @@ def test_learning_curve_counts_the_longest_run_at_the_training_floor():
 
     assert learning_curve.longest_run([False, True, True, False, True, True, True, False]) == 3
     assert learning_curve.longest_run([]) == 0
+
+
+def test_recipe_sweep_reports_the_seeds_a_stopped_sweep_finished_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    import recipe_sweep
+
+    def summary(gain: float) -> dict:
+        return {
+            "curve": [
+                {"iteration": 0, "eval_reward": 0.18, "eval_reward_ci95": 0.05, "eval_accuracy": 0.18},
+                {"iteration": 20, "eval_reward": 0.18 + gain, "eval_reward_ci95": 0.06, "eval_accuracy": 0.18 + gain},
+            ],
+            "is_ess_mean": 1.0, "accuracy_gain": gain, "accuracy_gain_ci95": 0.06, "lowest_eval_accuracy": 0.18,
+            "lowest_eval_iteration": 0, "train_floor_run": 0,
+        }  # fmt: skip
+
+    # center: seeds 0, 1 and 2 finished (+16, +14, +15 points); lr=5e-4: seed 0 only, the rest never ran
+    for cell, gains in (("center", (0.16, 0.14, 0.15)), ("lr=5e-4", (0.02,))):
+        for seed, gain in enumerate(gains):
+            folder = tmp_path / recipe_sweep.folder_name(cell) / f"seed-{seed}"
+            folder.mkdir(parents=True)
+            (folder / "learning_curve.json").write_text(json.dumps(summary(gain)))
+
+    def no_run(jobs, *_args):
+        assert jobs == [], "--report started a run"
+        return {}
+
+    monkeypatch.setattr(recipe_sweep, "run_parallel", no_run)
+    out = tmp_path / "sweep.json"
+    assert (
+        recipe_sweep.main(["--run-dir", str(tmp_path), "--report", "--cells", "center", "lr=5e-4", "cosine, warmup 0.1", "--out", str(out)])
+        == 0
+    )
+    cells = json.loads(out.read_text())["cells"]
+    assert list(cells) == ["center", "lr=5e-4"]  # a cell without a finished seed is left out
+    assert cells["center"]["accuracy_gain"]["mean"] == pytest.approx(0.15) and cells["center"]["accuracy_gain"]["min"] == pytest.approx(
+        0.14
+    )
+    assert list(cells["lr=5e-4"]["seeds"]) == ["0"] and cells["lr=5e-4"]["gate"]["failures"]["0"]
+    table = capsys.readouterr().out
+    assert "| center | 3 | +15.0% +- 2.5% | +14.0% |" in table and "| 3/3 |" in table
+    assert "| lr=5e-4 | 1 | +2.0% | +2.0% |" in table and "| 0/1 |" in table
+    with pytest.raises(SystemExit):
+        recipe_sweep.main(["--report"])  # the table of which runs?
