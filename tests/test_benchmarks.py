@@ -69,22 +69,29 @@ def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
     assert isinstance(json.loads(out.read_text()), dict)
 
 
+def seed_summary(
+    start: float, accuracy: float, reward: float | None = None, ess: float = 1.0, lowest: float | None = None, floor_run: int = 0
+) -> dict:
+    """One seed's learning_curve.json as `summarize` writes it: a start and an end evaluation (accuracy
+    as the reward unless given), their paired gain and the gate's inputs."""
+    return {
+        "curve": [
+            {"iteration": 0, "eval_reward": start, "eval_reward_ci95": 0.05, "eval_accuracy": start},
+            {"iteration": 20, "eval_reward": accuracy if reward is None else reward, "eval_reward_ci95": 0.05, "eval_accuracy": accuracy},
+        ],
+        "is_ess_mean": ess, "accuracy_gain": accuracy - start, "accuracy_gain_ci95": 0.06,
+        "lowest_eval_accuracy": start if lowest is None else lowest, "lowest_eval_iteration": 5, "train_floor_run": floor_run,
+    }  # fmt: skip
+
+
 def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
     import learning_curve
 
-    def result(reward: float, accuracy: float, ess: float, lowest: float, floor_run: int = 0) -> dict:
-        last = {"iteration": 20, "eval_reward": reward, "eval_reward_ci95": 0.05, "eval_accuracy": accuracy}
-        return {
-            "curve": [{"iteration": 0, "eval_reward": 0.17, "eval_accuracy": 0.17}, last],
-            "is_ess_mean": ess,
-            "accuracy_gain": accuracy - 0.17,
-            "accuracy_gain_ci95": 0.06,
-            "lowest_eval_accuracy": lowest,
-            "lowest_eval_iteration": 5,
-            "train_floor_run": floor_run,
-        }
-
-    seeds = {0: result(0.5, 0.37, 1.0, 0.17), 1: result(0.3, 0.27, 0.98, 0.13), 2: result(0.4, 0.32, 0.96, 0.15, floor_run=3)}
+    seeds = {
+        0: seed_summary(0.17, 0.37, 0.5, 1.0, 0.17),
+        1: seed_summary(0.17, 0.27, 0.3, 0.98, 0.13),
+        2: seed_summary(0.17, 0.32, 0.4, 0.96, 0.15, floor_run=3),
+    }
     combined = learning_curve.combine(seeds, min_gain=0.10)
     assert list(combined["seeds"]) == ["0", "1", "2"]
     assert combined["final_reward"]["mean"] == pytest.approx(0.4) and combined["final_reward"]["sd"] == pytest.approx(0.1)
@@ -112,17 +119,9 @@ def test_learning_curve_reuses_the_seeds_a_run_folder_finished(tmp_path, monkeyp
     """A gate of 5 seeds can be made in several sittings: a seed folder holding its summary is read, not run again."""
     import learning_curve
 
-    summary = {
-        "curve": [
-            {"iteration": 0, "eval_reward": 0.17, "eval_reward_ci95": 0.05, "eval_accuracy": 0.17},
-            {"iteration": 20, "eval_reward": 0.3, "eval_reward_ci95": 0.06, "eval_accuracy": 0.3},
-        ],
-        "is_ess_mean": 1.0, "accuracy_gain": 0.13, "accuracy_gain_ci95": 0.05, "lowest_eval_accuracy": 0.17,
-        "lowest_eval_iteration": 0, "train_floor_run": 0,
-    }  # fmt: skip
     for seed, gain in ((1, 0.05), (0, 0.13)):
         (tmp_path / f"seed-{seed}").mkdir()
-        (tmp_path / f"seed-{seed}" / "learning_curve.json").write_text(json.dumps({**summary, "accuracy_gain": gain}))
+        (tmp_path / f"seed-{seed}" / "learning_curve.json").write_text(json.dumps(seed_summary(0.17, 0.17 + gain)))
 
     def no_run(argv):
         raise AssertionError(f"a finished seed was run again: {argv}")
@@ -146,22 +145,12 @@ def test_learning_curve_counts_the_longest_run_at_the_training_floor():
 def test_recipe_sweep_reports_the_seeds_a_stopped_sweep_finished_and_runs_nothing(tmp_path, monkeypatch, capsys):
     import recipe_sweep
 
-    def summary(gain: float) -> dict:
-        return {
-            "curve": [
-                {"iteration": 0, "eval_reward": 0.18, "eval_reward_ci95": 0.05, "eval_accuracy": 0.18},
-                {"iteration": 20, "eval_reward": 0.18 + gain, "eval_reward_ci95": 0.06, "eval_accuracy": 0.18 + gain},
-            ],
-            "is_ess_mean": 1.0, "accuracy_gain": gain, "accuracy_gain_ci95": 0.06, "lowest_eval_accuracy": 0.18,
-            "lowest_eval_iteration": 0, "train_floor_run": 0,
-        }  # fmt: skip
-
     # center: seeds 0, 1 and 2 finished (+16, +14, +15 points); lr=5e-4: seed 0 only, the rest never ran
     for cell, gains in (("center", (0.16, 0.14, 0.15)), ("lr=5e-4", (0.02,))):
         for seed, gain in enumerate(gains):
             folder = tmp_path / recipe_sweep.folder_name(cell) / f"seed-{seed}"
             folder.mkdir(parents=True)
-            (folder / "learning_curve.json").write_text(json.dumps(summary(gain)))
+            (folder / "learning_curve.json").write_text(json.dumps(seed_summary(0.18, 0.18 + gain)))
 
     def no_run(jobs, *_args):
         assert jobs == [], "--report started a run"
