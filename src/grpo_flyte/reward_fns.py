@@ -279,9 +279,9 @@ _workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
 
 
 def start_workers(count: int) -> int:
-    """Start `count` workers (at most MAX_WORKERS) side by side ahead of the groups that will need
-    them, so that no group waits for a worker to import math-verify; how many started now."""
-    return _workers.start(min(count, MAX_WORKERS))
+    """Start `count` workers (the pool holds at most MAX_WORKERS) side by side ahead of the groups
+    that will need them, so that no group waits for a worker to import math-verify; how many started now."""
+    return _workers.start(count)
 
 
 def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
