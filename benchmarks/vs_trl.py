@@ -49,7 +49,7 @@ from grpo_flyte.torch_thread import on_torch_thread
 
 TARGET = 0.55
 
-# What TRL's fastest settings change from its defaults (measured with --explore, see the README):
+# What TRL's fastest settings change from its defaults (measured with --explore; docs/measurements.md, "Benchmarks"):
 # bfloat16 weights where bfloat16 matmuls are fast (AVX-512/AMX, a GPU); on a CPU without them
 # (AVX2 only: bfloat16 is 30-50x slower there) float32 weights and no bfloat16 autocast, the same
 # dtype grpo_flyte's 'auto' picks there.

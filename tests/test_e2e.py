@@ -618,7 +618,7 @@ def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_fi
     rows = read_metrics(run_dir)
     assert [row["iteration"] for row in rows] == [0, 1]
     assert "reward/chatty_reward:judge" in rows[1]
-    err = capfd.readouterr().err  # the README: a reward's own output goes to standard error
+    err = capfd.readouterr().err  # docs/rewards-and-environments.md: a reward's own output goes to standard error
     assert "checker says hello" in err and "printf from C" in err
 
 

@@ -201,7 +201,7 @@ def format_reward(completions: list[str], **_: Any) -> list[float]:
     """1 when the completion ends on a well-formed '#### <answer>' line (`well_formed`), else 0.
 
     Form alone, right or wrong: weighted beside 'correct' it pays a wrong but well-formed answer
-    (see the README on why the default leaves it out)."""
+    (docs/rewards-and-environments.md says why the default leaves it out)."""
     return [float(well_formed(c)) for c in completions]
 
 
