@@ -379,7 +379,7 @@ def _scored_group(rewards: list[float]):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
 def test_scale_rewards_is_independent_of_loss_type(loss_type):
-    from grpo_flyte.trainer import build_sequences
+    from grpo_flyte.policy_update import build_sequences
 
     scored = [_scored_group([0.0, 1.0, 1.0, 3.0])]
     # by hand: mean = 5/4 = 1.25; centred = -1.25, -0.25, -0.25, 1.75;

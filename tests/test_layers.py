@@ -25,12 +25,17 @@ LAYERS = {
     "config": 3, "report_helpers": 3, "judging": 3, "__init__": 4,
     # 4-5: models, prompts, data, metrics, progress text, storage, engines, the task environments
     "models": 4, "prompts": 4, "data": 4, "metrics": 4, "progress": 4, "storage": 5, "hub": 5, "engines": 5, "envs": 5,
-    # 5: the run's guard (the best adapter, collapses, early stop: pure, on the recorded metrics)
-    "guard": 5,
-    # 6: the task modules, side by side; the loop's checkpointed state; the checks before start
-    "rollout": 6, "reward": 6, "judge": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
-    # 7-10: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
-    "driver": 7, "run_folder": 8, "submit": 8, "cli": 9, "__main__": 10,
+    # 5: the run's guard (the best adapter, collapses, early stop: pure, on the recorded metrics); the
+    # trained policy and its adapter folder; the merge
+    "guard": 5, "policy": 5, "merge": 5,
+    # 6: the GRPO step on the policy; the loop's checkpointed state; the checks before start
+    "policy_update": 6, "loop_state": 6, "preflight": 6,
+    # 7: the train step over several processes
+    "data_parallel": 7,
+    # 8: the task modules, side by side
+    "rollout": 8, "reward": 8, "judge": 8, "trainer": 8,
+    # 9-12: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
+    "driver": 9, "run_folder": 10, "submit": 10, "cli": 11, "__main__": 12,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 
