@@ -425,10 +425,10 @@ def test_an_unrelated_field_leaves_the_other_parts_unchanged():
 def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
     """--load-in-4bit and --train-processes are the train pool's: generate's parts (and so its
     Flyte cache key) stay the same; the generate pool keeps the 16-bit base."""
-    from grpo_flyte.driver import _generate_parts
+    from grpo_flyte.batches import generate_parts
 
     before, after = make_config(), make_config(**change)
-    old, new = _generate_parts(before), _generate_parts(after)
+    old, new = generate_parts(before), generate_parts(after)
     assert {k: v.model_dump_json() for k, v in new.items()} == {k: v.model_dump_json() for k, v in old.items()}
     assert (after.lora, after.train) != (before.lora, before.train)
 

@@ -34,8 +34,11 @@ LAYERS = {
     "data_parallel": 7,
     # 8: the task modules, side by side
     "rollout": 8, "reward": 8, "judge": 8, "trainer": 8,
-    # 9-12: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
-    "driver": 9, "run_folder": 10, "submit": 10, "cli": 11, "__main__": 12,
+    # 9-10: the loop's parts: who observes a run; an iteration's batch and its train step; generation
+    # ahead of training, the held-out evaluation, the report and the push to the Hub
+    "observers": 9, "batches": 9, "pipeline": 10, "evaluation": 10, "publishing": 10,
+    # 11-14: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
+    "driver": 11, "run_folder": 12, "submit": 12, "cli": 13, "__main__": 14,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 

@@ -410,7 +410,8 @@ def _run_locked(
     import flyte
     from flyte.io import Dir
 
-    from grpo_flyte.driver import observe, train_rl
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.observers import observe
     from grpo_flyte.progress import RunProgress, eta_seconds
 
     for path in remove_leftovers(run_dir):
