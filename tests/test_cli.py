@@ -13,8 +13,9 @@ import pytest
 
 import grpo_flyte
 from grpo_flyte.cli import parse_args, user_message
-from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
-from grpo_flyte.errors import UserError
+from grpo_flyte.config import RunConfig, leaf_fields
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.errors import ConfigError, UserError
 from grpo_flyte.prompts import tokenize_prompt
 
 # --------------------------------------------------------------------------- parse_args

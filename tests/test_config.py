@@ -10,15 +10,10 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from grpo_flyte.config import (
-    ConfigError,
-    RunConfig,
-    flag,
-    flatten,
-    leaf_fields,
-    load_config_file,
-    make_config,
-)
+from grpo_flyte.config import RunConfig, leaf_fields
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.config_files import flatten, load_config_file
+from grpo_flyte.errors import ConfigError, flag
 
 
 def test_defaults_are_valid():

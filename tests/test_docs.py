@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from grpo_flyte.config import config_table_markdown
+from grpo_flyte.config_table import config_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 

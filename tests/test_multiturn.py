@@ -17,7 +17,8 @@ from console import failed_run_lines
 
 from grpo_flyte import grpo
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig, make_config
+from grpo_flyte.config import RunConfig
+from grpo_flyte.config_errors import make_config
 from grpo_flyte.decoding import sub_seed as turn_seed
 from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError

@@ -16,7 +16,9 @@ from _stand_ins import StandIns, run_loop
 
 from grpo_flyte import driver, pipeline
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import ConfigError, RunConfig, make_config
+from grpo_flyte.config import RunConfig
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.errors import ConfigError
 from grpo_flyte.pipeline import fresh_groups, generation_version
 from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 

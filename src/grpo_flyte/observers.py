@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 class RunObserver(Protocol):
-    """Sees a run's progress in this process (local mode). On a cluster nobody observes the
-    driver pod; its report tab and outputs carry the same information."""
+    """What an observer of a run is told, as it happens."""
 
     def recorded(self, state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:
         """A checkpointed iteration (iteration 0: the evaluation before training) and its held-out answers."""
