@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte import engines, trainer
+from grpo_flyte import engines, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.decoding import sub_seed as rollout_seed
@@ -48,10 +48,10 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
     model_path = str(model_dir)
     iteration = 0
     dataset, _ = train_eval_split(config)
-    model = trainer.peft_model(config.base, config.lora, model_path)
-    trainer.reset_lora(model, config.seed)
+    model = policy.peft_model(config.base, config.lora, model_path)
+    policy.reset_lora(model, config.seed)
     v0 = out_dir / "v0000"
-    trainer.save_adapter(model, None, 0, v0)
+    policy.save_adapter(model, None, 0, v0)
 
     key = engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
     engine = engines.get_engine(key)
@@ -78,11 +78,11 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
             break
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
 
-    sequences, num_rollouts = trainer.build_sequences(scored, config.train)
-    optimizer = trainer.load_adapter_state(model, str(v0), config.train)
-    stats = trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling) if sequences else StepStats()
+    sequences, num_rollouts = policy_update.build_sequences(scored, config.train)
+    optimizer = policy.load_adapter_state(model, str(v0), config.train)
+    stats = policy_update.grpo_step(model, optimizer, sequences, config.train, config.sampling) if sequences else StepStats()
     v1 = out_dir / "v0001"
-    trainer.save_adapter(model, optimizer, 1, v1)
+    policy.save_adapter(model, optimizer, 1, v1)
     return {"scored": scored, "stats": stats, "num_rollouts": num_rollouts, "adapter_dir": str(v1)}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte import driver
+from grpo_flyte import batches, driver
 from grpo_flyte.config import RunConfig
 from grpo_flyte.types import AdapterRef, RewardParts, Rollout, RolloutGroup, RunResult, ScoredGroup, StepStats, TrainStepResult
 
@@ -66,15 +66,16 @@ class StandIns:
 @contextlib.contextmanager
 def standing_in(stand_ins: StandIns) -> Iterator[None]:
     """The driver calls the stand-ins instead of its tasks while the block runs."""
-    names = ("init_adapter", "generate", "score_group", "train_step")
-    saved = {name: getattr(driver, name) for name in names}
-    for name in names:
-        setattr(driver, name, getattr(stand_ins, name))
+    # where each task is called from: the driver starts the run, an iteration's batch does the rest
+    homes = {"init_adapter": driver, "generate": batches, "score_group": batches, "train_step": batches}
+    saved = {name: getattr(home, name) for name, home in homes.items()}
+    for name, home in homes.items():
+        setattr(home, name, getattr(stand_ins, name))
     try:
         yield
     finally:
         for name, task in saved.items():
-            setattr(driver, name, task)
+            setattr(homes[name], name, task)
 
 
 def run_loop(config: RunConfig, stand_ins: StandIns, raw_data: Path) -> RunResult:

@@ -32,7 +32,7 @@ from pathlib import Path
 import _common
 from flyte.io import Dir
 
-from grpo_flyte import engines, rollout, trainer
+from grpo_flyte import engines, policy, rollout
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import arithmetic_split
 from grpo_flyte.models import embedded_model_dir, resolve_dtype
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         # Every torch call goes through the thread the generate task uses (grpo_flyte.torch_thread):
         # torch driven from two threads is slower on both.
         def make_adapter(k: int) -> str:
-            train_model = trainer.peft_model(config.base, config.lora, model_path)
-            trainer.reset_lora(train_model, seed=k)
+            train_model = policy.peft_model(config.base, config.lora, model_path)
+            policy.reset_lora(train_model, seed=k)
             out = root / f"v{k:04d}"
-            trainer.save_adapter(train_model, None, k, out)
+            policy.save_adapter(train_model, None, k, out)
             return str(out)
 
         dirs = [on_torch_thread(make_adapter, k) for k in range(config.engine.adapter_cache_size + 3 * trials + 1)]

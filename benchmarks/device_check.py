@@ -24,7 +24,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import grpo, trainer
+from grpo_flyte import grpo, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.decoding import Sampling, decode
 from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
@@ -93,14 +93,14 @@ def main() -> int:
             out, decode_s = timed(decode, generator, rows, seeds, sampling, {2}, 2)
         new_tokens = sum(len(ids) for ids, _ in out)
         sequences = [grpo.TrainSequence(rows[i], ids, 1.0 if i % 2 else -1.0, lps) for i, (ids, lps) in enumerate(out)]
-        model = trainer.peft_model(config.base, config.lora, str(model_dir))
-        trainer.reset_lora(model, seed=0)  # B = 0: the trainer's policy is the generator's model
-        head_direct = trainer.head_is_the_forward(model)
-        optimizer = trainer._optimizer(model, config.train)
-        trainer.grpo_step(model, optimizer, sequences[:8], config.train, config.sampling)  # warm-up
-        trainer.reset_lora(model, seed=0)
-        optimizer = trainer._optimizer(model, config.train)
-        stats, train_s = timed(trainer.grpo_step, model, optimizer, sequences, config.train, config.sampling)
+        model = policy.peft_model(config.base, config.lora, str(model_dir))
+        policy.reset_lora(model, seed=0)  # B = 0: the trainer's policy is the generator's model
+        head_direct = policy_update.head_is_the_forward(model)
+        optimizer = policy._optimizer(model, config.train)
+        policy_update.grpo_step(model, optimizer, sequences[:8], config.train, config.sampling)  # warm-up
+        policy.reset_lora(model, seed=0)
+        optimizer = policy._optimizer(model, config.train)
+        stats, train_s = timed(policy_update.grpo_step, model, optimizer, sequences, config.train, config.sampling)
         run = {
             "decode_s": decode_s, "decode_tokens_per_s": new_tokens / decode_s, "new_tokens": new_tokens,
             "train_s": train_s, "train_tokens_per_s": stats.num_tokens / train_s, "trained_tokens": stats.num_tokens,

@@ -30,7 +30,7 @@ from pathlib import Path
 import _common
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
-from grpo_flyte import trainer
+from grpo_flyte import policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import embedded_model_dir, resolve_dtype
 from grpo_flyte.torch_thread import on_torch_thread
@@ -39,12 +39,12 @@ TARGET = 1.05
 
 
 def record_grpo_steps() -> list[dict]:
-    """Wrap trainer.grpo_step (both sides call it) to record each call's seconds and the process's
+    """Wrap policy_update.grpo_step (both sides call it) to record each call's seconds and the process's
     minor page faults during it: the gap between the sides was in this step, ~590,000 faults a step
     inside the Flyte task until the torch thread kept its memory (docs/measurements.md, "Iteration
     overhead"; grpo_flyte/allocator.py); both sides now fault about equally."""
     calls: list[dict] = []
-    original = trainer.grpo_step
+    original = policy_update.grpo_step
 
     def recorded(*args, **kwargs):
         faults, started = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
@@ -53,7 +53,7 @@ def record_grpo_steps() -> list[dict]:
         finally:
             calls.append({"s": time.perf_counter() - started, "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults})
 
-    trainer.grpo_step = recorded
+    policy_update.grpo_step = recorded
     return calls
 
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import flatten
+from grpo_flyte.config_files import flatten
 from grpo_flyte.metrics import mean_ci95
 from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
 

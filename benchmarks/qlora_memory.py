@@ -1,6 +1,6 @@
 """QLoRA: the train pool's parameter memory and seconds per GRPO step, 16-bit base vs --load-in-4bit.
 
-The embedded SmolLM2-135M-Instruct loads as the train pool loads it (`trainer.peft_model`, the
+The embedded SmolLM2-135M-Instruct loads as the train pool loads it (`policy.peft_model`, the
 default LoRA on q/k/v/o), once in bfloat16 and once with its linear layers in NF4 (double
 quantization, bfloat16 compute). Parameter memory is every byte the model holds: parameters,
 buffers and, for the 4-bit layers, their quantization state (the absmax scales, themselves
@@ -18,7 +18,7 @@ of the actual next tokens, at the answer's positions. This is what the trainer's
 importance-sampling correction has to absorb: on a 7B model NF4 is known to move the
 distribution little; on this 135M model, itself converted from a 4-bit GGUF, it is large.
 
-Then the same GRPO step (`trainer.grpo_step`, default config, one optimizer step) on one fixed
+Then the same GRPO step (`policy_update.grpo_step`, default config, one optimizer step) on one fixed
 batch of token ids, the two models alternately, median seconds per step. On a CPU the 4-bit
 layers dequantize their weights in every forward and backward, so the step is slower there.
 
@@ -35,7 +35,7 @@ import time
 
 import _common
 
-from grpo_flyte import grpo, trainer
+from grpo_flyte import grpo, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.models import embedded_model_dir, resolve_dtype
 
@@ -86,7 +86,7 @@ def base_mismatch(models: dict, config: RunConfig, model_path: str, num: int) ->
     padded = grpo.pad_batch(sequences, pad_id=0)
     targets = padded.targets[padded.predict_mask]
     with torch.no_grad():
-        logp = {side: torch.log_softmax(trainer._completion_logits(model, padded).float(), dim=-1) for side, model in models.items()}
+        logp = {side: torch.log_softmax(policy_update._completion_logits(model, padded).float(), dim=-1) for side, model in models.items()}
     sixteen = logp["16-bit"]
     result: dict[str, dict] = {"sample": {"questions": len(sequences), "tokens": int(targets.numel())}}
     for side in [s for s in models if s != "16-bit"]:
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"16-bit": {}, "4-bit": {"load_in_4bit": True}, EMBEDDINGS: {"load_in_4bit": True, "embeddings_in_4bit": True}}
     for side, settings in sides.items():
         config = RunConfig(dtype="bfloat16", eval_size=0, **settings)
-        trainer._peft_model.cache_clear()  # one model per side, all kept
-        model = trainer.peft_model(config.base, config.lora, model_path)
-        trainer.reset_lora(model, config.seed)
+        policy._peft_model.cache_clear()  # one model per side, all kept
+        model = policy.peft_model(config.base, config.lora, model_path)
+        policy.reset_lora(model, config.seed)
         models[side], configs[side], memory[side] = model, config, model_bytes(model)
         print(f"{side}: {memory[side]['total'] / 2**20:.1f} MiB in all, {memory[side]['linear'] / 2**20:.1f} MiB of decoder linear layers")
     ratio = memory["16-bit"]["total"] / memory["4-bit"]["total"]
@@ -140,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     sequences = batch(num, models["16-bit"].get_base_model().config.vocab_size)
-    optimizers = {side: trainer._optimizer(models[side], configs[side].train) for side in models}
+    optimizers = {side: policy._optimizer(models[side], configs[side].train) for side in models}
 
     def step(side: str):
         def run() -> dict:
             started = time.perf_counter()
-            stats = trainer.grpo_step(models[side], optimizers[side], sequences, configs[side].train, configs[side].sampling)
+            stats = policy_update.grpo_step(models[side], optimizers[side], sequences, configs[side].train, configs[side].sampling)
             return {"s": time.perf_counter() - started, "loss": stats.loss}
 
         return run

@@ -213,11 +213,11 @@ def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tupl
 
 def untrained_adapter(config: RunConfig, out: Path) -> str:
     """The adapter both sides start from in effect (LoRA B = 0: the base model's answers)."""
-    from grpo_flyte import trainer
+    from grpo_flyte import policy
 
-    model = trainer.peft_model(config.base, config.lora, str(embedded_model_dir()))
-    trainer.reset_lora(model, config.seed)
-    trainer.save_adapter(model, None, 0, out)
+    model = policy.peft_model(config.base, config.lora, str(embedded_model_dir()))
+    policy.reset_lora(model, config.seed)
+    policy.save_adapter(model, None, 0, out)
     return str(out)
 
 

@@ -6,7 +6,7 @@ a default run does. Every rollout becomes a training sequence; the advantage of 
 group that scored all alike is set to +-1 (the step costs the same whatever the advantages are,
 and a realistic step trains on every informative rollout). Then, alternately:
 
-- grpo_step: `trainer.grpo_step` with the default config (length-grouped micro-batches of up to
+- grpo_step: `policy_update.grpo_step` with the default config (length-grouped micro-batches of up to
   4096 padded tokens, the vocabulary projection only at completion positions, the KL-monitor
   reference pass on 8 sequences, importance weights, clipped loss, grad clip, AdamW step);
 - train path: the `train_step` task body around it (load adapter + AdamW state, grpo_step, save);
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import engines, grpo, trainer
+from grpo_flyte import engines, grpo, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.decoding import sub_seed as rollout_seed
@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(embedded_model_dir())
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-train-"))
     try:
-        model = trainer.peft_model(config.base, config.lora, model_path)
-        trainer.reset_lora(model, config.seed)
+        model = policy.peft_model(config.base, config.lora, model_path)
+        policy.reset_lora(model, config.seed)
         v0 = root / "v0000"
-        trainer.save_adapter(model, None, 0, v0)
+        policy.save_adapter(model, None, 0, v0)
         with _common.Stopwatch() as gen:
             sequences = realistic_sequences(config, model_path, v0)
         tokens = sum(s.length for s in sequences)
@@ -107,22 +107,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{tokens} tokens ({completion_tokens} completion), {len(sequences) * width} when padded to one batch; "
             f"generated in {gen.s:.1f} s"
         )
-        grpo_optimizer = trainer.load_adapter_state(model, str(v0), config.train)
+        grpo_optimizer = policy.load_adapter_state(model, str(v0), config.train)
         bare_optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.learning_rate)
         counter = iter(range(10_000))
 
         def grpo_side() -> dict:
             started = time.perf_counter()
-            stats = trainer.grpo_step(model, grpo_optimizer, sequences, config.train, config.sampling)
+            stats = policy_update.grpo_step(model, grpo_optimizer, sequences, config.train, config.sampling)
             s = time.perf_counter() - started
             return {"s": s, "tokens_per_s": tokens / s, "loss": stats.loss, "note": f"{tokens / s:.0f} tokens/s"}
 
         def train_path_side() -> dict:
             # The train_step task's body: adapter + optimizer state in, grpo_step, new adapter out.
             started = time.perf_counter()
-            optimizer = trainer.load_adapter_state(model, str(v0), config.train)
-            trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling)
-            trainer.save_adapter(model, optimizer, 1, root / f"v{next(counter) + 1:04d}")
+            optimizer = policy.load_adapter_state(model, str(v0), config.train)
+            policy_update.grpo_step(model, optimizer, sequences, config.train, config.sampling)
+            policy.save_adapter(model, optimizer, 1, root / f"v{next(counter) + 1:04d}")
             s = time.perf_counter() - started
             return {"s": s, "tokens_per_s": tokens / s, "note": f"{tokens / s:.0f} tokens/s"}
 

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from grpo_flyte import cli, engines, trainer
+from grpo_flyte import cli, engines, policy, policy_update
 
 point, nth, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 seen = 0
@@ -50,7 +50,7 @@ async def generate_or_die(*a, **kw):
 
 
 engines.generate_groups = generate_or_die
-grpo_step, save_adapter = trainer.grpo_step, trainer.save_adapter
+grpo_step, save_adapter = policy_update.grpo_step, policy.save_adapter
 
 
 def grpo_step_or_die(*a, **kw):
@@ -64,7 +64,7 @@ def save_adapter_or_die(model, optimizer, version, out):
     return save_adapter(model, optimizer, version, out)
 
 
-trainer.grpo_step, trainer.save_adapter = grpo_step_or_die, save_adapter_or_die
+policy_update.grpo_step, policy.save_adapter = grpo_step_or_die, save_adapter_or_die
 # Only the drill's own process runs the CLI (a script that another process imports stays inert).
 if __name__ == "__main__":
     sys.exit(cli.main(args))

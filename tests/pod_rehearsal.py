@@ -413,7 +413,7 @@ def serve_replica(tgz: str, version: str, dest: str) -> None:
 async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
     """What the replica's process holds between actions: the models its engine slot and trainer
     built, its batcher's counts, and every cache with its bound."""
-    from grpo_flyte import engines, rollout, trainer
+    from grpo_flyte import engines, policy, rollout, trainer
 
     def cache(c: Any) -> dict[str, int]:
         on_disk = sum(1 for p in c.root.iterdir() if p.is_dir()) if c.root.exists() else 0
@@ -430,7 +430,7 @@ async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
         "batcher": batcher,
         "batchers": engines.replica_batcher.cache_info().currsize,
         "engine_adapters": [len(engine.adapters), engine.max_adapters] if engine is not None else None,
-        "trainer_models": trainer._peft_model.cache_info().currsize,
+        "trainer_models": policy._peft_model.cache_info().currsize,
         "caches": {
             "rollout models": cache(rollout._model_dirs),
             "rollout adapters": cache(rollout._adapter_dirs),

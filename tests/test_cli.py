@@ -13,8 +13,9 @@ import pytest
 
 import grpo_flyte
 from grpo_flyte.cli import parse_args, user_message
-from grpo_flyte.config import ConfigError, RunConfig, leaf_fields, make_config
-from grpo_flyte.errors import UserError
+from grpo_flyte.config import RunConfig, leaf_fields
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.errors import ConfigError, UserError
 from grpo_flyte.prompts import tokenize_prompt
 
 # --------------------------------------------------------------------------- parse_args
@@ -753,10 +754,10 @@ def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_
 
 
 def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_dir):
-    from grpo_flyte import trainer
+    from grpo_flyte import policy
 
     config = RunConfig(model=str(tiny_model_dir), dtype="float32", lora_target_modules=("all-linear",))
-    model = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
+    model = policy.peft_model(config.base, config.lora, str(tiny_model_dir))
     adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A") and name.count(".") > 3}
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert not hasattr(model.get_output_embeddings(), "lora_A") and "lm_head" not in str(adapted)

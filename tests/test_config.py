@@ -10,15 +10,10 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from grpo_flyte.config import (
-    ConfigError,
-    RunConfig,
-    flag,
-    flatten,
-    leaf_fields,
-    load_config_file,
-    make_config,
-)
+from grpo_flyte.config import RunConfig, leaf_fields
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.config_files import flatten, load_config_file
+from grpo_flyte.errors import ConfigError, flag
 
 
 def test_defaults_are_valid():
@@ -379,7 +374,7 @@ def _scored_group(rewards: list[float]):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
 def test_scale_rewards_is_independent_of_loss_type(loss_type):
-    from grpo_flyte.trainer import build_sequences
+    from grpo_flyte.policy_update import build_sequences
 
     scored = [_scored_group([0.0, 1.0, 1.0, 3.0])]
     # by hand: mean = 5/4 = 1.25; centred = -1.25, -0.25, -0.25, 1.75;
@@ -425,10 +420,10 @@ def test_an_unrelated_field_leaves_the_other_parts_unchanged():
 def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
     """--load-in-4bit and --train-processes are the train pool's: generate's parts (and so its
     Flyte cache key) stay the same; the generate pool keeps the 16-bit base."""
-    from grpo_flyte.driver import _generate_parts
+    from grpo_flyte.batches import generate_parts
 
     before, after = make_config(), make_config(**change)
-    old, new = _generate_parts(before), _generate_parts(after)
+    old, new = generate_parts(before), generate_parts(after)
     assert {k: v.model_dump_json() for k, v in new.items()} == {k: v.model_dump_json() for k, v in old.items()}
     assert (after.lora, after.train) != (before.lora, before.train)
 

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from grpo_flyte.config import config_table_markdown
+from grpo_flyte.config_table import config_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

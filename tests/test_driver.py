@@ -223,7 +223,7 @@ def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(mo
     import asyncio
     import types
 
-    from grpo_flyte import driver
+    from grpo_flyte import batches
 
     calls = []
 
@@ -235,11 +235,11 @@ def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(mo
         return await record("train_step", *args, **kwargs)
 
     fake = types.SimpleNamespace(aio=lambda *a, **k: record("train_step_distributed", *a, **k))
-    monkeypatch.setattr(driver, "DISTRIBUTED_STEP", fake)
-    monkeypatch.setattr(driver, "train_step", local_step)
-    monkeypatch.setattr(driver.flyte, "ctx", lambda: types.SimpleNamespace(mode=mode))
+    monkeypatch.setattr(batches, "DISTRIBUTED_STEP", fake)
+    monkeypatch.setattr(batches, "train_step", local_step)
+    monkeypatch.setattr(batches.flyte, "ctx", lambda: types.SimpleNamespace(mode=mode))
     config = RunConfig(iterations=3)
-    adapter = driver.AdapterRef(version=0, dir=Dir(path="/nowhere"))
-    got = asyncio.run(driver.train_batch(config, Dir(path="/base"), adapter, [], 0))
+    adapter = batches.AdapterRef(version=0, dir=Dir(path="/nowhere"))
+    got = asyncio.run(batches.train_batch(config, Dir(path="/base"), adapter, [], 0))
     assert got == ("train_step_distributed" if distributed else "train_step")
     assert calls == [(got, config.train, {"total_iterations": 3})]

@@ -21,7 +21,8 @@ from tiny_model import scored_pair
 from grpo_flyte import reward, reward_fns, sandbox
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import RunConfig
-from grpo_flyte.trainer import init_adapter, peft_model, train_step
+from grpo_flyte.policy import peft_model
+from grpo_flyte.trainer import init_adapter, train_step
 from grpo_flyte.types import AdapterRef, Example, RewardParts, Rollout, RolloutGroup, ScoredGroup, TrainStepResult
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
@@ -350,7 +351,7 @@ def test_merge_into_base_applies_a_trained_adapter(tmp_path, tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.trainer import merge_into_base
+    from grpo_flyte.merge import merge_into_base
 
     torch.manual_seed(0)
     peft = get_peft_model(
@@ -384,8 +385,8 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
 
     from grpo_flyte import engines
     from grpo_flyte.grpo import pad_batch
+    from grpo_flyte.policy_update import build_sequences
     from grpo_flyte.prompts import render_prompt
-    from grpo_flyte.trainer import build_sequences
 
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir),
@@ -770,7 +771,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     """The test injects one transient failure into generate and one into train_step; Flyte's task
     retries (retries=2) finish the run. The failing train_step had already written its new adapter
     (half-published): nothing of it is left."""
-    from grpo_flyte import engines, trainer
+    from grpo_flyte import engines, policy
 
     generate_failures: list[str] = []
     original_generate_groups = engines.generate_groups
@@ -783,7 +784,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
         return await original_generate_groups(*args, **kwargs)
 
     train_failures: list[int] = []
-    original_save_adapter = trainer.save_adapter
+    original_save_adapter = policy.save_adapter
 
     def flaky_save_adapter(model, optimizer, version, out):
         # the new adapter is written, then the task fails: a failure with the adapter half-published.
@@ -794,7 +795,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
             raise RuntimeError(f"injected transient failure after save_adapter of v{version}")
 
     monkeypatch.setattr(engines, "generate_groups", flaky_generate_groups)
-    monkeypatch.setattr(trainer, "save_adapter", flaky_save_adapter)
+    monkeypatch.setattr(policy, "save_adapter", flaky_save_adapter)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "2", "--run-dir", str(run_dir)]
     assert cli_main(args) == 0
@@ -808,7 +809,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
 
 @pytest.mark.parametrize("damaged", ["adapter_model.safetensors", "optimizer.pt"])
 def test_resume_from_a_corrupt_adapter_fails_naming_it_and_writes_nothing(tmp_path, tiny_model_dir, caplog, damaged):
-    from grpo_flyte.trainer import OPTIMIZER_FILE
+    from grpo_flyte.types import OPTIMIZER_FILE
 
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "1", "--run-dir", str(run_dir)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte import trainer
+from grpo_flyte import policy_update
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config import GuardConfig, RunConfig
 from grpo_flyte.guard import (
@@ -335,7 +335,7 @@ def recorded_steps(monkeypatch):
     from peft import get_peft_model_state_dict
 
     steps: list[dict] = []
-    original = trainer.grpo_step
+    original = policy_update.grpo_step
 
     def recording(model, optimizer, sequences, train, sampling, steps_=(0, 0), *rest):
         lora = lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}  # noqa: E731
@@ -344,7 +344,7 @@ def recorded_steps(monkeypatch):
         steps.append({**step, "after": lora(), "optimizer_after": copy.deepcopy(optimizer.state_dict()["state"])})
         return stats
 
-    monkeypatch.setattr(trainer, "grpo_step", recording)
+    monkeypatch.setattr(policy_update, "grpo_step", recording)
     return steps
 
 

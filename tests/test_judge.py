@@ -17,7 +17,8 @@ from grpo_flyte import engines
 from grpo_flyte import judge as judge_module
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.cli import parse_args
-from grpo_flyte.config import JudgeConfig, RewardConfig, make_config
+from grpo_flyte.config import JudgeConfig, RewardConfig
+from grpo_flyte.config_errors import make_config
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.errors import ConfigError, RewardError
 from grpo_flyte.types import Example, Rollout, RolloutGroup

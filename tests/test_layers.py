@@ -17,20 +17,31 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 LAYERS = {
     # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math, the
     # allocator's settings); the torch thread; the reward sandbox, the reward functions and the
-    # multi-turn environments, each owning its registry of names
+    # multi-turn environments, each owning its registry of names; the config's dependent defaults
     "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0,
-    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2,
-    # 3: the run's config (it checks reward and environment names with their registries); the report
-    # renderer; the LLM judge's prompt, reply parsing and chunking
-    "config": 3, "report_helpers": 3, "judging": 3, "__init__": 4,
-    # 4-5: models, prompts, data, metrics, progress text, storage, engines, the task environments
-    "models": 4, "prompts": 4, "data": 4, "metrics": 4, "progress": 4, "storage": 5, "hub": 5, "engines": 5, "envs": 5,
-    # 5: the run's guard (the best adapter, collapses, early stop: pure, on the recorded metrics)
-    "guard": 5,
-    # 6: the task modules, side by side; the loop's checkpointed state; the checks before start
-    "rollout": 6, "reward": 6, "judge": 6, "trainer": 6, "loop_state": 6, "preflight": 6,
-    # 7-10: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
-    "driver": 7, "run_folder": 8, "submit": 8, "cli": 9, "__main__": 10,
+    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2, "config_defaults": 2,
+    # 3: TRL's names for options; the report renderer; the LLM judge's prompt, rubric, reply parsing and chunking
+    "trl_names": 3, "report_helpers": 3, "judging": 3,
+    # 4: the run's config (it checks reward and environment names with their registries)
+    "config": 4,
+    # 5: beside the config, its error text and its table of options; models, prompts, data, metrics, progress text
+    "config_errors": 5, "config_table": 5, "__init__": 5,
+    "models": 5, "prompts": 5, "data": 5, "metrics": 5, "progress": 5,
+    # 6: config files; storage, engines, the task environments; the run's guard (the best adapter,
+    # collapses, early stop: pure, on the recorded metrics); the trained policy and its adapter
+    # folder; the merge
+    "config_files": 6, "storage": 6, "hub": 6, "engines": 6, "envs": 6, "guard": 6, "policy": 6, "merge": 6,
+    # 7: the GRPO step on the policy; the loop's checkpointed state; the checks before start
+    "policy_update": 7, "loop_state": 7, "preflight": 7,
+    # 8: the train step over several processes
+    "data_parallel": 8,
+    # 9: the task modules, side by side
+    "rollout": 9, "reward": 9, "judge": 9, "trainer": 9,
+    # 10-11: the loop's parts: who observes a run; an iteration's batch and its train step; generation
+    # ahead of training, the held-out evaluation, the report and the push to the Hub
+    "observers": 10, "batches": 10, "pipeline": 11, "evaluation": 11, "publishing": 11,
+    # 12-15: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
+    "driver": 12, "run_folder": 13, "submit": 13, "cli": 14, "__main__": 15,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 

@@ -17,7 +17,8 @@ from console import failed_run_lines
 
 from grpo_flyte import grpo
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig, make_config
+from grpo_flyte.config import RunConfig
+from grpo_flyte.config_errors import make_config
 from grpo_flyte.decoding import sub_seed as turn_seed
 from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError
@@ -29,8 +30,8 @@ from grpo_flyte.multiturn import (
     evaluate,
     load_environment,
 )
+from grpo_flyte.policy_update import build_sequences
 from grpo_flyte.reward_fns import is_correct
-from grpo_flyte.trainer import build_sequences
 from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
 
@@ -567,19 +568,19 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     replies spliced in): the trainer's log-probs of the model's tokens are the sampler's."""
     import torch
 
-    from grpo_flyte import engines, trainer
+    from grpo_flyte import engines, policy, policy_update
     from grpo_flyte.types import RewardParts as Parts
 
     monkeypatch.syspath_prepend(str(TESTS))
     config = make_config(model=str(tiny_model_dir), dtype="float32", lora_rank=4, env="chatty_env:Chatty", max_turns=3,
                          max_episode_tokens=64, max_new_tokens=6, temperature=0.8, group_size=4)  # fmt: skip
-    peft = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
-    trainer.reset_lora(peft, seed=0)
+    peft = policy.peft_model(config.base, config.lora, str(tiny_model_dir))
+    policy.reset_lora(peft, seed=0)
     with torch.no_grad():
         for name, p in peft.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
-    trainer.save_adapter(peft, None, 0, tmp_path / "adapter")
+    policy.save_adapter(peft, None, 0, tmp_path / "adapter")
     key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 2, 0, 0)
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
@@ -593,9 +594,9 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
     parts = [Parts(reward=float(i), correct=False, format=False) for i in range(len(played))]
     sequences, _ = build_sequences([ScoredGroup(group=group, rewards=parts)], config.train)
-    trainer.load_adapter_state(peft, str(tmp_path / "adapter"), config.train)
+    policy.load_adapter_state(peft, str(tmp_path / "adapter"), config.train)
     with torch.no_grad():
-        logprobs, _, _ = trainer._completion_logprobs(peft, sequences, config.sampling)
+        logprobs, _, _ = policy_update._completion_logprobs(peft, sequences, config.sampling)
     sampled = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
     assert logprobs.shape == sampled.shape and logprobs.numel() == sum(r.num_model_tokens for r in played)
     assert torch.allclose(logprobs, sampled, atol=1e-4)
@@ -606,14 +607,14 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
     and sampling log-probs (in float64; lower precisions round differently with the shape of the
     computation, as they do with a row's batch mates), and later turns compute only their new tokens."""
 
-    from grpo_flyte import engines, trainer
+    from grpo_flyte import engines, policy
 
     monkeypatch.syspath_prepend(str(TESTS))
     config = make_config(model=str(tiny_model_dir), dtype="float32", lora_rank=4, env="chatty_env:Chatty", max_turns=3,
                          max_episode_tokens=64, max_new_tokens=6, temperature=0.8, group_size=2)  # fmt: skip
-    peft = trainer.peft_model(config.base, config.lora, str(tiny_model_dir))
-    trainer.reset_lora(peft, seed=0)
-    trainer.save_adapter(peft, None, 0, tmp_path / "adapter")
+    peft = policy.peft_model(config.base, config.lora, str(tiny_model_dir))
+    policy.reset_lora(peft, seed=0)
+    policy.save_adapter(peft, None, 0, tmp_path / "adapter")
     from chatty_env import Chatty
 
     def play(cache_bytes: int) -> tuple[list[Rollout], int]:

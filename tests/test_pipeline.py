@@ -14,10 +14,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _stand_ins import StandIns, run_loop
 
-from grpo_flyte import driver
+from grpo_flyte import driver, pipeline
 from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import ConfigError, RunConfig, make_config
-from grpo_flyte.driver import fresh_groups, generation_version
+from grpo_flyte.config import RunConfig
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.errors import ConfigError
+from grpo_flyte.pipeline import fresh_groups, generation_version
 from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 
 LOOP = {"eval_size": 0, "prompts_per_iter": 3, "group_size": 2, "min_informative_groups": 0}
@@ -70,7 +72,7 @@ def test_no_group_trains_staler_than_k_and_the_metrics_say_how_stale(tmp_path, k
 def test_groups_staler_than_k_are_dropped_counted_and_never_trained(tmp_path, monkeypatch):
     """A schedule gone wrong (generation two versions behind with K = 1): every stale group is
     dropped and counted, and the iteration trains on a batch generated again by its own adapter."""
-    monkeypatch.setattr(driver, "generation_version", lambda it, k: max(0, it - k - 1))
+    monkeypatch.setattr(pipeline, "generation_version", lambda it, k: max(0, it - k - 1))
     stand_ins = StandIns(tmp_path / "adapters", generate_s=0.01, train_s=0.01)
     result = run_loop(RunConfig(iterations=4, max_staleness=1, **LOOP), stand_ins, tmp_path / "raw")
     for version, generated_by in stand_ins.trained:

@@ -7,8 +7,10 @@ import itertools
 import pytest
 
 from grpo_flyte import reward_fns as rewards
-from grpo_flyte.config import DEFAULT_REWARDS, ConfigError, make_config
+from grpo_flyte.config_errors import make_config
+from grpo_flyte.errors import ConfigError
 from grpo_flyte.reward_fns import (
+    DEFAULT_REWARDS,
     Group,
     RewardError,
     RewardSpecError,

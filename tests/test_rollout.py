@@ -10,9 +10,10 @@ from flyte.io import Dir
 from grpo_flyte import engines
 from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import rollout_env
+from grpo_flyte.policy import peft_model, reset_lora, save_adapter
 from grpo_flyte.rollout import generate
 from grpo_flyte.torch_thread import on_torch_thread
-from grpo_flyte.trainer import init_adapter, peft_model, reset_lora, save_adapter
+from grpo_flyte.trainer import init_adapter
 from grpo_flyte.types import Example, RolloutGroup
 
 fanout_env = flyte.TaskEnvironment(name="grpo_flyte-test-fanout", depends_on=[rollout_env])
@@ -81,7 +82,7 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     import flyte.errors
     import pytest
 
-    from grpo_flyte import trainer
+    from grpo_flyte import policy
     from grpo_flyte.errors import DeviceError
     from grpo_flyte.models import best_device
 
@@ -89,7 +90,7 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
     # a fresh pod: no engine and no base model loaded yet (earlier tests left theirs in this process)
     monkeypatch.setattr(engines, "_slot", engines.EngineSlot())
-    trainer._peft_model.cache_clear()
+    policy._peft_model.cache_clear()
     with pytest.raises(
         DeviceError, match=r"CUDA is not usable: torch .*; the image's CUDA 13 needs NVIDIA driver >= 580 \(this node's driver: "
     ):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flyte import engines, trainer
+from grpo_flyte import engines, merge, policy
 from grpo_flyte.cli import main as cli_main
 from grpo_flyte.torch_thread import (
     THREAD_NAME,
@@ -89,10 +89,10 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
         (engines, "get_engine"),
         (engines, "HFGenerator"),
         (engines.HFGenerator, "generate_many"),
-        (trainer, "peft_model"),
-        (trainer, "load_adapter_state"),  # grpo_step runs beside it (not here: the tiny model earns no advantage)
-        (trainer, "save_adapter"),
-        (trainer, "merge_into_base"),
+        (policy, "peft_model"),
+        (policy, "load_adapter_state"),  # grpo_step runs beside it (not here: the tiny model earns no advantage)
+        (policy, "save_adapter"),
+        (merge, "merge_into_base"),
     ]:
         spy(owner, name)
     argv = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--max-new-tokens", "4"]

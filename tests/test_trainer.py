@@ -10,7 +10,7 @@ import pytest
 import torch
 from flyte.io import Dir
 
-from grpo_flyte import grpo, trainer
+from grpo_flyte import data_parallel, grpo, merge, policy, policy_update, trainer
 from grpo_flyte.config import RunConfig
 from grpo_flyte.grpo import TrainSequence
 
@@ -35,16 +35,16 @@ def fresh(llama_dir):
 
     def make(**settings):
         config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8, **settings)
-        model = trainer.peft_model(config.base, config.lora, str(llama_dir))
-        trainer.reset_lora(model, seed=0)
-        return model, trainer._optimizer(model, config.train), config
+        model = policy.peft_model(config.base, config.lora, str(llama_dir))
+        policy.reset_lora(model, seed=0)
+        return model, policy._optimizer(model, config.train), config
 
     return make
 
 
 def _step(fresh, sequences, **settings):
     model, optimizer, config = fresh(**settings)
-    return trainer.grpo_step(model, optimizer, sequences, config.train, config.sampling)
+    return policy_update.grpo_step(model, optimizer, sequences, config.train, config.sampling)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
@@ -81,17 +81,17 @@ def test_with_beta_the_zero_advantage_rollouts_keep_their_kl_term(fresh):
 
 def test_a_batch_with_no_signal_takes_no_optimizer_step(fresh):
     model, optimizer, config = fresh()
-    before = [p.detach().clone() for p in trainer._trainable(model)]
-    stats = trainer.grpo_step(model, optimizer, [C, D], config.train, config.sampling)
+    before = [p.detach().clone() for p in policy.trainable(model)]
+    stats = policy_update.grpo_step(model, optimizer, [C, D], config.train, config.sampling)
     assert stats.num_updates == 0 and stats.num_tokens == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, trainer._trainable(model), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.trainable(model), strict=True))
 
 
 def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
     # With several updates, only the later minibatches need log-probs from before the first step;
     # the first one's ratio is exactly 1, not noise from a separately batched pass.
     needed, log_ratios = [], []
-    reference_pass, token_loss = trainer._reference_pass, grpo.grpo_token_loss
+    reference_pass, token_loss = policy_update._reference_pass, grpo.grpo_token_loss
 
     def spy_reference(model, sequences, trained, need_old, *rest):
         needed.append(set(need_old))
@@ -101,7 +101,7 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
         log_ratios.append((logprobs - old).detach())
         return token_loss(logprobs, old, *rest, **kw)
 
-    monkeypatch.setattr(trainer, "_reference_pass", spy_reference)
+    monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
     monkeypatch.setattr(grpo, "grpo_token_loss", spy_loss)
     sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
     stats = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
@@ -147,11 +147,11 @@ def _tiny(kind: str):
 @pytest.mark.parametrize("kind", ["gemma2", "granite", "cohere", "llama"])
 def test_the_trainer_differentiates_the_models_own_logits(kind):
     model = _tiny(kind)
-    assert trainer.head_is_the_forward(model) == (kind == "llama")
+    assert policy_update.head_is_the_forward(model) == (kind == "llama")
     sequences = [TrainSequence([1, 2, 3], [4, 5], 1.0), TrainSequence([6], [7, 8, 9], -1.0)]
     sampling = RunConfig(temperature=0.7).sampling
     with torch.no_grad():
-        logprobs, _, _ = trainer._completion_logprobs(model, sequences, sampling)
+        logprobs, _, _ = policy_update._completion_logprobs(model, sequences, sampling)
         expected = []
         for s in sequences:
             ids = torch.tensor([s.prompt_ids + s.completion_ids])
@@ -178,9 +178,9 @@ def test_on_a_cpu_the_trainer_attends_with_grouped_attention_and_differentiates_
     for attention in (GROUPED_ATTENTION, "sdpa"):
         model.base_model.model.set_attn_implementation(attention)
         model.zero_grad()
-        logprobs, _, _ = trainer._completion_logprobs(model, sequences, sampling)
+        logprobs, _, _ = policy_update._completion_logprobs(model, sequences, sampling)
         (logprobs * torch.linspace(-1, 1, len(logprobs), dtype=torch.float64)).sum().backward()
-        results[attention] = logprobs.detach(), [p.grad.clone() for p in trainer._trainable(model)]
+        results[attention] = logprobs.detach(), [p.grad.clone() for p in policy.trainable(model)]
     (ours, our_grads), (theirs, their_grads) = results.values()
     assert torch.allclose(ours, theirs, atol=1e-6)
     # eager attention's softmax is float32 whatever the model's type (grouped attention does as it does)
@@ -225,8 +225,8 @@ def test_a_warm_trainer_goes_on_from_memory_with_the_result_of_a_cold_one(tmp_pa
     from safetensors.torch import load_file
 
     loads = []
-    load = trainer.load_adapter_state
-    monkeypatch.setattr(trainer, "load_adapter_state", lambda *a, **k: loads.append(a[1]) or load(*a, **k))
+    load = policy.load_adapter_state
+    monkeypatch.setattr(policy, "load_adapter_state", lambda *a, **k: loads.append(a[1]) or load(*a, **k))
     config = RunConfig(model=str(llama_dir), dtype="float32", group_size=2, learning_rate=1e-2, max_new_tokens=8)
     outputs = {}
     for cold in (False, True):
@@ -257,7 +257,7 @@ def test_each_optimizer_step_takes_its_scheduled_learning_rate(fresh, monkeypatc
         return step(*args, **kwargs)
 
     monkeypatch.setattr(optimizer, "step", record)
-    stats = trainer.grpo_step(model, optimizer, [A, B, A, B], config.train, config.sampling, steps=(2, 4))
+    stats = policy_update.grpo_step(model, optimizer, [A, B, A, B], config.train, config.sampling, steps=(2, 4))
     assert seen == pytest.approx([0.01 * 2 / 4, 0.01 * 1 / 4]) and stats.lr == pytest.approx(0.0025)
 
 
@@ -276,28 +276,28 @@ def test_gradient_checkpointing_gives_the_same_step(fresh):
             hook.remove()
 
     model, optimizer, config = fresh(gradient_checkpointing=False)
-    plain, plain_calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
+    plain, plain_calls = layer_calls(model, lambda: policy_update.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
     model, optimizer, config = fresh(gradient_checkpointing=True)
-    checkpointed, calls = layer_calls(model, lambda: trainer.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
-    assert trainer._checkpointing_api(model)[0]
+    checkpointed, calls = layer_calls(model, lambda: policy_update.grpo_step(model, optimizer, [A, B, C], config.train, config.sampling))
+    assert policy_update._checkpointing_api(model)[0]
     assert calls == 2 * plain_calls  # each layer's forward runs again in the backward pass
     assert checkpointed.loss == pytest.approx(plain.loss, abs=1e-6)
     assert checkpointed.grad_norm == pytest.approx(plain.grad_norm, rel=1e-5)
-    trainer.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
-    assert not trainer._checkpointing_api(model)[0]  # the cached model follows each step's config
+    policy_update.grpo_step(model, optimizer, [A, B], config.train.model_copy(update={"gradient_checkpointing": False}), config.sampling)
+    assert not policy_update._checkpointing_api(model)[0]  # the cached model follows each step's config
 
 
 def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):
     """beta 0: the KL is only a metric, so its reference pass runs on iterations N, 2N, ... (the
     others report none); with beta > 0 it is in the loss and runs every time."""
     model, optimizer, config = fresh(beta=0.0, kl_monitor_every=2)
-    first = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10))  # iteration 1
-    second = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10))  # iteration 2
+    first = policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10))  # iteration 1
+    second = policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10))  # iteration 2
     assert first.kl is None and second.kl is not None and second.kl >= 0
     model, optimizer, config = fresh(beta=0.0, kl_monitor_every=0)
-    assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10)).kl is None
+    assert policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(1, 10)).kl is None
     model, optimizer, config = fresh(beta=0.04, kl_monitor_every=0)
-    assert trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10)).kl is not None
+    assert policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling, steps=(0, 10)).kl is not None
 
 
 def _with_sampling_logprobs(sequence: TrainSequence, value: float) -> TrainSequence:
@@ -323,12 +323,12 @@ def test_each_importance_sampling_mode_weighs_the_step_and_reports_its_guards(fr
         assert stats.is_ess == 0.0 and stats.grad_norm == 0.0  # all weights 0
     # the generator's own log-probs: ratios near 1, nothing cut, a full effective sample
     model, optimizer, config = fresh(is_mode=mode)
-    own = trainer._completion_logprobs(model, [A, B], config.sampling)[0].detach().tolist()
+    own = policy_update._completion_logprobs(model, [A, B], config.sampling)[0].detach().tolist()
     exact = [
         TrainSequence(prompt_ids=s.prompt_ids, completion_ids=s.completion_ids, advantage=s.advantage, sampling_logprobs=lps)
         for s, lps in zip((A, B), (own[:3], own[3:]), strict=True)
     ]
-    stats = trainer.grpo_step(model, optimizer, exact, config.train, config.sampling)
+    stats = policy_update.grpo_step(model, optimizer, exact, config.train, config.sampling)
     assert stats.is_clipped_fraction == 0.0 and stats.is_ess == pytest.approx(1.0, abs=1e-5)
 
 
@@ -390,9 +390,9 @@ def llama32_dir(tmp_path_factory, embedded_dir):
 
 def _four_bit(llama_dir, **settings):
     config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8, load_in_4bit=True, **settings)
-    model = trainer.peft_model(config.base, config.lora, str(llama_dir))
-    trainer.reset_lora(model, seed=0)
-    return model, trainer._optimizer(model, config.train), config
+    model = policy.peft_model(config.base, config.lora, str(llama_dir))
+    policy.reset_lora(model, seed=0)
+    return model, policy._optimizer(model, config.train), config
 
 
 def test_a_4bit_step_trains_the_lora_weights_on_a_frozen_nf4_base(llama32_dir):
@@ -411,7 +411,7 @@ def test_a_4bit_step_trains_the_lora_weights_on_a_frozen_nf4_base(llama32_dir):
 
     lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     base_before = base_logits()
-    stats = trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    stats = policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
     assert stats.num_updates == 1
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
     now = dict(model.named_parameters())
@@ -449,10 +449,10 @@ def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still
     # NF4 moves the logits a little, not the argmax of most positions
     assert not torch.equal(logits, plain_logits) and (logits.argmax(-1) == plain_logits.argmax(-1)).float().mean() > 0.5
     run = RunConfig(model=str(path), dtype="float32", max_new_tokens=8, load_in_4bit=True, embeddings_in_4bit=True, learning_rate=5e-2)
-    model = trainer.peft_model(run.base, run.lora, str(path))
-    trainer.reset_lora(model, seed=0)
-    optimizer = trainer._optimizer(model, run.train)
-    trainer.grpo_step(model, optimizer, [A, B], run.train, run.sampling)
+    model = policy.peft_model(run.base, run.lora, str(path))
+    policy.reset_lora(model, seed=0)
+    optimizer = policy._optimizer(model, run.train)
+    policy_update.grpo_step(model, optimizer, [A, B], run.train, run.sampling)
     assert all(float(p.abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
@@ -464,8 +464,8 @@ def test_the_kl_reference_of_a_4bit_run_is_the_4bit_base(llama32_dir):
 
     llama_dir = llama32_dir
     model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, beta=0.1)
-    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)  # the adapter is no longer the base
-    ref, _ = trainer._reference_pass(model, [A, B], [0, 1], set(), config.train, config.sampling, iteration=1)
+    policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)  # the adapter is no longer the base
+    ref, _ = policy_update._reference_pass(model, [A, B], [0, 1], set(), config.train, config.sampling, iteration=1)
     with torch.no_grad():
         expected = []
         for sixteen in (False, True):
@@ -485,9 +485,9 @@ def test_merging_a_4bit_adapter_uses_the_16bit_base(tmp_path, llama32_dir):
 
     llama_dir = llama32_dir
     model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, lora_target_modules=("q_proj",))
-    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
-    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
-    trainer.merge_into_base(str(llama_dir), str(tmp_path / "adapter"), tmp_path / "merged")
+    policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    policy.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    merge.merge_into_base(str(llama_dir), str(tmp_path / "adapter"), tmp_path / "merged")
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     base = load_file(str(llama_dir / "model.safetensors"))
     lora = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -534,8 +534,8 @@ def test_the_merge_loads_the_base_in_its_own_dtype_onto_the_device(tmp_path, lla
     from safetensors.torch import load_file
 
     model, optimizer, config = _four_bit(llama32_dir, learning_rate=5e-2, lora_target_modules=("q_proj",))
-    trainer.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
-    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    policy.save_adapter(model, optimizer, 1, tmp_path / "adapter")
     half = tmp_path / "base-bf16"
     transformers.AutoModelForCausalLM.from_pretrained(llama32_dir, dtype=torch.bfloat16).save_pretrained(half)
     transformers.AutoTokenizer.from_pretrained(llama32_dir).save_pretrained(half)
@@ -547,7 +547,7 @@ def test_the_merge_loads_the_base_in_its_own_dtype_onto_the_device(tmp_path, lla
         return real(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
-    trainer.merge_into_base(str(half), str(tmp_path / "adapter"), tmp_path / "merged")
+    merge.merge_into_base(str(half), str(tmp_path / "adapter"), tmp_path / "merged")
     from grpo_flyte.models import load_device
 
     assert loads == [(torch.bfloat16, {"": load_device()})]
@@ -568,24 +568,24 @@ def test_the_merge_task_frees_the_warm_training_model_first(tmp_path, llama32_di
     """The merge shares the train replica's GPU with the run's cached training model and its
     optimizer: the task drops both before it loads the base again."""
     model, optimizer, _ = _four_bit(llama32_dir)
-    trainer.save_adapter(model, optimizer, 1, tmp_path / "adapter")
+    policy.save_adapter(model, optimizer, 1, tmp_path / "adapter")
     trainer._warm.keep(model, str(tmp_path / "adapter"), optimizer, None)
     held = []
     monkeypatch.setattr(
-        trainer, "merge_into_base", lambda *args: held.append((trainer._peft_model.cache_info().currsize, trainer._warm.model))
+        merge, "merge_into_base", lambda *args: held.append((policy._peft_model.cache_info().currsize, trainer._warm.model))
     )
     adapter = trainer.AdapterRef(version=1, dir=Dir(path=str(tmp_path / "adapter")))
     flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
         trainer.merge_adapter, base_model=Dir(path=str(llama32_dir)), adapter=adapter
     )
-    assert trainer._peft_model.cache_info().currsize == 0 and held == [(0, None)]
+    assert policy._peft_model.cache_info().currsize == 0 and held == [(0, None)]
 
 
 def _rank_step(kwargs: dict):
     """One process of the cluster's train step (train_step_distributed without the upload)."""
     import asyncio
 
-    return asyncio.run(trainer.rank_step(**kwargs))
+    return asyncio.run(data_parallel.rank_step(**kwargs))
 
 
 def test_the_cluster_train_step_launched_as_the_elastic_plugin_launches_it_equals_the_local_step(tmp_path, llama_dir):
@@ -625,7 +625,7 @@ def test_a_damaged_adapter_in_a_multi_process_step_is_the_adapter_error_not_retr
     config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8)
     (tmp_path / "v0000").mkdir()
     (tmp_path / "v0000" / "adapter_model.safetensors").write_bytes(b"not safetensors")
-    job = trainer.RankJob(str(llama_dir), str(tmp_path / "v0000"), config.base, config.lora, config.train, config.sampling,
+    job = data_parallel.RankJob(str(llama_dir), str(tmp_path / "v0000"), config.base, config.lora, config.train, config.sampling,
                           [A, B], (0, 0), 1)  # fmt: skip
     with pytest.raises(AdapterError, match="v0000' cannot be loaded"):
-        trainer.launch_ranks(job, tmp_path / "v0001", 2)
+        data_parallel.launch_ranks(job, tmp_path / "v0001", 2)

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 
 from grpo_flyte import types
+from grpo_flyte.batches import generate_parts
 from grpo_flyte.config import RunConfig
-from grpo_flyte.driver import _generate_parts
 from grpo_flyte.rollout import generate
 from grpo_flyte.types import AdapterRef, Example, RolloutGroup, ScoredGroup
 
@@ -40,7 +40,7 @@ def test_flyte_builds_each_task_value_schema_once_not_on_every_task_call(schemas
     of a `generate` call's input conversion."""
     config = RunConfig()
     inputs = dict(
-        **_generate_parts(config),
+        **generate_parts(config),
         base_model=Dir(path="/models/base"),
         adapter=AdapterRef(version=0, dir=Dir(path="/adapters/v0000")),
         example=Example(question="What is 1 + 2?", answer="3"),

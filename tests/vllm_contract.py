@@ -19,19 +19,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 
-from grpo_flyte import engines, grpo, trainer
+from grpo_flyte import engines, grpo, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.engines import SamplingRequest
 
 
 def adapter(model, config: RunConfig, out: Path, scale: float) -> str:
     """A LoRA adapter folder as the trainer writes it; B = `scale` * noise (0: the base model)."""
-    trainer.reset_lora(model, seed=0)
+    policy.reset_lora(model, seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * scale)
-    trainer.save_adapter(model, None, 0, out)
+    policy.save_adapter(model, None, 0, out)
     return str(out)
 
 
@@ -43,7 +43,7 @@ def request(prompt: list[int], **settings) -> SamplingRequest:
 def main() -> None:
     model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
     config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
-    peft = trainer.peft_model(config.base, config.lora, str(model_dir))
+    peft = policy.peft_model(config.base, config.lora, str(model_dir))
     paths = {name: adapter(peft, config, work / name, scale) for name, scale in (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))}
     key = engines.engine_key(str(model_dir), "float32", "vllm", 2, paths["v0"], max_model_len=128, memory_fraction=0.2)
     started = time.perf_counter()
@@ -82,10 +82,10 @@ def main() -> None:
         sequences = [
             grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g
         ]
-        trainer.load_adapter_state(peft, paths[name], config.train)
+        policy.load_adapter_state(peft, paths[name], config.train)
         sampling = RunConfig(temperature=0.8, top_p=top_p).sampling
         with torch.no_grad():
-            logprobs, _, _ = trainer._completion_logprobs(peft, sequences, sampling)
+            logprobs, _, _ = policy_update._completion_logprobs(peft, sequences, sampling)
         samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
         ratio = torch.exp(logprobs - samp)
         out[f"ratio_{name}_top_p_{top_p}"] = {
@@ -117,10 +117,10 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
     )
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
     parts = [RewardParts(reward=float(i), correct=False, format=False) for i in range(len(played))]
-    sequences, _ = trainer.build_sequences([ScoredGroup(group=group, rewards=parts)], run.train)
-    trainer.load_adapter_state(peft, adapter_path, run.train)
+    sequences, _ = policy_update.build_sequences([ScoredGroup(group=group, rewards=parts)], run.train)
+    policy.load_adapter_state(peft, adapter_path, run.train)
     with torch.no_grad():
-        logprobs, _, _ = trainer._completion_logprobs(peft, sequences, run.sampling)
+        logprobs, _, _ = policy_update._completion_logprobs(peft, sequences, run.sampling)
     samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
     ratio = torch.exp(logprobs - samp)
     return {

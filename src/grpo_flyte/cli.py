@@ -23,22 +23,15 @@ from typing import Any
 from pydantic import Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict, SettingsError
 
-from grpo_flyte.config import (
-    NUM_ITERATIONS_REFUSED,
-    PROG,
-    TRL_ALIASES,
-    RunConfig,
-    flag,
-    format_validation_error,
-    leaf_fields,
-    load_config_file,
-    make_config,
-    shown_default,
-)
-from grpo_flyte.errors import GrpoFlyteError, UserError
+from grpo_flyte.config import PROG, RunConfig, leaf_fields
+from grpo_flyte.config_errors import format_validation_error, make_config
+from grpo_flyte.config_files import load_config_file
+from grpo_flyte.config_table import shown_default
+from grpo_flyte.errors import GrpoFlyteError, UserError, flag
 from grpo_flyte.models import quiet_bitsandbytes
 from grpo_flyte.run_folder import run_local
 from grpo_flyte.submit import resume_remote, run_remote
+from grpo_flyte.trl_names import NUM_ITERATIONS_REFUSED, TRL_ALIASES
 
 logger = logging.getLogger("grpo_flyte")
 

@@ -7,26 +7,30 @@ it uses, so changing an unrelated field changes none of its inputs (nor its Flyt
 Every leaf field has a name unique across the parts, and that name is its flag and its key in a
 flat config file: `RunConfig(group_size=4)`, `--group-size 4` and `group_size: 4` in YAML all set
 `config.sampling.group_size`. A nested file (`sampling: {group_size: 4}`) works too. The fields'
-descriptions are the single home of the help text: `--help` and the README's table come from them.
+descriptions are the single home of the help text: `--help` and the table in docs/configuration.md come from them.
+
+This module is the schema. Beside it: TRL's names (`trl_names`), the defaults that depend on other
+options (`config_defaults`), config files (`config_files`), the error text and `make_config`
+(`config_errors`), and the table of options (`config_table`).
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import math
-import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_flyte.errors import ConfigError, quoted
-from grpo_flyte.multiturn import BUILTIN_DATASETS, ENV_DEFAULT_REWARDS, NO_ENV, check_env_name
-from grpo_flyte.reward_fns import JUDGE_REWARD, check_reward_name
+from grpo_flyte.config_defaults import env_defaults, staleness_defaults
+from grpo_flyte.errors import flag, given
+from grpo_flyte.judging import DEFAULT_RUBRIC, read_rubric
+from grpo_flyte.multiturn import NO_ENV, check_env_name
+from grpo_flyte.reward_fns import DEFAULT_REWARDS, JUDGE_REWARD, check_reward_name
+from grpo_flyte.trl_names import from_trl_names
 from grpo_flyte.types import TaskValue
 
 PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
@@ -36,7 +40,6 @@ GSM8K_DATASET = "gsm8k"
 DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
 # Data files that look supported but are not (a .json array, tab-separated text, ...).
 UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
-DEFAULT_REWARDS = {"correct": 1.0}
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # Local data-parallel train processes at most (--train-processes).
 MAX_TRAIN_PROCESSES = 64
@@ -46,20 +49,6 @@ SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."
 )
-# The judge's rubric unless --judge-rubric gives another (the judge scores every completion of a
-# group against it, each relative to its siblings).
-DEFAULT_RUBRIC = (
-    "Score each answer by whether it is a correct, helpful answer to the question: a correct final "
-    "answer, reached by sound steps and stated clearly, scores near 1; a wrong, missing or "
-    "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
-    "higher score."
-)
-# A --judge-rubric value that names an existing file is that file, whatever its extension (refusing
-# rubric.rst or a file without one would only make the user rename it). Rubric text is sentences: a
-# value without spaces holding a '/' or ending in an extension is a file's name, and names no file
-# when it is missing (a typo is an error, not the rubric).
-RUBRIC_FILE_NAME = re.compile(r"\S*(/\S*|\.[A-Za-z0-9]{1,8})")
-MAX_RUBRIC_CHARS = 20_000
 # Appended to the question in the user turn: a small model follows an instruction there more
 # often than one in the system prompt (measured: docs/measurements.md, the learning section).
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."
@@ -212,7 +201,7 @@ class EpisodeConfig(_Part):
         description=(
             "'none' (one completion per prompt), 'calculator' (arithmetic with a <calc> tool; its own dataset of "
             "3-digit products), 'guess' (guess-the-number dialogue; its own dataset and reward), or 'module:Class' "
-            "for your own environment (see the README). With an environment, max_new_tokens is per model turn."
+            "for your own environment (see docs/rewards-and-environments.md). With an environment, max_new_tokens is per model turn."
         ),
     )
     max_turns: int = Field(4, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
@@ -275,13 +264,6 @@ class RewardConfig(_Part):
         return rewards
 
 
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # a name too long for the file system: text
-        return False
-
-
 class JudgeConfig(_Part):
     """The LLM judge (the 'judge' reward): its model, its rubric and its context budget."""
 
@@ -316,25 +298,7 @@ class JudgeConfig(_Part):
     @field_validator("judge_rubric")
     @classmethod
     def _rubric_text(cls, rubric: str) -> str:
-        """A rubric file's text (so a cluster's pods, which cannot read this machine's files, get the text)."""
-        candidate = rubric.strip()
-        if "\n" in candidate:
-            return rubric
-        path = Path(candidate).expanduser()
-        if not _exists(path) and not RUBRIC_FILE_NAME.fullmatch(candidate):
-            return rubric
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-            raise ValueError(
-                f"rubric file {candidate!r} cannot be read ({reason}); expected rubric text or a readable UTF-8 file"
-            ) from None
-        if not text.strip():
-            raise ValueError(f"rubric file {candidate!r} is empty; expected the rubric's text in it")
-        if len(text) > MAX_RUBRIC_CHARS:
-            raise ValueError(f"rubric file {candidate!r} has {len(text)} characters; expected at most {MAX_RUBRIC_CHARS}")
-        return text.strip()
+        return read_rubric(rubric)
 
 
 class LoraConfig(_Part):
@@ -523,7 +487,7 @@ class GuardConfig(_Part):
         "rollback",
         description=(
             "A collapse (the held-out metric below the best by more than its paired interval, or the policy degenerate "
-            "between evaluations: see the README's guard section): 'warn' records it and goes on, 'stop' ends the run, "
+            "between evaluations: see docs/guard.md): 'warn' records it and goes on, 'stop' ends the run, "
             "'rollback' restores the best adapter and its optimizer state, scales the learning rate by "
             "rollback_lr_factor and goes on (with no evaluation there is nothing to restore: it warns)."
         ),
@@ -621,13 +585,13 @@ class RunConfig(_Part):
         if not isinstance(data, dict):
             return data
         out = from_trl_names(data)
-        for name, (part, _) in _leaf_index().items():
+        for name, (part, _) in leaf_index().items():
             if part is not None and name in out:
                 nested = out.get(part, {})
                 nested = nested.model_dump() if isinstance(nested, BaseModel) else dict(nested or {})
                 nested[name] = out.pop(name)
                 out[part] = nested
-        return _staleness_defaults(_env_defaults(out))
+        return staleness_defaults(env_defaults(out))
 
     @model_validator(mode="after")
     def _room_for_stale_adapters(self) -> RunConfig:
@@ -680,7 +644,7 @@ class RunConfig(_Part):
 
     def flat(self) -> dict[str, Any]:
         """Every leaf field by its flat name: the report's config card, W&B, comparisons on resume."""
-        return {name: getattr(getattr(self, part) if part else self, name) for name, (part, _) in _leaf_index().items()}
+        return {name: getattr(getattr(self, part) if part else self, name) for name, (part, _) in leaf_index().items()}
 
     @property
     def rollouts_per_iter(self) -> int:
@@ -699,35 +663,7 @@ class RunConfig(_Part):
         )
 
 
-def _staleness_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """With max_staleness K, the adapters kept on disk and in a generate replica default to at
-    least K + 1 and K + 2 (the versions in flight, and the one being trained)."""
-    k = values.get("max_staleness")
-    if not isinstance(k, int) or isinstance(k, bool) or k <= 0:
-        return values
-    values.setdefault("adapters_to_keep", max(3, k + 1))
-    engine = values.get("engine")
-    given = engine.model_dump(exclude_unset=True) if isinstance(engine, BaseModel) else dict(engine or {})
-    if "adapter_cache_size" not in given:
-        values["engine"] = {**given, "adapter_cache_size": max(4, k + 2)}
-    return values
-
-
-def _env_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """A built-in environment brings its dataset and rewards unless the config names others."""
-    episode = values.get("episode")
-    env = episode.env if isinstance(episode, BaseModel) else (episode or {}).get("env")
-    if env not in BUILTIN_DATASETS:
-        return values
-    for part, name, default in (("data", "dataset", env), ("scoring", "rewards", ENV_DEFAULT_REWARDS[env])):
-        given = values.get(part)
-        given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else dict(given or {})
-        if name not in given:
-            values[part] = {**given, name: default}
-    return values
-
-
-_PARTS: dict[str, type[_Part]] = {
+PARTS: dict[str, type[_Part]] = {
     name: field.annotation
     for name, field in RunConfig.model_fields.items()
     if isinstance(field.annotation, type) and issubclass(field.annotation, _Part)
@@ -735,242 +671,22 @@ _PARTS: dict[str, type[_Part]] = {
 
 
 @functools.cache
-def _leaf_index() -> dict[str, tuple[str | None, FieldInfo]]:
+def leaf_index() -> dict[str, tuple[str | None, FieldInfo]]:
     """flat name -> (the part holding it, or None for a loop field; its FieldInfo), parts in order."""
     index: dict[str, tuple[str | None, FieldInfo]] = {
-        name: (None, field) for name, field in RunConfig.model_fields.items() if name not in _PARTS
+        name: (None, field) for name, field in RunConfig.model_fields.items() if name not in PARTS
     }
-    for part, model in _PARTS.items():
+    for part, model in PARTS.items():
         for name, field in model.model_fields.items():
             assert name not in index, f"config field {name!r} is defined twice"
             index[name] = (part, field)
     return index
 
 
-# TRL's names (GRPOConfig, and the ModelConfig of its scripts) for options both have: accepted from
-# Python, in config files and (the plain renames) as flags, and translated before validation.
-TRL_ALIASES: dict[str, str] = {
-    "num_generations": "group_size",
-    "max_completion_length": "max_new_tokens",
-    "max_prompt_length": "max_prompt_tokens",
-    "model_name_or_path": "model",
-    "lora_r": "lora_rank",
-    "vllm_importance_sampling_correction": "is_correction",
-    "vllm_importance_sampling_cap": "is_cap",
-    "vllm_importance_sampling_mode": "is_mode",
-    "hub_model_id": "push_to_hub",
-}
-NUM_ITERATIONS_REFUSED = (
-    "'num_iterations' is ambiguous, so it is refused: in TRL it is how many times each generated batch is "
-    "trained on (not a setting here; --updates-per-iter splits a batch into that many optimizer steps), and "
-    "in grpo_flyte before 2026-11 it was the loop's length, now 'iterations' (--iterations)"
-)
-
-
-def from_trl_names(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with TRL's names turned into this config's (see TRL_ALIASES, plus
-    mask_truncated_completions -> truncated, reward_funcs/reward_weights -> rewards); ValueError
-    for 'num_iterations' and for a TRL name that disagrees with its counterpart given alongside."""
-    out = dict(values)
-    if "num_iterations" in out:
-        raise ValueError(NUM_ITERATIONS_REFUSED)
-    renamed = {trl: ours for trl, ours in TRL_ALIASES.items() if trl in out}
-    if "mask_truncated_completions" in out:
-        masked = out.pop("mask_truncated_completions")
-        if not isinstance(masked, bool):
-            raise ValueError(f"mask_truncated_completions={shown(masked)}: expected true or false")
-        out["mask_truncated_completions"] = "mask" if masked else "keep"
-        renamed["mask_truncated_completions"] = "truncated"
-    if "reward_weights" in out or "reward_funcs" in out:
-        funcs = out.pop("reward_funcs", None)
-        weights = out.pop("reward_weights", None)
-        names = list(funcs) if funcs is not None else list(out.get("rewards") or DEFAULT_REWARDS)
-        weights = [1.0] * len(names) if weights is None else list(weights)
-        if len(weights) != len(names):
-            raise ValueError(f"reward_weights has {len(weights)} weights for {len(names)} rewards ({', '.join(map(str, names))})")
-        out["reward_funcs"] = dict(zip(names, weights, strict=True))
-        renamed["reward_funcs"] = "rewards"
-    for trl, ours in renamed.items():
-        value = out.pop(trl)
-        if ours in out and out[ours] != value:
-            raise ValueError(f"{trl} (TRL's name for {ours}) is {shown(value)} but {ours} is {shown(out[ours])}; give one of them")
-        out[ours] = value
-    return out
-
-
 def leaf_fields() -> Iterator[tuple[str, FieldInfo]]:
-    """(flat name, FieldInfo) of every option: the CLI's flags and the README's table."""
-    for name, (_, field) in _leaf_index().items():
+    """(flat name, FieldInfo) of every option: the CLI's flags and the table in docs/configuration.md."""
+    for name, (_, field) in leaf_index().items():
         yield name, field
-
-
-def _misplaced(part: str, name: str) -> str | None:
-    """Why `name` cannot be under `part`: it is a field of another part (or of the loop); else None."""
-    home = _leaf_index().get(name)
-    if home is None or home[0] == part:
-        return None
-    where = f"the {home[0]!r} part" if home[0] else "the top level (a loop field)"
-    return f"'{part}.{name}': {name} belongs to {where}, not {part!r}; expected it there, or flat"
-
-
-def flatten(values: dict[str, Any]) -> dict[str, Any]:
-    """A config mapping with its parts' fields pulled up to flat names (a nested config file).
-
-    A field nested under a part it does not belong to is an error naming its part (lifting it
-    anyway would hide a mistaken layout); an unknown name is left to validation."""
-    flat = {k: v for k, v in values.items() if k not in _PARTS or not isinstance(v, dict)}
-    for part in _PARTS:
-        if isinstance(values.get(part), dict):
-            for name, value in values[part].items():
-                if (problem := _misplaced(part, str(name))) is not None:
-                    raise ConfigError(problem, field="config")
-                flat.setdefault(name, value)
-    return flat
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of config fields (flat or nested), with errors that name the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{str(p)!r}: no such file (expected a YAML or JSON file of config fields)", field="config")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{str(p)!r}: {p.stat().st_size} bytes; expected a config file under {MAX_CONFIG_BYTES} bytes", field="config")
-    try:
-        text = p.read_text(encoding="utf-8")
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            # A few hundred bytes of nested aliases expand to gigabytes ("billion laughs"): count
-            # the values the document expands to on its node graph (shared, so cheap) first.
-            size = _expanded_size(yaml.compose(text, Loader=yaml.SafeLoader), {})
-            if size > MAX_CONFIG_VALUES:
-                raise ConfigError(
-                    f"{str(p)!r}: expands to {size} values (YAML aliases); expected at most {MAX_CONFIG_VALUES}", field="config"
-                )
-            data = yaml.safe_load(text)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 -- UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError
-        detail = " ".join(str(exc).split())  # parser messages span lines; ours is one
-        raise ConfigError(f"{str(p)!r}: not valid {p.suffix.lstrip('.') or 'YAML'}: {detail}", field="config") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
-    try:
-        values = from_trl_names(flatten(data))
-    except ValueError as exc:
-        raise ConfigError(f"{str(p)!r}: {exc}", field="config") from None
-    _check_known_keys(p, data, values)
-    return values
-
-
-def _check_known_keys(p: Path, data: dict[str, Any], values: dict[str, Any]) -> None:
-    """A ConfigError naming the file and the path in it of the first key that is no option (a
-    misspelling says what it was probably meant to be), never blamed on a command-line flag."""
-    index = _leaf_index()
-    for key in values:
-        if key in index:
-            continue
-        nested = next((part for part in _PARTS if isinstance(data.get(part), dict) and key in data[part]), None)
-        where = f"{nested}.{key}" if nested and key not in data else str(key)
-        close = difflib.get_close_matches(str(key), index, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else "; see --help or the README's table for the options"
-        raise ConfigError(f"{str(p)!r}: unknown key {where!r}{hint}", field="config")
-
-
-MAX_CONFIG_BYTES = 1_000_000
-MAX_CONFIG_VALUES = 100_000  # YAML scalars, lists and mappings once aliases are expanded
-
-
-def _expanded_size(node: Any, memo: dict[int, int]) -> int:
-    """How many values a composed YAML node stands for with every alias expanded (memoized on the
-    shared nodes, so linear in the file)."""
-    if node is None:
-        return 0
-    if id(node) not in memo:
-        memo[id(node)] = 1  # a cycle counts once
-        children = node.value if isinstance(node.value, list) else []
-        total = 1
-        for child in children:
-            total += sum(_expanded_size(n, memo) for n in child) if isinstance(child, tuple) else _expanded_size(child, memo)
-        memo[id(node)] = total
-    return memo[id(node)]
-
-
-SHOWN_VALUE_CHARS = 200  # a value echoed in an error message is cut to this many characters
-
-
-def shown(value: Any) -> str:
-    """repr(value) for an error message, cut to SHOWN_VALUE_CHARS."""
-    return quoted(value, SHOWN_VALUE_CHARS)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def given(name: str, value: Any) -> str:
-    """An option as an error about several options names it: its flag and its value, as an error
-    about one option does (`--max-staleness=2`)."""
-    return f"{flag(name)}={shown(value)}"
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: the flag, the value given, and what was expected."""
-    index = _leaf_index()
-    lines = []
-    for err in exc.errors():
-        names = [str(part) for part in err.get("loc", ()) if not isinstance(part, int)]
-        # The innermost name that is an option: ('sampling', 'group_size') -> group_size.
-        name = next((n for n in reversed(names) if n in index), names[-1] if names else None)
-        where = flag(name) if name else "config"
-        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
-        if err.get("type") == "value_error" and (name is None or name in _PARTS):
-            lines.append(msg)  # a check of several options together (a model validator): its message names their flags
-            continue
-        if err.get("type") == "extra_forbidden":
-            loc = [str(part) for part in err.get("loc", ())]
-            problem = _misplaced(loc[-2], loc[-1]) if len(loc) >= 2 and loc[-2] in _PARTS else None
-            lines.append(f"{where}: {problem}" if problem else f"{where}: unknown option (see --help for the list)")
-            continue
-        if "input" in err and name:
-            field = index[name][1] if name in index else None
-            custom = err.get("type") == "value_error"  # our own validators already say what is expected
-            hint = f" ({field.description.rstrip('.')})" if field and field.description and not custom else ""
-            lines.append(f"{where}={shown(err['input'])}: {msg}{hint}")
-        else:
-            lines.append(f"{where}: {msg}" if name else msg)
-    return "; ".join(lines)
-
-
-def make_config(**values: Any) -> RunConfig:
-    """Build a RunConfig from flat or nested values, turning validation errors into one ConfigError."""
-    try:
-        return RunConfig(**values)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
-
-
-def shown_default(value: Any) -> str:
-    """An option's default as its flag takes it: `correct=1.0,format=0.2`, `q_proj,k_proj`."""
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    return str(value)
-
-
-def config_table_markdown() -> str:
-    """The README's config table, generated from RunConfig (a test keeps the README in sync)."""
-    rows = ["| flag | part | default | description |", "| --- | --- | --- | --- |"]
-    for name, (part, field) in _leaf_index().items():
-        default = field.get_default(call_default_factory=True)
-        names = f"`{flag(name)}`, `--no-{flag(name)[2:]}`" if isinstance(default, bool) else f"`{flag(name)}`"
-        rows.append(f"| {names} | {part or 'run'} | `{shown_default(default)}` | {field.description} |")
-    return "\n".join(rows)
 
 
 def eval_due(config: RunConfig, iterations_done: int) -> bool:

@@ -2,6 +2,7 @@
 
 A library error names the config field it is about (`field`), not a command-line flag: the CLI maps
 the field to its flag when it prints the message, and a user of the Python API reads the field name.
+A check of several options together names each by its flag and value (`given`).
 """
 
 from __future__ import annotations
@@ -183,3 +184,21 @@ def quoted(value: Any, limit: int = 200) -> str:
     except Exception as exc:  # noqa: BLE001 -- whatever a user's __repr__ raises
         return f"a {type(value).__name__} whose repr raises {type(exc).__name__}"
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+SHOWN_VALUE_CHARS = 200  # a value echoed in an error message is cut to this many characters
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, cut to SHOWN_VALUE_CHARS."""
+    return quoted(value, SHOWN_VALUE_CHARS)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def given(name: str, value: Any) -> str:
+    """An option as an error about several options names it: its flag and its value, as an error
+    about one option does (`--max-staleness=2`)."""
+    return f"{flag(name)}={shown(value)}"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from grpo_flyte.reward_fns import JUDGE_REWARD
 from grpo_flyte.types import JudgeVerdict, RewardParts, ScoredGroup
@@ -36,6 +38,51 @@ INSTRUCTIONS = (
     '{{"scores": [s1, ..., s{n}]}}: one score between 0 and 1 per answer, in the answers\' order, '
     "with at most two decimals."
 )
+
+
+# The judge's rubric unless --judge-rubric gives another (the judge scores every completion of a
+# group against it, each relative to its siblings).
+DEFAULT_RUBRIC = (
+    "Score each answer by whether it is a correct, helpful answer to the question: a correct final "
+    "answer, reached by sound steps and stated clearly, scores near 1; a wrong, missing or "
+    "irrelevant answer scores near 0. Compare the answers with each other: a better answer gets a "
+    "higher score."
+)
+# A --judge-rubric value that names an existing file is that file, whatever its extension (refusing
+# rubric.rst or a file without one would only make the user rename it). Rubric text is sentences: a
+# value without spaces holding a '/' or ending in an extension is a file's name, and names no file
+# when it is missing (a typo is an error, not the rubric).
+RUBRIC_FILE_NAME = re.compile(r"\S*(/\S*|\.[A-Za-z0-9]{1,8})")
+MAX_RUBRIC_CHARS = 20_000
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: text
+        return False
+
+
+def read_rubric(rubric: str) -> str:
+    """The rubric a --judge-rubric value stands for: a file's text (so a cluster's pods, which cannot
+    read this machine's files, get the text), or the value itself; ValueError for a file that
+    cannot be its rubric."""
+    candidate = rubric.strip()
+    if "\n" in candidate:
+        return rubric
+    path = Path(candidate).expanduser()
+    if not _exists(path) and not RUBRIC_FILE_NAME.fullmatch(candidate):
+        return rubric
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"rubric file {candidate!r} cannot be read ({reason}); expected rubric text or a readable UTF-8 file") from None
+    if not text.strip():
+        raise ValueError(f"rubric file {candidate!r} is empty; expected the rubric's text in it")
+    if len(text) > MAX_RUBRIC_CHARS:
+        raise ValueError(f"rubric file {candidate!r} has {len(text)} characters; expected at most {MAX_RUBRIC_CHARS}")
+    return text.strip()
 
 
 def judge_messages(rubric: str, question: str, completions: Sequence[str]) -> list[dict[str, str]]:

@@ -9,9 +9,9 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_flyte.config import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig, flag, given
+from grpo_flyte.config import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
-from grpo_flyte.errors import ConfigError, UserError
+from grpo_flyte.errors import ConfigError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward
 from grpo_flyte.types import Example

@@ -2,7 +2,7 @@
 (`eta_seconds`), and, for a local run on a terminal, progress bars: one for the run's iterations,
 one for each held-out evaluation, each with an ETA, below the run's log lines.
 
-`RunProgress` is a driver observer (`driver.observe`), fed by the same events as the run folder's
+`RunProgress` is a run observer (`observers.observe`), fed by the same events as the run folder's
 writer. The bars are drawn only when stderr is a terminal; in a pipe, a file or CI the log lines
 are all there is, as before.
 """

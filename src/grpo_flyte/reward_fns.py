@@ -246,6 +246,8 @@ ANSWER_REWARDS = ("correct", "correct_format")
 # The LLM judge's reward: not a function of this module but a model on a pool of its own
 # (grpo_flyte.judge); the driver adds its scores to the other rewards'.
 JUDGE_REWARD = "judge"
+# The rewards a run scores with unless its config names others.
+DEFAULT_REWARDS = {"correct": 1.0}
 
 
 def check_reward_name(name: str) -> None:

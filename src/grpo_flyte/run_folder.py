@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from grpo_flyte import child_processes
-from grpo_flyte.config import PROG, RunConfig, format_validation_error
+from grpo_flyte.config import PROG, RunConfig
+from grpo_flyte.config_errors import format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
 from grpo_flyte.guard import best_summary
@@ -410,7 +411,8 @@ def _run_locked(
     import flyte
     from flyte.io import Dir
 
-    from grpo_flyte.driver import observe, train_rl
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.observers import observe
     from grpo_flyte.progress import RunProgress, eta_seconds
 
     for path in remove_leftovers(run_dir):
