@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import warm_python
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +30,7 @@ def jsonl_dataset(tmp_path) -> Path:
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    warm_python.close()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 import grpo_flyte
 from grpo_flyte.cli import parse_args, user_message
@@ -842,8 +843,7 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
     the task still resolves as grpo_flyte.driver.train_rl with its retries; without W&B, neither."""
     src = Path(__file__).resolve().parents[1] / "src"
     env = {**os.environ, "WANDB_ENTITY": "my-team", "GRPO_FLYTE_WANDB_SECRET": "wandb-api-key"}
-    out = subprocess.run([sys.executable, "-c", _WANDB_DRY_RUN, str(src), str(tiny_model_dir)], capture_output=True, text=True,
-                         timeout=180, cwd=tmp_path, env=env, check=False)  # fmt: skip
+    out = warm_python.run(["-c", _WANDB_DRY_RUN, src, tiny_model_dir], timeout=180, cwd=tmp_path, env=env, cli=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     with_wandb, without = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
     context = with_wandb["context"]

@@ -8,12 +8,11 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
+import warm_python
 from flyte.io import Dir
 
 from grpo_flyte import policy_update
@@ -465,13 +464,11 @@ def test_a_guarded_run_killed_around_its_rollback_resumes_with_one_rollback_and_
     reward = rigged_reward(tmp_path, run_dir, [0.0, 1.0, 2.0, -5.0, 2.0])
     args = _args(tiny_model_dir, run_dir, 5, reward, *flags)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SRC)])}
-    killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, env=env)
+    killed = warm_python.run([DRILL, point, str(nth), *args], env=env, timeout=300, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
     assert state.iterations_done == (2 if point == "checkpoint" else 3)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "grpo_flyte.driver", *args, "--resume"], capture_output=True, text=True, timeout=300, env=env
-    )
+    resumed = warm_python.run(["-m", "grpo_flyte.driver", *args, "--resume"], env=env, timeout=300, cli=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = _rows(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4, 5]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 from console import failed_run_lines
 
 from grpo_flyte import grpo
@@ -326,7 +327,7 @@ def test_a_multi_turn_run_writes_every_file_and_resumes_after_a_kill(tmp_path, t
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--env", "chatty_env:Chatty", "--max-turns", "3",
             "--max-episode-tokens", "80", "--iterations", "2", "--run-dir", str(run_dir)]  # fmt: skip
     # the engine batches: 1 (held-out, turn 1) ... the kill lands in iteration 1's episodes
-    killed = subprocess.run([sys.executable, str(DRILL), "generate", "8", *args], capture_output=True, text=True, timeout=600, check=False)
+    killed = warm_python.run([DRILL, "generate", "8", *args], timeout=600, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert cli_main([*args, "--resume"]) == 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import flyte
 import pytest
+import warm_python
 from flyte.io import Dir
 
 from grpo_flyte.cli import main as cli_main
@@ -84,18 +85,6 @@ def test_a_second_writer_is_refused_naming_the_live_run_and_a_dead_ones_lock_doe
     assert _iterations(run_dir) == [0, 1, 2, 3]
 
 
-def test_a_live_run_holds_its_folder(tmp_path, tiny_model_dir, capsys):
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*ENTRY, *_args(tiny_model_dir, run_dir, 30)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file())
-        assert cli_main([*_args(tiny_model_dir, run_dir, 30), "--resume"]) == 2
-        assert f"(process {proc.pid})" in capsys.readouterr().err
-    finally:
-        proc.kill()
-        proc.wait()
-
-
 # --------------------------------------------------------------------------- resume never starts over silently
 
 
@@ -133,12 +122,23 @@ def test_a_moved_run_folder_resumes(tmp_path, tiny_model_dir, finished):
 # --------------------------------------------------------------------------- SIGTERM
 
 
-def test_sigterm_stops_like_ctrl_c_with_the_resume_command(tmp_path, tiny_model_dir):
+def test_a_live_run_holds_its_folder_and_sigterm_stops_it_like_ctrl_c_with_the_resume_command(tmp_path, tiny_model_dir, capsys):
+    """A run in a process of its own (one start-up for two behaviours): while it runs, its folder
+    is refused to a second writer naming its process; then SIGTERM stops it as Ctrl-C does, with
+    the resume command, and that resume finishes."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*ENTRY, *_args(tiny_model_dir, run_dir, 30)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file() and len(_iterations(run_dir)) >= 2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _wait_for(proc, lambda: (run_dir / "metrics.jsonl").is_file())
+        assert cli_main([*_args(tiny_model_dir, run_dir, 30), "--resume"]) == 2, "a live run's folder was let to a second writer"
+        assert f"(process {proc.pid})" in capsys.readouterr().err, "the refusal does not name the live run's process"
+        _wait_for(proc, lambda: len(_iterations(run_dir)) >= 2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 143, err[-2000:]
     assert "stopped by SIGTERM" in err and f"--resume --run-dir {run_dir}" in err
     done = max(_iterations(run_dir))
@@ -185,7 +185,7 @@ def _interrupt(tmp_path: Path, args: list[str], ready, sig: signal.Signals, to_g
     deadline = time.monotonic() + 30
     while _tagged(tag) and time.monotonic() < deadline:  # killed children take a moment to go
         time.sleep(0.1)
-    assert _tagged(tag) == {}, "processes of the run outlived it"
+    assert _tagged(tag) == {}, f"processes of the run outlived it ({sig.name})"
     text = console.read_text()
     return code, text[mark:].splitlines(), text
 
@@ -195,19 +195,23 @@ def _train_processes(tag: str) -> list[str]:
     return [c for c in _tagged(tag).values() if "grpo_flyte.sandbox" not in c and " grpo_flyte.driver " not in c]
 
 
-@pytest.mark.parametrize(("sig", "to_group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm-to-the-run"])
-def test_a_signal_during_a_data_parallel_step_stops_the_run_in_one_line_and_ends_its_processes(tmp_path, tiny_model_dir, sig, to_group):
-    """--train-processes 2, the signal while the step's processes run: the run ends at once with
-    one line (its processes, in sessions of their own, print nothing), 130 for Ctrl-C and 143 for
-    SIGTERM, no process of it left behind, and the resume finishes. Before: two tracebacks of
-    the train processes, and a run that went on for the step's length and printed Flyte's retries."""
+def test_a_signal_during_a_data_parallel_step_stops_the_run_in_one_line_and_ends_its_processes(tmp_path, tiny_model_dir):
+    """--train-processes 2, a signal while the step's processes run: the run ends at once with
+    one line (its processes, in sessions of their own, print nothing), no process of it left
+    behind. Ctrl-C to the run's process group first (exit 130), then SIGTERM to the resumed run
+    alone (exit 143): one run, its start-up paid once; the resume after both finishes. Before:
+    two tracebacks of the train processes, and a run that went on for the step's length and
+    printed Flyte's retries."""
     run_dir = tmp_path / "run"
     args = [*_args(tiny_model_dir, run_dir, 30), "--train-processes", "2"]
-    code, after, console = _interrupt(tmp_path, args, lambda tag, _: len(_train_processes(tag)) >= 2, sig, to_group)
-    assert code == (130 if sig == signal.SIGINT else 143), console[-3000:]
-    how = "interrupted" if sig == signal.SIGINT else "stopped by SIGTERM"
-    assert len(after) == 1 and how in after[0] and f"--resume --run-dir {run_dir}" in after[0], console[-3000:]
-    assert "Traceback" not in console and "KeyboardInterrupt" not in console
+    for sig, to_group, again, code, how in [
+        (signal.SIGINT, True, [], 130, "interrupted"),
+        (signal.SIGTERM, False, ["--resume"], 143, "stopped by SIGTERM"),
+    ]:
+        ended, after, console = _interrupt(tmp_path, [*args, *again], lambda tag, _: len(_train_processes(tag)) >= 2, sig, to_group)
+        assert ended == code, f"{sig.name}: exit {ended}, expected {code}\n{console[-3000:]}"
+        assert len(after) == 1 and how in after[0] and f"--resume --run-dir {run_dir}" in after[0], f"{sig.name}:\n{console[-3000:]}"
+        assert "Traceback" not in console and "KeyboardInterrupt" not in console, f"{sig.name}:\n{console[-3000:]}"
     done = max(_iterations(run_dir))
     assert cli_main([*_args(tiny_model_dir, run_dir, done + 1), "--train-processes", "2", "--resume"]) == 0
     assert _iterations(run_dir) == list(range(done + 2))
@@ -329,7 +333,7 @@ def test_a_kill_at_any_point_leaves_whole_files_and_the_resume_finishes(tmp_path
 
     run_dir = tmp_path / "run"
     args = _args(tiny_model_dir, run_dir, 2)
-    killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, check=False)
+    killed = warm_python.run([DRILL, point, str(nth), *args], timeout=300, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _check_whole_files(run_dir)
     left = _temp_names(run_dir)
@@ -364,7 +368,7 @@ PIPELINED_KILL_POINTS = [
 def test_a_pipelined_run_killed_anywhere_resumes_each_iteration_once_with_its_schedules_adapters(tmp_path, tiny_model_dir, point, nth):
     run_dir = tmp_path / "run"
     args = [*_args(tiny_model_dir, run_dir, 3), "--max-staleness", "1"]
-    killed = subprocess.run([sys.executable, str(DRILL), point, str(nth), *args], capture_output=True, text=True, timeout=300, check=False)
+    killed = warm_python.run([DRILL, point, str(nth), *args], timeout=300, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _check_whole_files(run_dir)
     assert cli_main([*args, "--resume"]) == 0
@@ -617,7 +621,7 @@ def test_a_run_with_a_bigger_model_flag_writes_every_file_and_resumes_after_a_ki
     holds, every iteration once, and the metrics say how many processes trained."""
     run_dir = tmp_path / "run"
     args = [*_args(tiny_model_dir, run_dir, 2), *flags]
-    killed = subprocess.run([sys.executable, str(DRILL), "v0001", "1", *args], capture_output=True, text=True, timeout=300, check=False)
+    killed = warm_python.run([DRILL, "v0001", "1", *args], timeout=300, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     _check_whole_files(run_dir)
     assert cli_main([*args, "--resume"]) == 0

