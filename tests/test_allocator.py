@@ -76,9 +76,11 @@ def test_malloc_settings_are_made_unless_the_user_tuned_malloc_in_the_environmen
 
 
 @needs_glibc
-def test_a_fresh_process_with_the_torch_thread_never_calls_glibcs_malloc_trim(tmp_path):
+@pytest.mark.parametrize("leave", ["", "1"])
+def test_a_fresh_process_with_the_torch_thread_never_calls_glibcs_malloc_trim(tmp_path, leave):
     """The whole chain in a new process: protobuf imported first (as Flyte does), then the torch
-    thread started; upb's slot is bound to glibc's malloc_trim before and redirected after."""
+    thread started; upb's slot is bound to glibc's malloc_trim before and redirected after. With
+    GRPO_FLYTE_LEAVE_MALLOC=1 it stays glibc's, and no malloc setting is made."""
     script = tmp_path / "check.py"
     script.write_text(
         textwrap.dedent(
@@ -95,12 +97,13 @@ def test_a_fresh_process_with_the_torch_thread_never_calls_glibcs_malloc_trim(tm
             on_torch_thread(lambda: None)
             after = set(allocator.trim_slots(libc))
             trim, no_op = (ctypes.cast(f, ctypes.c_void_p).value for f in (libc.malloc_trim, libc.abs))
-            print(before == {trim}, after == {no_op})
+            print(before == {trim}, after == {no_op}, after == {trim})
             """
         )
     )
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=_python_env())
-    assert out.stdout.split() == ["True", "True"]
+    env = {**_python_env(), allocator.LEAVE_MALLOC: leave}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == (["True", "False", "True"] if leave else ["True", "True", "False"])
 
 
 def test_a_file_that_is_not_an_elf_library_is_refused(tmp_path):

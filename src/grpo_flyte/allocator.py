@@ -21,7 +21,9 @@ time; see docs/measurements.md, "Iteration overhead"):
 
 Both run once, when the torch thread starts (`grpo_flyte.torch_thread`); they do nothing on other
 C libraries or platforms, and `keep_freed_memory` leaves alone a process whose allocator the user
-tuned through the environment. The price is resident memory: a process keeps the largest working
+tuned through the environment. `GRPO_FLYTE_LEAVE_MALLOC=1` turns both off (the C library's allocator
+exactly as the process found it: for a process that cannot have a library's table of addresses
+written, or to compare). The price is resident memory: a process keeps the largest working
 set its torch thread has had (a step's activations), as it did already whenever a live block
 happened to sit at the top of the arena.
 """
@@ -50,6 +52,9 @@ TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 # The user's own malloc settings, which win.
 MALLOC_ENVIRONMENT = ("MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX")
 
+# Set to 1 (or true, yes): neither change is made.
+LEAVE_MALLOC = "GRPO_FLYTE_LEAVE_MALLOC"
+
 UPB_MODULE = "google._upb._message"
 TRIM_SYMBOL = "malloc_trim"
 
@@ -75,6 +80,9 @@ def keep_memory() -> None:
         if _done:
             return
         _done = True
+        if os.environ.get(LEAVE_MALLOC, "").strip().lower() in ("1", "true", "yes"):
+            logger.debug("malloc left as it is (%s)", LEAVE_MALLOC)
+            return
         try:
             libc = _libc()
             if libc is not None:
