@@ -427,7 +427,8 @@ class TrainConfig(_Part):
             "Padded tokens per forward/backward micro-batch; sequences are grouped by length. Every optimizer step "
             "accumulates the gradients of its micro-batches (gradient accumulation): lower it to fit memory. A sequence "
             "is never split: one longer than this trains alone with gradient checkpointing (its activations recomputed "
-            "in the backward pass): its memory grows with its length, each layer's input kept and one layer's activations at a time."
+            "in the backward pass): on the embedded model in bfloat16 its step's resident memory grows ~0.4 MB a token (live tensors "
+            "~70 KB a token; glibc keeps the freed ones), ~1 MB a token for sequences that fit."
         ),
     )
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(

@@ -280,7 +280,8 @@ def checkpointed(train: TrainConfig, lengths: list[int]) -> bool:
     """Whether a micro-batch of sequences of `lengths` recomputes its activations in the backward
     pass: always with gradient_checkpointing, and for a sequence longer than micro_batch_tokens,
     which trains alone (a sequence is never split): its activations would grow with it, ~1 MB a
-    token on the embedded model, while checkpointed it keeps each layer's input (35 KB a token)."""
+    token on the embedded model in bfloat16, while checkpointed its live tensors are ~70 KB a token
+    (each layer's input, one layer's activations at a time; docs/measurements.md, issue 40)."""
     return train.gradient_checkpointing or len(lengths) * max(lengths) > train.micro_batch_tokens
 
 
