@@ -39,3 +39,15 @@ class Stringly(Chatty):
 
     def step(self, text):
         return "just text"
+
+
+# A page of prose: what a tool that fetches a web page or reads a file returns (~4,500 tokens).
+PAGE = ("The quick brown fox jumps over the lazy dog while the river runs past the mill. " * 250)[:20_000]
+
+
+class Pages(Chatty):
+    """Every reply is a 20,000-character page: each turn adds thousands of tokens to the context."""
+
+    def step(self, text):
+        reply = super().step(text)
+        return reply if reply.done else Reply(PAGE, role="user")

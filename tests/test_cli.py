@@ -241,6 +241,16 @@ def test_help_lists_the_flags(help_text):
         assert f in blocks, f
 
 
+def test_help_says_what_memory_a_long_episode_needs(help_text):
+    """A tool that returns a web page puts thousands of tokens into an episode: --help says how its
+    memory grows, generating (the key/value cache a token) and training (checkpointed past the budget)."""
+    blocks = _option_blocks(help_text)
+    assert "23 KB on the embedded model in bfloat16" in blocks["--max-episode-tokens"]
+    assert "not their square" in blocks["--max-episode-tokens"]
+    assert "one longer than this trains alone with gradient checkpointing" in blocks["--micro-batch-tokens"]
+    assert "Always on for a sequence longer than micro_batch_tokens" in blocks["--gradient-checkpointing"]
+
+
 def test_help_has_every_config_field_with_default(help_text):
     blocks = _option_blocks(help_text)
     for name, field in leaf_fields():

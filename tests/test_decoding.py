@@ -252,6 +252,94 @@ def test_grouped_attention_is_eager_attention_without_the_repeated_cache():
     assert our_weights[0, :, :, :2].abs().max() == 0
 
 
+def test_grouped_attention_takes_sdpas_masks_and_hands_long_calls_to_the_fused_kernel(monkeypatch):
+    """transformers builds sdpa's boolean mask for it, or none where the causal flag says it all
+    (no (queries x keys) mask for a long prefill); past GROUPED_SCORES_LIMIT scores a row goes
+    through torch's fused kernel, which never holds them. Eager attention's numbers either way."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from grpo_flyte import decoding
+
+    class Module:
+        num_key_value_groups, training, is_causal = 3, False, True
+
+    torch.manual_seed(0)
+    query = torch.randn(2, 6, 5, 4, dtype=torch.float64)
+    key, value = (torch.randn(2, 2, 5, 4, dtype=torch.float64) for _ in range(2))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask = causal.expand(2, 1, 5, 5).clone()
+    mask[0, :, :, 4] = False  # row 0's last key is padding (right-padded, as the trainer pads)
+
+    def additive(m):
+        return torch.where(m, torch.tensor(0.0, dtype=torch.float64), torch.finfo(torch.float64).min)
+
+    padded = eager_attention_forward(Module(), query, key, value, additive(mask), scaling=0.4)[0]
+    plain = eager_attention_forward(Module(), query, key, value, additive(causal.expand(2, 1, 5, 5)), scaling=0.4)[0]
+    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, mask, scaling=0.4)[0], padded, atol=1e-12)
+    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-12)
+    monkeypatch.setattr(decoding, "GROUPED_SCORES_LIMIT", 0)
+    fused, weights = decoding.grouped_attention(Module(), query, key, value, mask, scaling=0.4)
+    # the fused CPU kernel sums in float32 whatever the type
+    assert weights is None and torch.allclose(fused, padded, atol=1e-6)
+    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-6)
+
+
+def _grouped(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_flyte.decoding import register_grouped_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    model.set_attn_implementation(register_grouped_attention())
+    return model
+
+
+def test_a_long_context_is_prefilled_in_chunks_with_the_rows_of_one_pass(tiny_model_dir, monkeypatch):
+    """A prefill's activations and mask are a chunk's, whatever the context's length; the rows
+    are those of one pass."""
+    from grpo_flyte import decoding
+
+    model = _grouped(tiny_model_dir)
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=5)
+    context = [1 + (7 * i) % 500 for i in range(200)]
+    one_pass = run(model, [context, context[:150]], sampling, prefixes=PrefixCache(0))
+    monkeypatch.setattr(decoding, "PREFILL_CHUNK_TOKENS", 16)
+    fed = fed_tokens(model, monkeypatch)
+    chunked = run(model, [context, context[:150]], sampling, prefixes=PrefixCache(0))
+    assert same_rows(chunked, one_pass)
+    assert fed[:23] == [16] * 12 + [199 - 192] + [16] * 9 + [149 - 144]  # then one token per row a step
+    assert all(n == 2 for n in fed[23:])
+
+
+def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(tiny_model_dir, monkeypatch):
+    """A 2,400-token context (a long tool reply) on the model as the CPU generator sets it up: every
+    scores matrix the attention computes (`grouped_attention`'s softmax) stays within
+    GROUPED_SCORES_LIMIT a row, and every mask torch's fused kernel is given is at most a prefill
+    chunk's queries by the context's keys; the one-pass prefill's would be 4 x 2,400 x 2,400 (a
+    7,000-token reply on the embedded model: 9 x 7,000 x 7,000 a layer, ~3.5 GB with its float32 softmax)."""
+    from grpo_flyte import decoding
+
+    model = _grouped(tiny_model_dir)
+    context = [1 + (7 * i) % 500 for i in range(2400)]
+    scores, masks = [], []
+    softmax, fused = torch.softmax, torch.nn.functional.scaled_dot_product_attention
+
+    def recorded_softmax(x, *args, **kwargs):
+        scores.append(x.numel() // x.shape[0])  # per row
+        return softmax(x, *args, **kwargs)
+
+    def recorded_fused(query, key, value, attn_mask=None, **kwargs):
+        masks.append(0 if attn_mask is None else attn_mask.numel())
+        return fused(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch, "softmax", recorded_softmax)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_fused)
+    rows = run(model, [context, context], Sampling(temperature=1.0, top_p=1.0, max_new_tokens=3), prefixes=PrefixCache(2**30))
+    assert [len(ids) for ids, _ in rows] == [3, 3]
+    assert scores and max(scores) <= decoding.GROUPED_SCORES_LIMIT
+    assert masks and max(masks) <= decoding.PREFILL_CHUNK_TOKENS * len(context)
+
+
 def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

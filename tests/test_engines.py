@@ -415,3 +415,31 @@ def test_trl_prompts_tokenize_as_trl_would(embedded_dir):
     assert config.system_prompt not in tok.decode(ids)
     # the question form still gets the run's system prompt and instruction
     assert config.system_prompt in tok.decode(tokenize_prompt(tok, Example(question="Name a prime.", answer="2"), config))
+
+
+def test_rows_past_the_cache_bound_decode_in_batches_within_it_with_the_same_rollouts(tiny_model_dir, monkeypatch):
+    """The key/value cache a decode batch holds is bounded (64 episodes of long contexts would
+    not fit): rows past it decode in further batches of similar lengths, each within the bound,
+    and every row is what one batch gives (float64; a row does not depend on its batch mates)."""
+    from grpo_flyte import decoding
+
+    gen = engines.HFGenerator(str(tiny_model_dir), "float32", 1)
+    gen.base.double()
+    requests = [
+        SamplingRequest(prompt_ids=[1 + (5 * i + j) % 300 for j in range(40 + 10 * i)], group_size=2, temperature=1.0, top_p=1.0,
+                        max_new_tokens=4, seed=i)
+        for i in range(3)
+    ]  # fmt: skip
+    one_batch = gen.generate_many(requests, None)
+    per_token = decoding.kv_bytes_per_token(gen.base)
+    gen.batch_kv_bytes = 160 * per_token
+    batches = []
+    decode = decoding.decode
+    monkeypatch.setattr(
+        decoding, "decode", lambda model, prompts, *a, **k: batches.append([len(p) for p in prompts]) or decode(model, prompts, *a, **k)
+    )
+    split = gen.generate_many(requests, None)
+    assert [[r.completion_ids for r in g] for g in split] == [[r.completion_ids for r in g] for g in one_batch]
+    for g, h in zip(split, one_batch, strict=True):
+        assert all(a.sampling_logprobs == pytest.approx(b.sampling_logprobs, abs=1e-9) for a, b in zip(g, h, strict=True))
+    assert batches == [[60, 60], [50, 50], [40, 40]]  # longest first, each within 160 tokens with its 4 new ones

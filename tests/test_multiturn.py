@@ -347,6 +347,29 @@ def test_a_multi_turn_run_writes_every_file_and_resumes_after_a_kill(tmp_path, t
     assert json.loads((run_dir / "config.json").read_text())["episode"]["env"] == "chatty_env:Chatty"
 
 
+# Run a command and print the largest resident memory it reached, in KB (`getrusage` of the children).
+PEAK_RSS = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+
+
+def test_a_run_whose_tool_returns_long_pages_holds_memory_for_its_tokens_not_their_square(tmp_path, tiny_model_dir, monkeypatch):
+    """Every reply a 20,000-character page (~4,500 tokens: a fetched web page, a file): episodes
+    of ~8,500 tokens, generated, scored and trained on (beta > 0: every episode is in the loss).
+    The run's memory is the model's and the tokens' (the prefill in chunks, attention through the
+    fused kernel past its scores limit, a sequence longer than micro_batch_tokens checkpointed):
+    0.8 GB. Before, (tokens x tokens) attention scores in the prefill and the train step: 5.9 GB."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), "--env", "chatty_env:Pages", "--max-turns", "3", "--max-episode-tokens", "12000",
+            "--max-new-tokens", "8", "--prompts-per-iter", "1", "--group-size", "2", "--eval-size", "0", "--min-informative-groups", "0",
+            "--beta", "0.04", "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "grpo_flyte.driver", *args],
+                          capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = [r for r in _rows(run_dir) if r["iteration"] == 1]
+    assert row["completion_len_mean"] > 8000 and row["num_tokens"] > 0  # long episodes, trained on
+    assert int(done.stdout.split()[-1]) / 1024 < 2000  # MB
+
+
 @pytest.mark.parametrize("env", ["Broken", "Slow"])
 def test_failed_environment_steps_are_counted_through_the_cli(tmp_path, tiny_model_dir, monkeypatch, env, caplog):
     """Every stepped turn fails (it raises, or outlives --tool-timeout-s): the run finishes and

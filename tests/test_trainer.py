@@ -287,6 +287,32 @@ def test_gradient_checkpointing_gives_the_same_step(fresh):
     assert not policy_update._checkpointing_api(model)[0]  # the cached model follows each step's config
 
 
+def test_a_sequence_longer_than_the_micro_batch_budget_trains_with_checkpointed_activations(fresh, monkeypatch):
+    """A sequence is never split: one longer than micro_batch_tokens trains alone, and its
+    activations are recomputed in the backward pass (kept, their memory would grow with it); the
+    others train as configured. The step is the one without checkpointing, to float rounding."""
+    long = TrainSequence(prompt_ids=[1, *range(3, 60), *range(3, 20)], completion_ids=[11, 12, 13, 2], advantage=1.0)  # 79 tokens
+
+    def step(**settings):
+        model, optimizer, config = fresh(micro_batch_tokens=64, **settings)
+        calls = []  # the tokens of each forward of layer 0's attention (a recomputed layer's runs twice)
+        model.base_model.model.model.layers[0].self_attn.register_forward_hook(
+            lambda module, args, kwargs, out: calls.append(kwargs["hidden_states"].shape[1]), with_kwargs=True
+        )
+        stats = policy_update.grpo_step(model, optimizer, [A, long, B], config.train, config.sampling)
+        return stats, [n for n in calls if n in (6, 79)], torch.cat([p.detach().flatten() for p in policy.trainable(model)])
+
+    auto, auto_calls, auto_weights = step()
+    # A and B (one micro-batch, 6 wide) once, the long one and its recompute in the backward pass
+    assert sorted(auto_calls) == [6, 79, 79]
+    monkeypatch.setattr(policy_update, "checkpointed", lambda train, lengths: False)
+    kept, kept_calls, kept_weights = step()
+    assert sorted(kept_calls) == [6, 79]
+    assert auto.loss == pytest.approx(kept.loss, abs=1e-6)
+    assert auto.grad_norm == pytest.approx(kept.grad_norm, rel=1e-5)
+    assert torch.allclose(auto_weights, kept_weights, atol=1e-7)
+
+
 def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):
     """beta 0: the KL is only a metric, so its reference pass runs on iterations N, 2N, ... (the
     others report none); with beta > 0 it is in the loss and runs every time."""

@@ -167,7 +167,8 @@ class PrefixCache:
     A cache only: a context found here decodes as it would from scratch (same tokens, log-probs
     equal to float rounding). An entry is dropped once used (the turn that extends it stores its
     own), when the adapter changes (`use`), and oldest first past `max_bytes`; a finished episode's
-    last entry waits for one of the latter two.
+    last entry waits for one of the latter two. An entry larger than `max_bytes` is not stored (nor
+    copied out of the batch to be): that context is recomputed by the turn that extends it.
     """
 
     def __init__(self, max_bytes: int):
@@ -191,10 +192,14 @@ class PrefixCache:
                 best = (key, kv)
         return best
 
+    def fits(self, num_bytes: int) -> bool:
+        """Whether an entry of `num_bytes` can be stored (a longer context is recomputed, not kept)."""
+        return num_bytes <= self.max_bytes
+
     def put(self, ids: list[int], kv: KV) -> None:
         size = kv_bytes(kv)
         key = tuple(ids)
-        if size > self.max_bytes or key in self.entries:
+        if not self.fits(size) or key in self.entries:
             return
         self.entries[key] = kv
         self.num_bytes += size
@@ -211,6 +216,15 @@ def kv_bytes(kv: KV) -> int:
     return sum(t.numel() * t.element_size() for pair in kv for t in pair)
 
 
+def kv_bytes_per_token(model) -> int:
+    """What one token of context holds in the model's key/value cache: keys and values of every
+    layer and key/value head (23 KB on the embedded model in bfloat16)."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
 def plain_cache(model) -> bool:
     """Whether the model's cache is one growing (keys, values) pair per layer, which rows can be cut
     out of and put together again (not sliding windows, not recurrent states)."""
@@ -220,9 +234,15 @@ def plain_cache(model) -> bool:
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
+# A context's new tokens are prefilled this many at a time: the pass's activations (a chunk's
+# hidden states and MLP products) and its attention mask (chunk x context) stay a chunk's, whatever
+# the context's length, while the key/value cache grows by each chunk.
+PREFILL_CHUNK_TOKENS = 1024
+
+
 def context_kv(model, ids: list[int], prefixes: PrefixCache) -> tuple[KV, tuple[int, ...]]:
-    """The cache of `ids` (one context, no padding): its longest stored prefix, extended by a pass
-    over the rest; also the key of the entry used."""
+    """The cache of `ids` (one context, no padding): its longest stored prefix, extended by passes
+    over the rest, PREFILL_CHUNK_TOKENS at a time; also the key of the entry used."""
     import torch
     from transformers import DynamicCache
 
@@ -234,9 +254,12 @@ def context_kv(model, ids: list[int], prefixes: PrefixCache) -> tuple[KV, tuple[
     cache = DynamicCache(config=model.config)
     for layer, (k, v) in enumerate(kv):
         cache.update(k, v, layer)
-    positions = torch.arange(len(key), len(ids), device=device).unsqueeze(0)
-    last = torch.tensor([len(rest) - 1], device=device)  # no logits wanted; one row's is the least
-    model(input_ids=torch.tensor([rest], device=device), position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last)
+    for start in range(0, len(rest), PREFILL_CHUNK_TOKENS):
+        chunk = rest[start : start + PREFILL_CHUNK_TOKENS]
+        positions = torch.arange(len(key) + start, len(key) + start + len(chunk), device=device).unsqueeze(0)
+        last = torch.tensor([len(chunk) - 1], device=device)  # no logits wanted; one row's is the least
+        inputs = torch.tensor([chunk], device=device)
+        model(input_ids=inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last)
     return [(layer.keys, layer.values) for layer in cache.layers], key
 
 
@@ -282,6 +305,11 @@ def _left_padded(kv: KV, layer: int, width: int, like):
 
 # The name transformers knows `grouped_attention` by (`register_grouped_attention`).
 GROUPED_ATTENTION = "grpo_flyte_grouped"
+# Attention scores (query heads x queries x keys) one row's call may hold in `grouped_attention`'s
+# own arithmetic; a call past it (a long context's prefill, a long sequence's training) goes through
+# torch's fused attention. Counted per row, not per batch: a decode step (one query a row) stays
+# below it up to ~116,000 keys on the embedded model, however many rows decode together.
+GROUPED_SCORES_LIMIT = 2**20
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
@@ -294,16 +322,32 @@ def grouped_attention(module, query, key, value, attention_mask, scaling: float,
     make its shapes match; a decode step then moves the cache more than it computes. Same
     arithmetic otherwise: scores scaled, plus the additive mask, softmax in float32, times the
     values; returns (B, Q, Hq, D) and the weights, as the eager function does.
+
+    `attention_mask`: sdpa's (B, 1, Q, K) boolean mask (True: attended; the mask transformers
+    builds for this attention), an additive float one, or None (causal without padding, or one
+    query). A row past GROUPED_SCORES_LIMIT scores goes through transformers' sdpa attention
+    instead: torch's fused kernel works through the scores in blocks and keeps none for the
+    backward pass, so its memory grows with the tokens, not with their square (the scores of a
+    7,000-token context are 9 x 7,000 x 7,000 numbers per layer on the embedded model, ~4 GB).
     """
     import torch
 
     batch, num_heads, num_queries, dim = query.shape
-    num_kv = key.shape[1]
+    num_kv, num_keys = key.shape[1], key.shape[2]
+    if num_heads * num_queries * num_keys > GROUPED_SCORES_LIMIT:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is None and num_queries > 1:  # causal; sdpa_mask left it to the fused kernel's flag
+        attention_mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).tril(num_keys - num_queries)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # additive, as transformers' eager_mask makes it
+        zero = torch.tensor(0.0, dtype=query.dtype, device=query.device)
+        attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
     groups = num_heads // num_kv
     q = query.reshape(batch, num_kv, groups * num_queries, dim)
     scores = torch.matmul(q, key.transpose(2, 3)) * scaling  # (B, Hkv, g*Q, K)
     if attention_mask is not None:
-        scores = (scores.view(batch, num_kv, groups, num_queries, -1) + attention_mask[:, :, None]).view_as(scores)
+        scores = (scores.view(batch, num_kv, groups, num_queries, -1) + attention_mask[..., None, :, :]).view_as(scores)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     out = torch.matmul(weights, value).view(batch, num_heads, num_queries, dim)
@@ -312,12 +356,13 @@ def grouped_attention(module, query, key, value, attention_mask, scaling: float,
 
 def register_grouped_attention() -> str:
     """Make `grouped_attention` an attention implementation transformers models can be set to
-    (with eager attention's additive mask); returns its name."""
+    (with sdpa's boolean mask, which transformers leaves out where the causal flag says it all:
+    no (queries x keys) mask is built for a long context's prefill); returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, eager_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_ATTENTION, sdpa_mask)
     return GROUPED_ATTENTION
 
 
@@ -373,7 +418,8 @@ def decode(
         """The rows' cache (context and every sampled token but the last, never fed) for a later call."""
         for b in batch_rows:
             r = active[b]
-            if r in continued:
+            held = [(layer.keys[b, :, pads[r] :], layer.values[b, :, pads[r] :]) for layer in cache.layers]  # views
+            if r in continued and prefixes.fits(kv_bytes(held)):  # else no copy made only to be refused
                 kv = [
                     (layer.keys[b : b + 1, :, pads[r] :].clone(), layer.values[b : b + 1, :, pads[r] :].clone()) for layer in cache.layers
                 ]

@@ -53,6 +53,12 @@ MAX_BATCH_ROWS = 4096
 # the embedded model's own size (fp32), ~11,000 context tokens of it (46 KB each: 30 layers x K and V
 # x 3 heads x 64 x 4 bytes); past it the oldest contexts are recomputed, not kept.
 PREFIX_CACHE_BYTES = 512 * 2**20
+# The key/value cache one decode batch of the transformers engine may hold (rows x their longest
+# context and new tokens): rows past it decode in further batches, one after another, so that the
+# memory of generation is this bound, not the batch's (64 episodes of 7,000-token contexts hold
+# 10 GB on the embedded model in bfloat16). Runs of short contexts (an iteration of a default run
+# is ~17,000 tokens, 0.4 GB) decode in one batch as before.
+DECODE_BATCH_KV_BYTES = 2**30
 # The LoRA ranks vLLM's `max_lora_rank` accepts; an adapter of a smaller rank runs on the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -105,7 +111,14 @@ class HFGenerator:
     """transformers + PEFT generation; one adapter active at a time, a few kept loaded, and the
     cache of the current adapter's unfinished multi-turn contexts."""
 
-    def __init__(self, model_path: str, dtype: str, max_adapters: int, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        max_adapters: int,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        batch_kv_bytes: int = DECODE_BATCH_KV_BYTES,
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from grpo_flyte.decoding import PrefixCache
@@ -124,6 +137,7 @@ class HFGenerator:
         self.eos_ids.discard(None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.prefixes = PrefixCache(prefix_cache_bytes)
+        self.batch_kv_bytes = batch_kv_bytes
         self._grammar_tokenizer = None  # built on the first request with a regex (the judge's)
 
     def _matchers(self, regexes: list[str | None]) -> list | None:
@@ -179,7 +193,8 @@ class HFGenerator:
 
         import torch
 
-        from grpo_flyte.decoding import decode, hits_stop
+        from grpo_flyte.decoding import decode, hits_stop, kv_bytes_per_token
+        from grpo_flyte.grpo import plan_micro_batches
 
         if adapter_path is not None:
             self._activate(adapter_path)
@@ -193,8 +208,27 @@ class HFGenerator:
         continued = frozenset(i for i, r in enumerate(owners) if r.continues)
         sampling = requests[0].sampling()
         matchers = self._matchers([r.regex for r in owners])
+        rows: list = [None] * len(prompts)
+        token_bytes = kv_bytes_per_token(self.base)
+        lengths = [len(p) + sampling.max_new_tokens for p in prompts]
         with torch.inference_mode(), base_only:
-            rows = decode(model, prompts, seeds, sampling, self.eos_ids, self.pad_id, self.tokenizer, self.prefixes, continued, matchers)
+            # within the cache bound, in batches of similar lengths (the trainer's micro-batch plan)
+            for part in plan_micro_batches(lengths, max(1, self.batch_kv_bytes // token_bytes)):
+                part.sort()
+                decoded = decode(
+                    model,
+                    [prompts[i] for i in part],
+                    [seeds[i] for i in part],
+                    sampling,
+                    self.eos_ids,
+                    self.pad_id,
+                    self.tokenizer,
+                    self.prefixes,
+                    frozenset(j for j, i in enumerate(part) if i in continued),
+                    None if matchers is None else [matchers[i] for i in part],
+                )
+                for i, row in zip(part, decoded, strict=True):
+                    rows[i] = row
         rollouts = []
         for ids, lps in rows:
             ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)

@@ -370,7 +370,8 @@ def _nf4_embedding():
 def attention_for(device: str, plain: bool) -> str:
     """The transformers attention a model generates and trains with: on a CPU,
     `decoding.grouped_attention` (eager attention that never copies the keys and values per query
-    head); 'sdpa', transformers' default, elsewhere. On the embedded model in bfloat16 a decode
+    head, and hands long calls, a long context's prefill or a long sequence's training, to torch's
+    fused kernel); 'sdpa', transformers' default, elsewhere. On the embedded model in bfloat16 a decode
     step (24 rows, a 150-token cache, one thread) took 52 ms with it against 128 ms with sdpa, and a
     train step (24 x 190 tokens) 5.6 s against 6.7 s (docs/measurements.md): torch's fused CPU
     attention is slow for one query a row, and its backward is slow.

@@ -276,6 +276,15 @@ def _set_checkpointing(model, on: bool) -> None:
         disable()
 
 
+def checkpointed(train: TrainConfig, lengths: list[int]) -> bool:
+    """Whether a micro-batch of sequences of `lengths` recomputes its activations in the backward
+    pass: always with gradient_checkpointing, and for a sequence longer than micro_batch_tokens,
+    which trains alone (a sequence is never split): its activations would grow with it, ~1 MB a
+    token on the embedded model in bfloat16, while checkpointed its live tensors are ~70 KB a token
+    (each layer's input, one layer's activations at a time; docs/measurements.md, issue 40)."""
+    return train.gradient_checkpointing or len(lengths) * max(lengths) > train.micro_batch_tokens
+
+
 def grpo_step(
     model,
     optimizer,
@@ -313,7 +322,6 @@ def grpo_step(
         model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling, iteration, mine
     )
     model.train()
-    _set_checkpointing(model, train.gradient_checkpointing)
     totals = _Totals()
     for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
         if not forward:  # the same in every process
@@ -326,6 +334,7 @@ def grpo_step(
         )
         for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
             ids = [share[j] for j in local]
+            _set_checkpointing(model, checkpointed(train, [sequences[i].length for i in ids]))
             loss = _micro_batch_loss(
                 model,
                 [sequences[i] for i in ids],
