@@ -164,6 +164,14 @@ def _tagged(tag: str) -> dict[int, str]:
     return found
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before it starts: SIGINT handled, as a terminal's shell starts a command. The
+    tests' own process may have it ignored, and a child inherits that: a shell without job control
+    ignores SIGINT in what it starts with `&` (`make test &`, a CI runner's background step), and a
+    Python started with SIGINT ignored keeps ignoring it, as a user's run started that way would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(tmp_path: Path, args: list[str], ready, sig: signal.Signals, to_group: bool) -> tuple[int, list[str], str]:
     """Start the CLI in a session of its own, wait until `ready(tag, console so far)`, then send
     `sig` to the run (`to_group`: to its whole process group, as a terminal's Ctrl-C does).
@@ -172,7 +180,7 @@ def _interrupt(tmp_path: Path, args: list[str], ready, sig: signal.Signals, to_g
 
     tag, console = uuid4().hex, tmp_path / "console.txt"
     with console.open("w") as err:
-        proc = subprocess.Popen([*ENTRY, *args], stdout=subprocess.DEVNULL, stderr=err, text=True,
+        proc = subprocess.Popen([*ENTRY, *args], stdout=subprocess.DEVNULL, stderr=err, text=True, preexec_fn=_ctrl_c_as_in_a_terminal,
                                 env={**os.environ, "TEST_RUN_TAG": tag}, start_new_session=True)  # fmt: skip
         try:
             _wait_for(proc, lambda: ready(tag, console.read_text()))
