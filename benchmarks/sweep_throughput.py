@@ -1,8 +1,9 @@
 """A sweep on one warm pool against the same configs run one after another: wall time, engine batches, loads.
 
 Four configs of the embedded SmolLM2-135M-Instruct that differ in the learning rate only, 5
-iterations each (8 prompts x 8 completions, 64 new tokens, a held-out evaluation of 50 questions
-before and after), run on this machine in one invocation:
+iterations each (4 prompts x 4 completions, 32 new tokens, a held-out evaluation of 20 questions
+before and after; `--recipe-size`: the default recipe's 8 x 8, 64 tokens, 50 questions), run on
+this machine in one invocation:
 
 - (a) sequential: one `python -m grpo_flyte.driver --local` process per config, one after another
   (what a sweep was before: each run loads its own engine and base model);
@@ -13,7 +14,8 @@ many configs' groups each batcher flush held), the engine builds and train-side 
 (from the run's own log lines), and whether each config's metrics and final adapter are the same
 on both sides (same seed, same batches).
 
-    python benchmarks/sweep_throughput.py            # 4 configs x 5 iterations, ~15 minutes on 2 cores
+    python benchmarks/sweep_throughput.py                  # 4 configs x 5 iterations, ~10 minutes on 2 quiet cores
+    python benchmarks/sweep_throughput.py --recipe-size    # the same at the default recipe's size, ~4x longer
     python benchmarks/sweep_throughput.py --quick    # 2 configs x 1 tiny iteration (the plumbing)
 """
 
@@ -30,7 +32,8 @@ from pathlib import Path
 import _common
 
 TARGET_RATIO = 0.6
-FULL = {"iterations": 5, "prompts_per_iter": 8, "group_size": 8, "max_new_tokens": 64, "eval_size": 50}
+FULL = {"iterations": 5, "prompts_per_iter": 4, "group_size": 4, "max_new_tokens": 32, "eval_size": 20}
+RECIPE = {**FULL, "prompts_per_iter": 8, "group_size": 8, "max_new_tokens": 64, "eval_size": 50}
 QUICK = {"iterations": 1, "prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8, "eval_size": 2}
 LEARNING_RATES = ("1e-4", "2e-4", "3e-4", "5e-4")
 ENGINE_BUILT = "building the hf generator"
@@ -106,8 +109,9 @@ def _compare(alone: Path, swept: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "sweep_throughput.json")
+    p.add_argument("--recipe-size", action="store_true", help="the default recipe's batch and completion length")
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = QUICK if args.quick else RECIPE if args.recipe_size else FULL
     rates = LEARNING_RATES[:2] if args.quick else LEARNING_RATES
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     base = ["--local", *flags, "--min-informative-groups", "0"]
