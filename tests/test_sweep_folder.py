@@ -1,5 +1,6 @@
 """A local sweep through the command line: every config's run folder is what its lone run writes
-(same seed, same metrics and adapter), one engine and one base load for all, a failing config ends
+(same seed: the same completions, metrics and adapter up to float rounding), one engine and one
+base load for all, a failing config ends
 alone and is named, --resume finishes what did not finish, and a bad grid writes nothing."""
 
 from __future__ import annotations
@@ -53,12 +54,35 @@ def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_p
     assert cli_main(_args(tiny_model_dir, lone, "--learning-rate", "5e-3", "--seed", "1")) == 0
     swept = sweep_dir / "learning_rate=5e-3_seed=1"
     assert _files(swept) == _files(lone)
-    assert _metrics(swept) == _metrics(lone)
+    # The same completions and rewards; float figures equal to float rounding: in the sweep's
+    # engine batches (four adapters' rows) a row's log-probs differ from its lone run's in the 7th
+    # digit (PEFT's mixed adapter batches, larger matmuls).
+    completions = [[json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((lone / "eval").iterdir())]
+    assert completions == [
+        [json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((swept / "eval").iterdir())
+    ]
+    assert _close(_metrics(swept), _metrics(lone))
     assert [r["iteration"] for r in _metrics(swept)] == [0, 1, 2]
-    assert (swept / "adapter" / "adapter_model.safetensors").read_bytes() == (lone / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert _weights(swept).keys() == _weights(lone).keys()
+    assert max((_weights(swept)[k] - _weights(lone)[k]).abs().max().item() for k in _weights(lone)) < 1e-5
     # the other seed and learning rate trained something else (the folders are not copies of one run)
-    other = (sweep_dir / "learning_rate=1e-4_seed=0" / "adapter" / "adapter_model.safetensors").read_bytes()
-    assert other != (swept / "adapter" / "adapter_model.safetensors").read_bytes()
+    other = _weights(sweep_dir / "learning_rate=1e-4_seed=0")
+    assert max((other[k] - _weights(swept)[k]).abs().max().item() for k in other) > 1e-3
+
+
+def _weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _close(a: list[dict], b: list[dict]) -> bool:
+    """Equal rows, floats to a relative 1e-4 (absolute 1e-6 near 0)."""
+
+    def same(u, v) -> bool:
+        return u == pytest.approx(v, rel=1e-4, abs=1e-6) if isinstance(u, float) and isinstance(v, float) else u == v
+
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(same(x[k], y[k]) for k in x) for x, y in zip(a, b, strict=True))
 
 
 def _fragile_reward(tmp_path: Path, monkeypatch) -> tuple[str, Path]:
