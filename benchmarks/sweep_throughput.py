@@ -9,7 +9,8 @@ this machine in one invocation:
   (what a sweep was before: each run loads its own engine and base model);
 - (b) sweep: one `--local --sweep learning_rate=...` process, every config at once.
 
-Reports the wall-time ratio (b)/(a), the engine batches each side decoded (rows per batch, and how
+Reports the wall-time ratio (b)/(a) and the CPU-time ratio (on a shared machine the wall
+times carry the other jobs' load; the CPU seconds much less), the engine batches each side decoded (rows per batch, and how
 many configs' groups each batcher flush held), the engine builds and train-side base loads counted
 (from the run's own log lines), and whether each config's metrics and final adapter are the same
 on both sides (same seed, same batches).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -46,7 +48,7 @@ def child(batches_file: str, cli_args: list[str]) -> int:
     from grpo_flyte import engines
     from grpo_flyte.cli import main
 
-    process, decode = engines._process, engines._decode
+    process, decode, decode_mixed = engines._process, engines._decode, engines._decode_mixed
 
     async def recording_process(calls):
         with open(batches_file, "a") as f:
@@ -58,26 +60,39 @@ def child(batches_file: str, cli_args: list[str]) -> int:
             f.write(json.dumps({"engine_rows": sum(r.group_size for r in requests), "groups": len(requests)}) + "\n")
         return decode(key, requests, adapter_path)
 
-    engines._process, engines._decode = recording_process, recording_decode
+    def recording_decode_mixed(key, requests, adapter_paths):
+        with open(batches_file, "a") as f:
+            rows = sum(r.group_size for r in requests)
+            f.write(json.dumps({"engine_rows": rows, "groups": len(requests), "adapters": len(set(adapter_paths))}) + "\n")
+        return decode_mixed(key, requests, adapter_paths)
+
+    engines._process, engines._decode, engines._decode_mixed = recording_process, recording_decode, recording_decode_mixed
     return main(cli_args)
 
 
-def _run(cli_args: list[str], batches: Path, log: Path) -> float:
+def _cpu_children() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(cli_args: list[str], batches: Path, log: Path) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one side's process, its children included (reward workers)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import sweep_throughput as s; sys.exit(s.child(sys.argv[1], sys.argv[2:]))"
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_children()
     with log.open("a") as out:
         done = subprocess.run([sys.executable, "-c", code, str(batches), *cli_args], stdout=out, stderr=subprocess.STDOUT, env=env)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"a run failed (exit {done.returncode}); its log: {log}")
-    return seconds
+    return seconds, _cpu_children() - cpu
 
 
 def _batches(path: Path) -> dict:
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     flushes = [x for x in lines if "flush" in x]
     rows = [x["engine_rows"] for x in lines if "engine_rows" in x]
+    mixed = [x["adapters"] for x in lines if "engine_rows" in x and x.get("adapters", 1) > 1]
     return {
         "engine_batches": len(rows),
         "engine_rows_mean": sum(rows) / len(rows) if rows else 0,
@@ -85,6 +100,8 @@ def _batches(path: Path) -> dict:
         "flushes": len(flushes),
         "flushes_with_several_configs": sum(1 for x in flushes if x["adapters"] > 1),
         "configs_per_flush_max": max((x["adapters"] for x in flushes), default=0),
+        "engine_batches_mixing_adapters": len(mixed),
+        "adapters_per_engine_batch_max": max(mixed, default=1),
     }
 
 
@@ -117,20 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     base = ["--local", *flags, "--min-informative-groups", "0"]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-bench-"))
     print(f"{len(rates)} configs x {sizes['iterations']} iterations; work in {root}")
-    sequential_s = 0.0
+    sequential_s = sequential_cpu_s = 0.0
     for rate in rates:
-        s = _run(
-            [*base, "--learning-rate", rate, "--run-dir", str(root / "sequential" / f"learning_rate={rate}")],
-            root / "seq.batches",
-            root / "seq.log",
-        )
-        print(f"  sequential  learning_rate={rate}: {s:7.1f} s")
-        sequential_s += s
-    sweep_s = _run(
-        [*base, "--sweep", "learning_rate=" + ",".join(rates), "--run-dir", str(root / "sweep")], root / "sweep.batches", root / "sweep.log"
-    )
-    print(f"  sweep       {len(rates)} configs at once: {sweep_s:7.1f} s")
+        run_dir = root / "sequential" / f"learning_rate={rate}"
+        s, cpu = _run([*base, "--learning-rate", rate, "--run-dir", str(run_dir)], root / "seq.batches", root / "seq.log")
+        print(f"  sequential  learning_rate={rate}: {s:7.1f} s wall, {cpu:7.1f} s CPU")
+        sequential_s, sequential_cpu_s = sequential_s + s, sequential_cpu_s + cpu
+    sweep_args = [*base, "--sweep", "learning_rate=" + ",".join(rates), "--run-dir", str(root / "sweep")]
+    sweep_s, sweep_cpu_s = _run(sweep_args, root / "sweep.batches", root / "sweep.log")
+    print(f"  sweep       {len(rates)} configs at once: {sweep_s:7.1f} s wall, {sweep_cpu_s:7.1f} s CPU")
     ratio = sweep_s / sequential_s
+    cpu_ratio = sweep_cpu_s / sequential_cpu_s
     same = {rate: _compare(root / "sequential" / f"learning_rate={rate}", root / "sweep" / f"learning_rate={rate}") for rate in rates}
     result = {
         "machine": _common.machine(),
@@ -140,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         "sequential_s": sequential_s,
         "sweep_s": sweep_s,
         "ratio": ratio,
+        # CPU seconds, children included: on a shared machine the wall times carry other jobs' load
+        "sequential_cpu_s": sequential_cpu_s,
+        "sweep_cpu_s": sweep_cpu_s,
+        "cpu_ratio": cpu_ratio,
         "target": TARGET_RATIO,
         "sequential": {**_loads(root / "seq.log"), **_batches(root / "seq.batches")},
         "sweep": {**_loads(root / "sweep.log"), **_batches(root / "sweep.batches")},
@@ -150,13 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{side:<10}: {r['engine_builds']} engine builds, {r['base_loads']} base loads; {r['engine_batches']} engine batches of "
             f"{r['engine_rows_mean']:.0f} rows on average (max {r['engine_rows_max']}); {r['flushes_with_several_configs']} of "
-            f"{r['flushes']} batcher flushes held several configs' groups (at most {r['configs_per_flush_max']})"
+            f"{r['flushes']} batcher flushes held several configs' groups (at most {r['configs_per_flush_max']}); "
+            f"{r['engine_batches_mixing_adapters']} engine batches mixed adapters (at most {r['adapters_per_engine_batch_max']})"
         )
     for rate, c in same.items():
         print(
             f"learning_rate={rate}: same metrics as alone: {c['same_metrics']} {c['metrics_differing'] or ''}, same adapter: {c['same_adapter']}"
         )
-    print(f"sweep / sequential wall time: {ratio:.2f}x ({_common.verdict(ratio, TARGET_RATIO)})")
+    print(f"sweep / sequential wall time: {ratio:.2f}x ({_common.verdict(ratio, TARGET_RATIO)}); CPU time: {cpu_ratio:.2f}x")
     _common.write_result(_common.out_file(args), result)
     return 0 if ratio <= TARGET_RATIO else 1
 
