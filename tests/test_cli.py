@@ -41,7 +41,7 @@ def test_flags_map_to_fields():
             "--prompt-format", "plain",
         ]
     )  # fmt: skip
-    assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "resume_run": None, "config": None}
+    assert options == {"local": True, "run_dir": Path("out/run1"), "resume": False, "resume_run": None, "config": None, "sweep": []}
     assert config.flat()["model"] == "/models/tiny"
     assert config.flat()["dataset"] == "train.jsonl"
     assert config.iterations == 7
@@ -90,7 +90,7 @@ def test_objective_flags_map_to_fields():
 
 def test_no_flags_gives_defaults():
     options, config, explicit = parse_args([])
-    assert options == {"local": False, "run_dir": None, "resume": False, "resume_run": None, "config": None}
+    assert options == {"local": False, "run_dir": None, "resume": False, "resume_run": None, "config": None, "sweep": []}
     assert config == RunConfig()
     assert explicit == set()
 

@@ -309,8 +309,11 @@ class FakeEngine:
         self.fail_on_adapter = fail_on_adapter
 
     def generate_many(self, requests, adapter_path):
-        if adapter_path == self.fail_on_adapter:
-            raise RuntimeError(f"engine failed on {adapter_path}")
+        return self.generate_mixed(requests, [adapter_path] * len(requests))
+
+    def generate_mixed(self, requests, adapter_paths):
+        if self.fail_on_adapter in adapter_paths:
+            raise RuntimeError(f"engine failed on {self.fail_on_adapter}")
         self.batches.append([r.seed for r in requests])
         return [
             [Rollout(completion_ids=[r.seed], sampling_logprobs=[-0.5], finish_reason="stop", text=str(r.seed))] * r.group_size
@@ -348,7 +351,9 @@ def test_concurrent_groups_decode_in_one_engine_batch_in_seed_order(monkeypatch)
     assert (stats.total_batches, stats.total_completed) == (1, len(seeds))
 
 
-def test_groups_with_other_settings_or_adapters_get_their_own_engine_batch(monkeypatch):
+def test_groups_with_other_settings_get_their_own_engine_batch_and_other_adapters_share_one(monkeypatch):
+    """Other adapters (a sweep's configs) share a transformers engine batch, as many as the engine
+    holds at once (KEY: 4); a multi-turn context or a regex keeps a group to its adapter's batch."""
     engine = FakeEngine()
     monkeypatch.setattr(engines, "get_engine", lambda key: engine)
 
@@ -357,12 +362,16 @@ def test_groups_with_other_settings_or_adapters_get_their_own_engine_batch(monke
             engines.generate_groups(KEY, "/adapters/v1", [_request(1)]),
             engines.generate_groups(KEY, "/adapters/v1", [_request(2)]),
             engines.generate_groups(KEY, "/adapters/v2", [_request(3)]),
+            *[engines.generate_groups(KEY, f"/adapters/other{i}", [_request(10 + i)]) for i in range(4)],
             engines.generate_groups(KEY, "/adapters/v1", [_request(4, temperature=1.0)]),
             engines.generate_groups(KEY, "/adapters/v1", [_request(5, group_size=1, greedy=True)]),
+            engines.generate_groups(KEY, "/adapters/v3", [_request(6, continues=True)]),
+            engines.generate_groups(KEY, "/adapters/v4", [_request(7, regex="[0-9]+")]),
         )
 
     asyncio.run(run_all())
-    assert sorted(engine.batches) == [[1, 2], [3], [4], [5]]
+    # seed order across adapters; a batch of 4 adapters (v1, v2, other0, other1), then the other 2
+    assert sorted(engine.batches) == [[1, 2, 3, 10, 11], [4], [5], [6], [7], [12, 13]]
 
 
 def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeypatch):
@@ -380,6 +389,7 @@ def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeyp
     bad1, bad2, good = asyncio.run(run_all())
     assert isinstance(bad1, RuntimeError) and "engine failed on /adapters/bad" in str(bad1)
     assert isinstance(bad2, RuntimeError) and "engine failed on /adapters/bad" in str(bad2)
+    # the batch mixing both adapters failed; decoded one adapter at a time, the good one's group went on
     assert good[0][0].completion_ids == [3]
     assert engine.batches == [[3]]
 

@@ -21,7 +21,7 @@ LAYERS = {
     "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0,
     "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2, "config_defaults": 2,
     # 3: TRL's names for options; the report renderer; the LLM judge's prompt, rubric, reply parsing and chunking
-    "trl_names": 3, "report_helpers": 3, "judging": 3,
+    "trl_names": 3, "report_helpers": 3, "judging": 3, "sweep_report": 4,
     # 4: the run's config (it checks reward and environment names with their registries)
     "config": 4,
     # 5: beside the config, its error text and its table of options; models, prompts, data, metrics, progress text
@@ -30,7 +30,7 @@ LAYERS = {
     # 6: config files; storage, engines, the task environments; the run's guard (the best adapter,
     # collapses, early stop: pure, on the recorded metrics); the trained policy and its adapter
     # folder; the merge
-    "config_files": 6, "storage": 6, "hub": 6, "engines": 6, "envs": 6, "guard": 6, "policy": 6, "merge": 6,
+    "config_files": 6, "sweep_grid": 6, "storage": 6, "hub": 6, "engines": 6, "envs": 6, "guard": 6, "policy": 6, "merge": 6,
     # 7: the GRPO step on the policy; the loop's checkpointed state; the checks before start
     "policy_update": 7, "loop_state": 7, "preflight": 7,
     # 8: the train step over several processes
@@ -40,8 +40,9 @@ LAYERS = {
     # 10-11: the loop's parts: who observes a run; an iteration's batch and its train step; generation
     # ahead of training, the held-out evaluation, the report and the push to the Hub
     "observers": 10, "batches": 10, "pipeline": 11, "evaluation": 11, "publishing": 11,
-    # 12-15: the driver; a local run's folder and a cluster submission; the command line; `python -m grpo_flyte`
-    "driver": 12, "run_folder": 13, "submit": 13, "cli": 14, "__main__": 15,
+    # 12-16: the driver; a sweep's parent task and a local run's folder; a cluster submission and a
+    # local sweep's folder; the command line; `python -m grpo_flyte`
+    "driver": 12, "sweep": 13, "run_folder": 13, "submit": 14, "sweep_folder": 14, "cli": 15, "__main__": 16,
 }  # fmt: skip
 TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 
@@ -90,7 +91,7 @@ def test_task_modules_do_not_import_each_other():
 
 def test_only_the_launchers_import_the_driver_and_nothing_imports_the_cli():
     graph = _graph()
-    assert {m for m, deps in graph.items() if "driver" in deps} == {"run_folder", "submit"}
+    assert {m for m, deps in graph.items() if "driver" in deps} == {"run_folder", "submit", "sweep", "sweep_folder"}
     assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__"}
 
 

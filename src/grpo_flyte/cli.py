@@ -25,12 +25,14 @@ from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsC
 
 from grpo_flyte.config import PROG, RunConfig, leaf_fields
 from grpo_flyte.config_errors import format_validation_error, make_config
-from grpo_flyte.config_files import load_config_file
+from grpo_flyte.config_files import SWEEP_SECTION, load_config_file
 from grpo_flyte.config_table import shown_default
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
 from grpo_flyte.models import quiet_bitsandbytes
 from grpo_flyte.run_folder import run_local
 from grpo_flyte.submit import resume_remote, run_remote
+from grpo_flyte.sweep_folder import is_sweep_dir, run_sweep_local
+from grpo_flyte.sweep_grid import expand_sweep, sweep_grid
 from grpo_flyte.trl_names import NUM_ITERATIONS_REFUSED, TRL_ALIASES
 
 logger = logging.getLogger("grpo_flyte")
@@ -52,6 +54,12 @@ RUN_OPTIONS = {
     ),
     "config": (Path | None, Field(None, description="YAML or JSON file of config fields; flags override it.")),
 }
+
+
+SWEEP_HELP = (
+    "Run a sweep: one config per combination of the values (repeat the flag for a grid; separate values with ';' "
+    "when they hold commas), all trained at once on the same pools, compared in one report (docs/configuration.md#sweeps)."
+)
 
 
 class _CliBase(BaseSettings):
@@ -130,6 +138,8 @@ def build_cli() -> CliSettingsSource:
         text = description if told else f"{description} (default: {shown_default(default)})"
         action.help = text.replace("%", "%%")  # argparse formats help with %
     parser.add_argument("--version", action="version", version=f"grpo-flyte {_version()}")
+    # Shown in --help only: `take_sweep_flags` takes --sweep out of the arguments before they are parsed.
+    parser.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...", help=SWEEP_HELP)
     return source
 
 
@@ -153,8 +163,28 @@ def canonical_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def take_sweep_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the arguments but `--sweep KEY=V1,V2`, the sweep flags' values): a sweep's values hold
+    commas and equals signs that the options' own parsing would split."""
+    rest, sweep = [], []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--sweep":
+            value = next(args, None)
+            if value is None or value.startswith("--"):
+                raise UserError("--sweep expects KEY=VALUE1,VALUE2,... (e.g. --sweep learning_rate=1e-4,2e-4)")
+            sweep.append(value)
+        elif arg.startswith("--sweep="):
+            sweep.append(arg.removeprefix("--sweep="))
+        else:
+            rest.append(arg)
+    return rest, sweep
+
+
 def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
-    """(run options, the run's config, the config fields given: by a flag or in the --config file)."""
+    """(run options, the run's config, the config fields given: by a flag or in the --config file).
+    With a sweep, `options["sweep"]` holds its configs (`sweep_grid.SweepMember`), each checked."""
+    argv, sweep_flags = take_sweep_flags(argv)
     argv = canonical_flags(argv)
     try:
         source = build_cli()
@@ -167,7 +197,10 @@ def parse_args(argv: list[str]) -> tuple[dict[str, Any], RunConfig, set[str]]:
     options_set = set(RUN_OPTIONS)
     explicit = {name for name in parsed.model_fields_set if name not in options_set}
     values = load_config_file(options["config"]) if options["config"] else {}
+    section = values.pop(SWEEP_SECTION, None)
     values.update({name: getattr(parsed, name) for name in explicit})
+    grid = sweep_grid(sweep_flags, section)
+    options["sweep"] = expand_sweep(values, grid, explicit | set(values), local=options["local"]) if grid else []
     return options, make_config(**values), explicit | set(values)
 
 
@@ -190,15 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         if options["local"]:
             if options["resume_run"] is not None:
                 raise UserError("--resume-run continues a cluster run; a local run continues with --resume --run-dir DIR")
+            if options["sweep"] or (options["resume"] and is_sweep_dir(options["run_dir"])):
+                return run_sweep_local(options, options["sweep"], explicit)
             return run_local(options, config, explicit)
         if options["resume"] or options["run_dir"]:
             raise UserError("--resume and --run-dir apply to local runs: add --local")
         if options["resume_run"] is not None:
-            flags = sorted({flag(name) for name in explicit} | ({"--config"} if options["config"] else set()))
+            flags = sorted(
+                {flag(name) for name in explicit}
+                | ({"--config"} if options["config"] else set())
+                | ({"--sweep"} if options["sweep"] else set())
+            )
             if flags:
                 raise UserError(f"--resume-run reruns the cluster run with its own inputs; drop {', '.join(flags)}")
             return resume_remote(options["resume_run"])
-        return run_remote(config)
+        return run_remote(config, options["sweep"])
     except GrpoFlyteError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2

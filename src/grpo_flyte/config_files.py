@@ -30,7 +30,8 @@ def flatten(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of config fields (flat or nested), with errors that name the file."""
+    """Read a YAML or JSON mapping of config fields (flat or nested), with errors that name the file.
+    A `sweep:` section (`grpo_flyte.sweep_grid`) comes back as it is, under `SWEEP_SECTION`."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{str(p)!r}: no such file (expected a YAML or JSON file of config fields)", field="config")
@@ -60,11 +61,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{str(p)!r}: expected a mapping of config fields, got {type(data).__name__}", field="config")
+    sweep = data.pop(SWEEP_SECTION, None)
     try:
         values = from_trl_names(flatten(data))
     except ValueError as exc:
         raise ConfigError(f"{str(p)!r}: {exc}", field="config") from None
     _check_known_keys(p, data, values)
+    if sweep is not None:
+        values[SWEEP_SECTION] = sweep
     return values
 
 
@@ -82,6 +86,7 @@ def _check_known_keys(p: Path, data: dict[str, Any], values: dict[str, Any]) -> 
         raise ConfigError(f"{str(p)!r}: unknown key {where!r}{hint}", field="config")
 
 
+SWEEP_SECTION = "sweep"
 MAX_CONFIG_BYTES = 1_000_000
 MAX_CONFIG_VALUES = 100_000  # YAML scalars, lists and mappings once aliases are expanded
 

@@ -240,7 +240,7 @@ def plain_cache(model) -> bool:
 PREFILL_CHUNK_TOKENS = 1024
 
 
-def context_kv(model, ids: list[int], prefixes: PrefixCache) -> tuple[KV, tuple[int, ...]]:
+def context_kv(model, ids: list[int], prefixes: PrefixCache, adapter_name: str | None = None) -> tuple[KV, tuple[int, ...]]:
     """The cache of `ids` (one context, no padding): its longest stored prefix, extended by passes
     over the rest, PREFILL_CHUNK_TOKENS at a time; also the key of the entry used."""
     import torch
@@ -258,30 +258,44 @@ def context_kv(model, ids: list[int], prefixes: PrefixCache) -> tuple[KV, tuple[
         chunk = rest[start : start + PREFILL_CHUNK_TOKENS]
         positions = torch.arange(len(key) + start, len(key) + start + len(chunk), device=device).unsqueeze(0)
         last = torch.tensor([len(chunk) - 1], device=device)  # no logits wanted; one row's is the least
-        inputs = torch.tensor([chunk], device=device)
-        model(input_ids=inputs, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last)
+        model(
+            input_ids=torch.tensor([chunk], device=device),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=last,
+            **per_row_adapters([adapter_name] if adapter_name else None),
+        )
     return [(layer.keys, layer.values) for layer in cache.layers], key
 
 
-def prefill_contexts(model, prompts: list[list[int]], prefixes: PrefixCache):
-    """The batch's cache of every row's context but its last token, one pass per distinct context,
-    left-padded to a common width; returns (cache, last tokens (B, 1), mask (B, width), positions (B, 1))."""
+def per_row_adapters(names: list[str] | None) -> dict:
+    """The forward's keyword for a batch whose rows use different LoRA adapters (PEFT's mixed
+    adapter batches: `adapter_names`, one per row); none for a batch of one adapter."""
+    return {"adapter_names": names} if names else {}
+
+
+def prefill_contexts(model, prompts: list[list[int]], prefixes: PrefixCache, adapter_names: list[str] | None = None):
+    """The batch's cache of every row's context but its last token, one pass per distinct context
+    (and adapter, with `adapter_names` per row), left-padded to a common width; returns (cache,
+    last tokens (B, 1), mask (B, width), positions (B, 1))."""
     import torch
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    unique: dict[tuple[int, ...], KV] = {}
+    names = adapter_names or [None] * len(prompts)
+    unique: dict[tuple, KV] = {}
     used = []
-    for p in prompts:
-        if (ids := tuple(p[:-1])) not in unique:
-            unique[ids], key = context_kv(model, list(ids), prefixes)
+    for p, name in zip(prompts, names, strict=True):
+        if (context := (name, tuple(p[:-1]))) not in unique:
+            unique[context], key = context_kv(model, list(context[1]), prefixes, name)
             used.append(key)
     for key in used:  # after every lookup: two contexts may extend one entry
         prefixes.discard(key)
     width = max(len(p) for p in prompts)
     cache = DynamicCache(config=model.config)
     if width > 1:
-        rows = [unique[tuple(p[:-1])] for p in prompts]
+        rows = [unique[(name, tuple(p[:-1]))] for p, name in zip(prompts, names, strict=True)]
         for layer in range(len(cache.layers)):
             like = next(kv[layer][0] for kv in rows if kv)
             keys, values = zip(*(_left_padded(kv, layer, width - 1, like) for kv in rows), strict=True)
@@ -377,6 +391,7 @@ def decode(
     prefixes: PrefixCache | None = None,
     continued: frozenset[int] = frozenset(),
     matchers: list | None = None,
+    adapter_names: list[str] | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """Sample a completion for each prompt in one batch; returns (token ids, log-probs) per row.
 
@@ -386,7 +401,8 @@ def decode(
     model with a plain cache), contexts start from their longest stored prefix, and the rows in
     `continued` store theirs (prompt and completion) for a later call to extend. `matchers[i]`
     (`regex_matcher`, or None) holds row i to its regex: the tokens it does not allow are masked
-    out of every step's logits before the draw, and it is fed each token drawn.
+    out of every step's logits before the draw, and it is fed each token drawn. `adapter_names[i]`
+    (a PEFT adapter of `model`) is row i's adapter, for a batch of several (`per_row_adapters`).
     """
     if sampling.stop and tokenizer is None:
         raise ValueError("stop strings need the tokenizer")
@@ -397,7 +413,7 @@ def decode(
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]  # a row's columns of the cache before its first token
     if prefixes is not None and plain_cache(model):
-        cache, input_ids, mask, positions = prefill_contexts(model, prompts, prefixes)
+        cache, input_ids, mask, positions = prefill_contexts(model, prompts, prefixes, adapter_names)
         last = torch.tensor([0], device=device)
     else:
         prefixes, continued = None, frozenset()
@@ -427,7 +443,13 @@ def decode(
 
     for step in range(sampling.max_new_tokens):
         logits = model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=last
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=last,
+            **per_row_adapters([adapter_names[r] for r in active] if adapter_names else None),
         ).logits[:, -1]
         if matchers is not None:
             allowed = allowed_tokens([matchers[r] for r in active], logits.shape[-1]).to(logits.device)

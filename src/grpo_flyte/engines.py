@@ -11,7 +11,8 @@
   policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
-  batch. Every row draws from its own random stream seeded by (request seed, row), so a completion
+  batch, on transformers even when their adapters differ (a sweep's configs: PEFT's mixed adapter
+  batches, each row with its own adapter). Every row draws from its own random stream seeded by (request seed, row), so a completion
   does not depend on its batch mates, and a batch's failure reaches every group in it.
 
 Heavy libraries are imported inside the engines; importing this module is cheap.
@@ -59,6 +60,8 @@ PREFIX_CACHE_BYTES = 512 * 2**20
 # 10 GB on the embedded model in bfloat16). Runs of short contexts (an iteration of a default run
 # is ~17,000 tokens, 0.4 GB) decode in one batch as before.
 DECODE_BATCH_KV_BYTES = 2**30
+# The prefix cache's owner while a batch mixes adapters: no context is kept across it.
+MIXED_ADAPTERS = "<several adapters>"
 # The LoRA ranks vLLM's `max_lora_rank` accepts; an adapter of a smaller rank runs on the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -189,6 +192,13 @@ class HFGenerator:
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
         """One batched decode for several groups sharing an adapter (None: the base model, e.g.
         the judge) and sampling settings."""
+        return self.generate_mixed(requests, [adapter_path] * len(requests))
+
+    def generate_mixed(self, requests: list[SamplingRequest], adapter_paths: list[str | None]) -> list[list[Rollout]]:
+        """One batched decode for several groups sharing sampling settings, each with its own
+        adapter (`adapter_paths[i]` for `requests[i]`): with several, PEFT's mixed adapter batches
+        run every row's base layers in one batch and its LoRA layers with its adapter. Several
+        adapters need at most `max_adapters` of them, no multi-turn context to keep and no regex."""
         import contextlib
 
         import torch
@@ -196,12 +206,25 @@ class HFGenerator:
         from grpo_flyte.decoding import decode, hits_stop, kv_bytes_per_token
         from grpo_flyte.grpo import plan_micro_batches
 
+        distinct = list(dict.fromkeys(adapter_paths))
+        mixed = len(distinct) > 1
+        if mixed:
+            assert None not in distinct and len(distinct) <= self.max_adapters, "a mixed batch's adapters must fit the engine"
+            assert not any(r.continues or r.regex for r in requests), "multi-turn contexts and regexes batch per adapter"
+            for path in distinct:
+                self._activate(path)
+        adapter_path = distinct[0] if not mixed else None
         if adapter_path is not None:
             self._activate(adapter_path)
-        model = self.model if adapter_path is not None else self.base
+        model = self.model if mixed or adapter_path is not None else self.base
         # the base model's layers hold the loaded adapters (PEFT injects them): off for a None adapter
-        base_only = self.model.disable_adapter() if adapter_path is None and self.model is not None else contextlib.nullcontext()
-        self.prefixes.use(adapter_path)  # None: the base model's contexts
+        no_adapter = adapter_path is None and not mixed and self.model is not None
+        base_only = self.model.disable_adapter() if no_adapter else contextlib.nullcontext()
+        # None: the base model's contexts; a mixed batch keeps none (they would be another adapter's)
+        self.prefixes.use(MIXED_ADAPTERS if mixed else adapter_path)
+        names = (
+            [self.adapters[path] for r, path in zip(requests, adapter_paths, strict=True) for _ in range(r.group_size)] if mixed else None
+        )
         prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
         seeds = [(r.seed, row) for r in requests for row in range(r.group_size)]
         owners = [r for r in requests for _ in range(r.group_size)]  # each batch row's request
@@ -226,6 +249,7 @@ class HFGenerator:
                     self.prefixes,
                     frozenset(j for j, i in enumerate(part) if i in continued),
                     None if matchers is None else [matchers[i] for i in part],
+                    None if names is None else [names[i] for i in part],
                 )
                 for i, row in zip(part, decoded, strict=True):
                     rows[i] = row
@@ -467,8 +491,15 @@ class EngineCall:
     adapter_path: str | None  # None: the model without an adapter (the judge)
     request: SamplingRequest
 
+    def mixes(self) -> bool:
+        """Whether this group may share an engine batch with other adapters' groups (the
+        transformers engine's mixed adapter batches: a sweep's configs, a pipelined run's versions)."""
+        return self.key.backend == "hf" and self.adapter_path is not None and not self.request.continues and self.request.regex is None
+
     def batches_with(self) -> tuple:
         """Calls decode in one engine batch when these are equal."""
+        if self.mixes():
+            return self.key, self.request.sampling()
         return self.key, self.adapter_path, self.request.sampling()
 
 
@@ -483,20 +514,53 @@ async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseExceptio
         batches.setdefault(call.batches_with(), []).append(i)
     for members in batches.values():
         # Sorted, so the batch does not depend on arrival order: the same groups give the same rollouts.
-        members.sort(key=lambda i: batch_order(calls[i].request))
-        first = calls[members[0]]
-        requests = [calls[i].request for i in members]
-        try:
-            out = await run_on_torch_thread(_decode, first.key, requests, first.adapter_path)
-        except Exception as exc:  # noqa: BLE001 -- handed to every group of this engine batch, raised there
-            out = [exc] * len(members)
-        for i, rollouts in zip(members, out, strict=True):
-            results[i] = rollouts
+        members.sort(key=lambda i: (batch_order(calls[i].request), calls[i].adapter_path or ""))
+        for chunk in _adapter_chunks(members, calls):
+            paths = [calls[i].adapter_path for i in chunk]
+            if len(set(paths)) > 1:
+                try:
+                    out = await run_on_torch_thread(_decode_mixed, calls[chunk[0]].key, [calls[i].request for i in chunk], paths)
+                    for i, rollouts in zip(chunk, out, strict=True):
+                        results[i] = rollouts
+                    continue
+                except Exception:  # noqa: BLE001 -- e.g. one config's damaged adapter: decoded per adapter below, so it fails alone
+                    logger.warning("a batch of %d adapters failed; decoding it one adapter at a time", len(set(paths)))
+            for path in dict.fromkeys(paths):
+                await _decode_into(results, calls, [i for i in chunk if calls[i].adapter_path == path])
     return results  # type: ignore[return-value]
+
+
+async def _decode_into(results: list, calls: list[EngineCall], members: list[int]) -> None:
+    """One engine batch of calls that share an adapter; its failure is every member's result."""
+    first = calls[members[0]]
+    try:
+        out = await run_on_torch_thread(_decode, first.key, [calls[i].request for i in members], first.adapter_path)
+    except Exception as exc:  # noqa: BLE001 -- handed to every group of this engine batch, raised there
+        out = [exc] * len(members)
+    for i, rollouts in zip(members, out, strict=True):
+        results[i] = rollouts
+
+
+def _adapter_chunks(members: list[int], calls: list[EngineCall]) -> list[list[int]]:
+    """The engine batches of one batch's calls: as many adapters in each as the engine holds at once."""
+    chunks: list[list[int]] = []
+    adapters: set[str | None] = set()
+    for i in members:
+        path = calls[i].adapter_path
+        if not chunks or (path not in adapters and len(adapters) >= max(1, calls[i].key.max_adapters)):
+            chunks.append([])
+            adapters = set()
+        chunks[-1].append(i)
+        adapters.add(path)
+    return chunks
 
 
 def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
     return get_engine(key).generate_many(requests, adapter_path)
+
+
+def _decode_mixed(key: EngineKey, requests: list[SamplingRequest], adapter_paths: list[str | None]) -> list[list[Rollout]]:
+    return get_engine(key).generate_mixed(requests, adapter_paths)
 
 
 @alru_cache(maxsize=1)

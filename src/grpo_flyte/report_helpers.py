@@ -429,6 +429,45 @@ def _chart(title: str, keys: Sequence[str], history: Sequence[Mapping]) -> str:
     return f"<figure><figcaption>{_esc(title)}</figcaption>{_legend(keys)}{svg}</figure>"
 
 
+def overlay_chart(title: str, key: str, histories: Mapping[str, Sequence[Mapping]]) -> str:
+    """One metric of several runs on shared axes (a sweep's comparison): a series per run, named in
+    the legend, each with its 95% interval band where its rows carry one."""
+    names = [name for name, history in histories.items() if _has_key(history, key)]
+    series = {name: _points(histories[name], key) for name in names}
+    bands = {name: _band(histories[name], key) for name in names}
+    xs = [x for pts in series.values() for x, _ in pts]
+    ys = [y for pts in series.values() for _, y in pts] + [y for band in bands.values() for _, lo, hi in band for y in (lo, hi)]
+    scale = _Scale(xs or [1.0], ys or [0.0, 1.0])
+    colours = {name: _SERIES_COLOURS[i % len(_SERIES_COLOURS)] for i, name in enumerate(names)}
+    body = "".join(_band_svg(bands[name], colours[name], scale) for name in names)
+    body += "".join(_series_svg(f"{name}: {key}", series[name], colours[name], scale) for name in names)
+    label = _esc(f"{title}: {key} by iteration, one series per config")
+    svg = f'<svg role="img" aria-label="{label}" viewBox="0 0 {_W} {_H}" preserveAspectRatio="xMidYMid meet">{_axes(scale, xs)}{body}</svg>'
+    return f"<figure><figcaption>{_esc(title)}</figcaption>{_legend(names)}{svg}</figure>"
+
+
+def render_page(title: str, status: str, message: str | None, body: str, n_rows: int = 0, whole: bool = True) -> str:
+    """A report page around `body` (HTML its caller escaped), with the run report's style and
+    header: a whole self-contained document that reloads itself every REFRESH_S seconds while
+    `status` is running, or (`whole=False`) the fragment a Flyte report tab takes."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown report status {status!r}; expected one of {', '.join(STATUSES)}")
+    fragment = f"<style>{_CSS}</style><main>{_header(title, status, message, n_rows)}{body}</main>"
+    if not whole:
+        return fragment
+    refresh = f'<meta http-equiv="refresh" content="{REFRESH_S}">' if status == "running" else ""
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1">{refresh}'
+        f"<title>{_esc(title)}</title></head><body>{fragment}</body></html>\n"
+    )
+
+
+def escape(value: object) -> str:
+    """Text (a config's name, an error, a completion) as HTML that shows it and runs nothing."""
+    return _esc(value)
+
+
 def reward_charts(history: Sequence[Mapping]) -> list[tuple[str, tuple[str, ...]]]:
     """One chart per named reward ('reward/<name>' in the rows; held-out 'eval_reward/<name>' on
     the same axes), plus the failed-score count when any reward failed."""

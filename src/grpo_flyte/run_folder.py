@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flyte import child_processes
+from grpo_flyte import child_processes, observers
 from grpo_flyte.config import PROG, RunConfig
 from grpo_flyte.config_errors import format_validation_error
 from grpo_flyte.errors import UserError, is_not_retried
@@ -31,7 +31,7 @@ from grpo_flyte.guard import best_summary
 from grpo_flyte.loop_state import LoopState
 from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.storage import is_remote
-from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow
+from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -368,12 +368,26 @@ class _ConsoleLines(logging.Filter):
         return record.levelno < logging.ERROR and not record.exc_info
 
 
+class _OneRun(logging.Filter):
+    """The lines logged inside one Flyte run (a local sweep runs several in this process)."""
+
+    def __init__(self, run: str):
+        super().__init__()
+        self.run = run
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return observers.current_run() == self.run
+
+
 @contextlib.contextmanager
-def flyte_log_in(path: Path) -> Iterator[None]:
-    """Flyte's log lines go to `path` in full while the run lasts; the console keeps `_ConsoleLines`."""
+def flyte_log_in(path: Path, run: str | None = None) -> Iterator[None]:
+    """Flyte's log lines go to `path` in full while the run lasts (with `run`, those of that Flyte
+    run only); the console keeps `_ConsoleLines`."""
     flyte_logger = logging.getLogger("flyte")
     to_file = logging.FileHandler(path, encoding="utf-8")
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    if run is not None:
+        to_file.addFilter(_OneRun(run))
     console, keep = flyte_logger.handlers[:], _ConsoleLines()
     for handler in console:
         handler.addFilter(keep)
@@ -468,6 +482,14 @@ def _run_locked(
             logger.error("%s; %s; continue with: %s", kept, log, resume)
         logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
         return 1
+    finish_local_run(files, config, result)
+    return 0
+
+
+def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult) -> None:
+    """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
+    and the lines that say where they are and which adapter was best."""
+    run_dir = files.root
     files.export_adapter(result.adapter)
     best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
     logger.info("done: adapter %s%s, report %s, metrics %s", run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
@@ -481,4 +503,3 @@ def _run_locked(
     for line in (stopped, best_summary(result.history)):
         if line:
             logger.info("%s", line)  # the last line: which adapter was best, and by how much
-    return 0

@@ -13,13 +13,16 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_flyte.config import EMBEDDED_MODEL, RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
 from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.storage import payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
+
+if TYPE_CHECKING:
+    from grpo_flyte.sweep_grid import SweepMember
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -186,27 +189,40 @@ def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ..
     return chosen.context(), (WandbRun.link(),)
 
 
-def run_remote(config: RunConfig) -> int:
+def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int:
+    """Submit `train_rl` for `config`, or with a `sweep` (`sweep_grid.expand_sweep`), `train_sweep`
+    for its configs (which share the data, the model and the judge: the grid refuses keys that
+    change them, but the dataset, whose rows each config must then check)."""
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
     from grpo_flyte.models import is_repo_id, resolve_local_model
+    from grpo_flyte.sweep import train_sweep
 
-    examples, split = check_inputs(config, local=False)
-    check_submission(config)
+    configs = [m.config for m in sweep] if sweep else [config]
+    checked = [check_inputs(c, local=False) for c in configs]
+    if sweep and len({repr(examples) for examples, _ in checked}) > 1:
+        raise UserError("--sweep dataset=...: a cluster sweep sends one dataset to its configs; expected one sweep per dataset")
+    examples = checked[0][0]
+    for c in configs:
+        check_submission(c)
     context, links = wandb_submission(config.wandb_project)
     runner = _connect(context)
-    if not is_repo_id(config.base.model):  # a Hub model is checked where it is fetched, by the trainer
-        check_model_fits(config, resolve_local_model(config.base.model), split)
-    if config.judging and not is_repo_id(config.judge.judge_model):  # a Hub judge: by the judge task
-        check_judge_fits(config, resolve_local_model(config.judge.judge_model, field="judge_model"), split)
-    base_model = resolve_remote_model(config.base.model)
-    inputs_judge = {"judge_model": resolve_remote_model(config.judge.judge_model, field="judge_model")} if config.judging else {}
+    for c, (_, c_split) in zip(configs, checked, strict=True):
+        if not is_repo_id(c.base.model):  # a Hub model is checked where it is fetched, by the trainer
+            check_model_fits(c, resolve_local_model(c.base.model), c_split)
+        if c.judging and not is_repo_id(c.judge.judge_model):  # a Hub judge: by the judge task
+            check_judge_fits(c, resolve_local_model(c.judge.judge_model, field="judge_model"), c_split)
+    base_model = resolve_remote_model(configs[0].base.model)
+    judging = configs[0].judging
+    inputs_judge = {"judge_model": resolve_remote_model(configs[0].judge.judge_model, field="judge_model")} if judging else {}
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
-    task = train_rl.override(links=links) if links else train_rl
+    task = train_sweep if sweep else train_rl
+    task = task.override(links=links) if links else task
+    what = {"members": sweep} if sweep else {"config": config}
     with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
         inputs = examples_inputs(examples, Path(staging), lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
-        run = runner.run(task, config=config, base_model=base_model, **inputs, **inputs_judge)
+        run = runner.run(task, **what, base_model=base_model, **inputs, **inputs_judge)
     print(run.url)
     return 0
 

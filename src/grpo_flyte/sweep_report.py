@@ -1,0 +1,158 @@
+"""A sweep's comparison: each config's outcome and figures (a line of `sweep.jsonl`), each
+setting's mean and worst seed, and the report that overlays every config's curves.
+
+Pure functions of the configs' metrics rows (`MetricsRow.flat()`), so a local sweep (its run
+folders) and a cluster sweep (its `RunResult`s) compare the same way.
+"""
+
+from __future__ import annotations
+
+from statistics import fmean
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from grpo_flyte.report_helpers import escape, overlay_chart, render_page
+
+Status = Literal["pending", "running", "complete", "failed"]
+# The curves the comparison overlays: (title, metrics key).
+OVERLAID = (
+    ("Held-out accuracy (95% interval)", "eval_accuracy"),
+    ("Held-out reward (95% interval)", "eval_reward"),
+    ("Training reward", "mean_reward"),
+    ("Seconds per iteration", "iteration_s"),
+)
+REPORT_TITLE = "grpo_flyte sweep"
+
+
+class ConfigOutcome(BaseModel):
+    """Where one config of a sweep stands: what it changes, its status, why it failed, its rows."""
+
+    name: str
+    overrides: dict[str, Any]
+    seed: int
+    status: Status = "pending"
+    error: str | None = None
+    history: list[dict[str, Any]] = []
+
+
+def held_out_key(outcomes: list[ConfigOutcome]) -> str:
+    """The held-out figure the table ranks by: accuracy where the rows have it, else reward."""
+    has_accuracy = any(row.get("eval_accuracy") is not None for o in outcomes for row in o.history)
+    return "eval_accuracy" if has_accuracy else "eval_reward"
+
+
+def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
+    """One config's line of `sweep.jsonl`: its outcome, final and best held-out figure (and at
+    which iteration), iterations done and mean seconds per iteration."""
+    evaluated = [(row["iteration"], row[key]) for row in outcome.history if row.get(key) is not None]
+    seconds = [row["iteration_s"] for row in outcome.history if row.get("iteration_s") is not None]
+    best = max(evaluated, key=lambda point: point[1]) if evaluated else None
+    return {
+        "name": outcome.name,
+        "overrides": outcome.overrides,
+        "seed": outcome.seed,
+        "status": outcome.status,
+        "error": outcome.error,
+        "iterations_done": max((row["iteration"] for row in outcome.history), default=0),
+        "metric": key,
+        "first": evaluated[0][1] if evaluated else None,
+        "final": evaluated[-1][1] if evaluated else None,
+        "best": best[1] if best else None,
+        "best_iteration": best[0] if best else None,
+        "seconds_per_iteration": fmean(seconds) if seconds else None,
+    }
+
+
+def seed_summary(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each setting's figures over its seeds (the configs that differ in the seed only): the mean
+    and the worst seed's final and best held-out figure, over the configs that have one."""
+    settings: dict[str, list[dict[str, Any]]] = {}
+    for line in lines:
+        setting = {k: v for k, v in line["overrides"].items() if k != "seed"}
+        settings.setdefault(repr(sorted(setting.items())), []).append({**line, "setting": setting})
+    summary = []
+    for members in settings.values():
+        finals = [m["final"] for m in members if m["final"] is not None]
+        bests = [m["best"] for m in members if m["best"] is not None]
+        summary.append(
+            {
+                "setting": members[0]["setting"],
+                "seeds": sorted(m["seed"] for m in members),
+                "evaluated": len(finals),
+                "final_mean": fmean(finals) if finals else None,
+                "final_worst": min(finals) if finals else None,
+                "best_mean": fmean(bests) if bests else None,
+                "best_worst": min(bests) if bests else None,
+            }
+        )
+    return summary
+
+
+def _number(value: Any) -> str:
+    return "\u2013" if value is None else f"{value:.3f}" if isinstance(value, float) else escape(value)
+
+
+def _setting(overrides: dict[str, Any]) -> str:
+    return escape(", ".join(f"{k}={v}" for k, v in overrides.items()) or "(the base config)")
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    heads = "".join(f'<th scope="col">{escape(h)}</th>' for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<div class="scroll"><table class="iterations"><thead><tr>{heads}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def render_sweep_fragment(outcomes: list[ConfigOutcome], status: str) -> str:
+    """The comparison as a Flyte report tab takes it (`render_sweep_report` without the document around it)."""
+    return render_sweep_report(outcomes, status, whole=False)
+
+
+def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool = True) -> str:
+    """The comparison page: every config's curves overlaid, the table of final and best held-out
+    figures (and which configs failed, and why), and with several seeds each setting's mean and
+    worst seed. Names and errors are escaped: a config's values and an error's text are data."""
+    key = held_out_key(outcomes)
+    lines = [figures(o, key) for o in outcomes]
+    histories = {o.name: o.history for o in outcomes}
+    charts = "".join(overlay_chart(title, metric, histories) for title, metric in OVERLAID)
+    table = _table(
+        ["config", "status", f"first {key}", f"final {key}", f"best {key}", "best at", "iterations", "s / iteration", "why it failed"],
+        [
+            [
+                escape(line["name"]),
+                escape(line["status"]),
+                _number(line["first"]),
+                _number(line["final"]),
+                _number(line["best"]),
+                _number(line["best_iteration"]),
+                _number(line["iterations_done"]),
+                _number(line["seconds_per_iteration"]),
+                escape(line["error"] or ""),
+            ]
+            for line in lines
+        ],
+    )
+    body = f'<h2>Held-out figures</h2>{table}<h2>Curves</h2><section class="charts">{charts}</section>'
+    if len({o.seed for o in outcomes}) > 1:
+        summary = seed_summary(lines)
+        body += "<h2>Over seeds</h2>" + _table(
+            ["setting", "seeds", f"final {key}: mean", "worst seed", f"best {key}: mean", "worst seed"],
+            [
+                [
+                    _setting(s["setting"]),
+                    escape(", ".join(map(str, s["seeds"]))),
+                    _number(s["final_mean"]),
+                    _number(s["final_worst"]),
+                    _number(s["best_mean"]),
+                    _number(s["best_worst"]),
+                ]
+                for s in summary
+            ],
+        )
+    failed = [o.name for o in outcomes if o.status == "failed"]
+    done = sum(o.status == "complete" for o in outcomes)
+    message = f"{done} of {len(outcomes)} configs complete" + (f"; failed: {', '.join(failed)}" if failed else "")
+    page_status = status if status in ("running", "complete", "failed") else "running"
+    rows = sum(1 for o in outcomes for row in o.history if "mean_reward" in row)
+    return render_page(REPORT_TITLE, page_status, message, body, n_rows=rows, whole=whole)

@@ -1,0 +1,87 @@
+"""A sweep's configs: flags and config-file sections expanded into checked configs, and every
+grid error found before anything starts, in one line naming --sweep and the bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_flyte.cli import parse_args, user_message
+from grpo_flyte.errors import ConfigError, UserError
+from grpo_flyte.sweep_grid import expand_sweep, member_name, sweep_grid
+
+
+def test_a_grid_is_every_combination_in_flag_order_each_config_whole():
+    members = expand_sweep({"iterations": 3}, sweep_grid(["learning_rate=1e-4,2e-4", "seed=0,1,2"]))
+    assert [m.name for m in members] == [f"learning_rate={lr}_seed={s}" for lr in ("1e-4", "2e-4") for s in (0, 1, 2)]
+    assert [(m.config.train.learning_rate, m.config.seed) for m in members] == [(lr, s) for lr in (1e-4, 2e-4) for s in (0, 1, 2)]
+    assert all(m.config.iterations == 3 for m in members)  # the rest of the config is the flags'
+    assert members[0].overrides == {"learning_rate": 1e-4, "seed": 0}  # typed, as the config holds them
+
+
+def test_a_config_files_section_is_a_grid_or_a_list_and_trl_names_work():
+    grid = expand_sweep({}, sweep_grid([], {"num_generations": [4, 8]}))
+    assert [m.config.sampling.group_size for m in grid] == [4, 8]
+    listed = expand_sweep({}, sweep_grid([], [{"seed": 1}, {"seed": 2, "learning_rate": 1e-3}]))
+    assert [(m.name, m.config.seed, m.config.train.learning_rate) for m in listed] == [
+        ("seed=1", 1, 2e-4),
+        ("seed=2_learning_rate=0.001", 2, 1e-3),
+    ]
+
+
+def test_values_with_commas_are_split_on_semicolons():
+    members = expand_sweep({}, sweep_grid(["rewards=correct=1;correct=1,format=0.1"]))
+    assert [m.config.scoring.rewards for m in members] == [{"correct": 1.0}, {"correct": 1.0, "format": 0.1}]
+    assert member_name({"rewards": {"correct": 1.0, "format": 0.1}}) == "rewards=correct=1.0-format=0.1"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["learning_rate=1e-4,abc"], "--sweep learning_rate=abc: --learning-rate='abc': Input should be a valid number"),
+        (["lerning_rate=1e-4"], "--sweep 'lerning_rate': unknown option; did you mean 'learning_rate'?"),
+        (["learning_rate"], "--sweep 'learning_rate': expected KEY=VALUE1,VALUE2"),
+        (["seed=1,,2"], "--sweep 'seed=1,,2': an empty value"),
+        (["seed=0,1", "seed=2"], "--sweep 'seed=2': seed is swept twice"),
+        (["group_size=2,1"], "--sweep group_size=1: --group-size='1': Input should be greater than or equal to 2"),
+        (["model=a,b"], "--sweep model=a,b: changes the base model, which every config of a sweep shares"),
+        (["lora_rank=8,16"], "--sweep lora_rank=8,16: changes the train pool's loaded base (its LoRA layers)"),
+        (["rewards=correct"], "--sweep rewards=correct: expected NAME=WEIGHT"),
+    ],
+)
+def test_grid_errors_name_the_flag_and_the_value(flags, expected):
+    with pytest.raises(ConfigError) as err:
+        expand_sweep({}, sweep_grid(flags))
+    assert user_message(err.value).startswith(expected)
+    assert "\n" not in user_message(err.value)
+
+
+def test_a_key_that_would_split_the_vllm_engine_is_refused_unless_on_transformers():
+    with pytest.raises(ConfigError, match="vLLM engine's context length"):
+        expand_sweep({"backend": "vllm"}, sweep_grid(["max_new_tokens=32,64"]))
+    with pytest.raises(ConfigError, match="vLLM engine's context length"):
+        expand_sweep({}, sweep_grid(["max_new_tokens=32,64"]), local=False)  # auto is vLLM on a GPU pod
+    assert len(expand_sweep({"backend": "hf"}, sweep_grid(["max_new_tokens=32,64"]), local=False)) == 2
+    # one value changes nothing: not a split
+    assert len(expand_sweep({}, sweep_grid(["model=a", "seed=1,2"]))) == 2
+
+
+def test_a_combination_the_config_refuses_is_named():
+    with pytest.raises(ConfigError) as err:  # each value alone is fine; together they break a cross-field check
+        expand_sweep({}, sweep_grid(["early_stop_patience=0,2", "eval_size=0,4"]))
+    assert user_message(err.value).startswith("--sweep early_stop_patience=2_eval_size=0: --early-stop-patience=2 with --eval-size=0")
+
+
+def test_through_the_cli_a_swept_key_cannot_also_be_a_flag_and_a_file_section_works(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--local", "--seed", "3", "--sweep", "seed=1,2"])
+    assert user_message(err.value).startswith("--sweep seed: --seed is also set")
+    config_file = tmp_path / "sweep.yaml"
+    config_file.write_text("iterations: 2\nsweep:\n  learning_rate: [1.0e-4, 3.0e-4]\n")
+    options, config, _ = parse_args(["--local", "--config", str(config_file)])
+    assert [m.config.train.learning_rate for m in options["sweep"]] == [1e-4, 3e-4]
+    assert config.iterations == 2 and all(m.config.iterations == 2 for m in options["sweep"])
+    with pytest.raises(ConfigError, match="both as flags and in the --config file"):
+        parse_args(["--local", "--config", str(config_file), "--sweep", "seed=1,2"])
+    with pytest.raises(UserError, match="--sweep expects KEY=VALUE1,VALUE2"):
+        parse_args(["--local", "--sweep"])
+    assert parse_args(["--local", "--sweep=seed=4,5"])[0]["sweep"][1].config.seed == 5

@@ -1,0 +1,66 @@
+"""A sweep's comparison: each config's figures, each setting's mean and worst seed, the report's
+overlaid curves, and names and errors shown as text, never as HTML."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_flyte.sweep_report import ConfigOutcome, figures, render_sweep_report, seed_summary
+
+
+def _outcome(lr: float, seed: int, accuracies: list[float], status: str = "complete", error: str | None = None) -> ConfigOutcome:
+    history = [{"iteration": 0, "eval_accuracy": accuracies[0], "eval_accuracy_ci95": 0.05}]
+    for i, acc in enumerate(accuracies[1:], start=1):
+        history.append({"iteration": i, "mean_reward": 0.1 * i, "iteration_s": 2.0 * i, "eval_accuracy": acc, "eval_accuracy_ci95": 0.05})
+    return ConfigOutcome(
+        name=f"lr={lr}_seed={seed}", overrides={"learning_rate": lr, "seed": seed}, seed=seed, status=status, error=error, history=history
+    )
+
+
+def test_a_configs_figures_are_its_first_final_and_best_held_out_and_mean_seconds():
+    line = figures(_outcome(1e-4, 0, [0.2, 0.5, 0.4]), "eval_accuracy")
+    assert (line["first"], line["final"], line["best"], line["best_iteration"]) == (0.2, 0.4, 0.5, 1)
+    assert line["iterations_done"] == 2
+    assert line["seconds_per_iteration"] == pytest.approx(3.0)  # (2 + 4) / 2
+
+
+def test_each_setting_gets_the_mean_and_the_worst_of_its_seeds():
+    outcomes = [
+        _outcome(1e-4, 0, [0.2, 0.30]),
+        _outcome(1e-4, 1, [0.2, 0.40]),
+        _outcome(1e-4, 2, [0.2, 0.20]),
+        _outcome(2e-4, 0, [0.2, 0.6, 0.10]),
+        _outcome(2e-4, 1, [0.2, 0.50]),
+    ]
+    summary = seed_summary([figures(o, "eval_accuracy") for o in outcomes])
+    by_lr = {s["setting"]["learning_rate"]: s for s in summary}
+    assert by_lr[1e-4]["seeds"] == [0, 1, 2]
+    assert by_lr[1e-4]["final_mean"] == pytest.approx(0.3) and by_lr[1e-4]["final_worst"] == 0.2
+    assert by_lr[2e-4]["final_mean"] == pytest.approx(0.3) and by_lr[2e-4]["final_worst"] == 0.1
+    assert by_lr[2e-4]["best_mean"] == pytest.approx(0.55) and by_lr[2e-4]["best_worst"] == 0.5
+
+
+def test_a_failed_config_without_evaluations_counts_in_no_mean():
+    outcomes = [
+        _outcome(1e-4, 0, [0.2, 0.4]),
+        ConfigOutcome(name="bad", overrides={"learning_rate": 1e-4, "seed": 1}, seed=1, status="failed"),
+    ]
+    (setting,) = seed_summary([figures(o, "eval_accuracy") for o in outcomes])
+    assert setting["seeds"] == [0, 1] and setting["evaluated"] == 1 and setting["final_mean"] == 0.4
+
+
+def test_the_report_overlays_every_config_names_failures_and_escapes_text():
+    outcomes = [
+        _outcome(1e-4, 0, [0.2, 0.3]),
+        _outcome(1e-4, 1, [0.2, 0.4]),
+        _outcome(2e-4, 0, [0.2], status="failed", error="reward <script>alert(1)</script> raised"),
+    ]
+    html = render_sweep_report(outcomes, "failed")
+    assert html.startswith("<!DOCTYPE html>") and "2 of 3 configs complete; failed: lr=0.0002_seed=0" in html
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    for title in ("Held-out accuracy", "Held-out reward", "Training reward", "Seconds per iteration"):
+        assert title in html
+    # one series per config on the held-out accuracy chart, each with its interval band
+    chart = html[html.index("Held-out accuracy (95% interval)") : html.index("Held-out reward")]
+    assert all(o.name in chart for o in outcomes[:2]) and chart.count("<polygon") == 2
+    assert "Over seeds" in html and "0.350" in html  # lr=1e-4: (0.3 + 0.4) / 2
