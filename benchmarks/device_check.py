@@ -11,6 +11,10 @@ matmuls, its decode loop and its log-probs are those of the real shape.
     python benchmarks/device_check.py --rows 16 --new-tokens 32  # on a CPU
     python benchmarks/device_check.py --out DIR                  # writes DIR/device_check.json
     python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens
+
+Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adapters (random,
+distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names`, what
+`HFGenerator.generate_mixed` runs): tokens/s of each, and how many rows kept their tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +59,61 @@ def timed(fn, *args):
     value = fn(*args)
     sync()
     return value, time.perf_counter() - started
+
+
+def random_adapters(model, names: list[str]):
+    """`model` as a PEFT model holding one LoRA adapter per name (rank 16, every linear layer),
+    each with random, distinct A and B (a fresh adapter's B = 0 would make them all the base)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=targets), adapter_name=names[0])
+    for name in names[1:]:
+        peft.add_adapter(name, LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for key, param in peft.named_parameters():
+            if "lora_" in key:
+                param.normal_(0.0, 0.02)
+    return peft.eval()
+
+
+def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling, adapters: int) -> dict:
+    """Each adapter's rows decoded in its own batch, then all adapters' rows in one mixed batch."""
+    import torch
+
+    names = [f"a{i}" for i in range(adapters)]
+    peft = random_adapters(model, names)
+    with torch.no_grad():
+        decode(peft, rows[:4], seeds[:4], Sampling(sampling.temperature, sampling.top_p, 4), set(), 2)  # warm-up
+        alone, alone_s = [], 0.0
+        for name in names:
+            peft.set_adapter(name)
+            out, seconds = timed(decode, peft, rows, seeds, sampling, {2}, 2)
+            alone += out
+            alone_s += seconds
+        every = [name for name in names for _ in rows]
+        mixed, mixed_s = timed(decode, peft, rows * adapters, seeds * adapters, sampling, {2}, 2, None, None, frozenset(), None, every)
+        # The same prompts through one forward, per adapter and mixed: a row gets its own adapter's
+        # log-probs (up to the batch's rounding), far from another adapter's.
+        inputs = torch.tensor(rows, device=peft.device)
+        own = []
+        for name in names:
+            peft.set_adapter(name)
+            own.append(torch.log_softmax(peft(input_ids=inputs).logits[:, -1].float(), -1))
+        together = torch.log_softmax(peft(input_ids=inputs.repeat(adapters, 1), adapter_names=every).logits[:, -1].float(), -1)
+    off_own = max((together[i * len(rows) : (i + 1) * len(rows)] - own[i]).abs().max().item() for i in range(adapters))
+    between = min((own[i] - own[j]).abs().max().item() for i in range(adapters) for j in range(i))
+    tokens = sum(len(ids) for ids, _ in mixed)
+    same = sum(a[0] == m[0] for a, m in zip(alone, mixed, strict=True))
+    return {
+        "adapters": adapters, "rows_per_adapter": len(rows), "new_tokens": tokens,
+        "per_adapter_batches_s": alone_s, "mixed_batch_s": mixed_s, "mixed_over_per_adapter": mixed_s / alone_s,
+        "per_adapter_tokens_per_s": sum(len(ids) for ids, _ in alone) / alone_s, "mixed_tokens_per_s": tokens / mixed_s,
+        "rows_with_the_same_tokens": same, "rows": len(mixed),
+        "max_logprob_gap_mixed_vs_own_adapter": off_own, "min_logprob_gap_between_adapters": between,
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -114,6 +173,17 @@ def main() -> int:
             f"importance ratio mean {stats.is_ratio_mean:.4f}, max {stats.is_ratio_max:.3f}; "
             f"output layer = forward: {head_direct}"
         )
+    adapters = 2 if args.quick else 4
+    sampling = Sampling(0.7, 1.0, args.new_tokens)
+    mixed = result["mixed_adapters"] = mixed_batches(generator, rows, seeds, sampling, adapters)
+    print(
+        f"  {adapters} adapters x {args.rows} rows: one batch per adapter {mixed['per_adapter_batches_s']:.2f} s "
+        f"({mixed['per_adapter_tokens_per_s']:.0f} tokens/s), one mixed batch {mixed['mixed_batch_s']:.2f} s "
+        f"({mixed['mixed_tokens_per_s']:.0f} tokens/s): {mixed['mixed_over_per_adapter']:.2f}x the time; "
+        f"{mixed['rows_with_the_same_tokens']} of {mixed['rows']} rows kept their sampled tokens; a row's next-token "
+        f"log-probs are {mixed['max_logprob_gap_mixed_vs_own_adapter']:.2g} from its adapter's alone (adapters differ by "
+        f"{mixed['min_logprob_gap_between_adapters']:.2g})"
+    )
     path = args.out if args.out.suffix == ".json" else args.out / "device_check.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results: {path}")

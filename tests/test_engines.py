@@ -374,6 +374,20 @@ def test_groups_with_other_settings_get_their_own_engine_batch_and_other_adapter
     assert sorted(engine.batches) == [[1, 2, 3, 10, 11], [4], [5], [6], [7], [12, 13]]
 
 
+def test_on_a_gpu_the_transformers_engine_decodes_one_adapter_a_batch(monkeypatch):
+    """PEFT's mixed adapter batches cost more than they save on a GPU (device_check on an H200):
+    there the sweep's groups share the engine but each engine batch holds one adapter."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(engines, "best_device", lambda: "cuda")
+
+    async def run_all():
+        return await asyncio.gather(*[engines.generate_groups(KEY, f"/adapters/v{s % 2}", [_request(s)]) for s in (1, 2, 3, 4)])
+
+    asyncio.run(run_all())
+    assert sorted(engine.batches) == [[1, 3], [2, 4]]
+
+
 def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeypatch):
     engine = FakeEngine(fail_on_adapter="/adapters/bad")
     monkeypatch.setattr(engines, "get_engine", lambda key: engine)

@@ -494,13 +494,27 @@ class EngineCall:
     def mixes(self) -> bool:
         """Whether this group may share an engine batch with other adapters' groups (the
         transformers engine's mixed adapter batches: a sweep's configs, a pipelined run's versions)."""
-        return self.key.backend == "hf" and self.adapter_path is not None and not self.request.continues and self.request.regex is None
+        return (
+            mixed_batches_pay(self.key.backend)
+            and self.adapter_path is not None
+            and not self.request.continues
+            and self.request.regex is None
+        )
 
     def batches_with(self) -> tuple:
         """Calls decode in one engine batch when these are equal."""
         if self.mixes():
             return self.key, self.request.sampling()
         return self.key, self.adapter_path, self.request.sampling()
+
+
+def mixed_batches_pay(backend: str) -> bool:
+    """Whether one engine batch of several adapters' rows decodes faster than one batch per adapter.
+    On transformers, on a CPU only: PEFT's mixed batches run each LoRA layer once per adapter, on
+    its rows. On a CPU the shared base layers' larger matmuls win (4 adapters' rows in one batch:
+    0.51-0.54x the CPU time of 4 batches); on a GPU the extra small kernels lose (an H200: 1.6-2.0x
+    the time, benchmarks/device_check_h200.json), so there the batcher keeps one adapter a batch."""
+    return backend == "hf" and best_device() == "cpu"
 
 
 async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
