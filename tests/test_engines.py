@@ -128,7 +128,8 @@ def test_resolve_backend_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch):
 
 class _FakeLLM:
     """vLLM's LLM as VLLMGenerator uses it: generate(prompts, params, lora_request=...), a tokenizer,
-    and llm_engine.remove_lora. Each completion echoes a token per request so outputs can be checked."""
+    and llm_engine.add_lora / remove_lora. Each completion echoes a token per request so outputs can
+    be checked; an adapter path in `damaged` fails to load."""
 
     instances: list[_FakeLLM] = []  # noqa: RUF012 (records instances for the test)
 
@@ -136,8 +137,16 @@ class _FakeLLM:
         self.kwargs = kwargs
         self.calls: list = []
         self.removed: list[int] = []
-        self.llm_engine = SimpleNamespace(remove_lora=self.removed.append)
+        self.added: list[int] = []
+        self.damaged: set[str] = set()
+        self.llm_engine = SimpleNamespace(remove_lora=self.removed.append, add_lora=self._add_lora)
         _FakeLLM.instances.append(self)
+
+    def _add_lora(self, request) -> bool:
+        if request.path in self.damaged:
+            raise ValueError(f"cannot load {request.path}")
+        self.added.append(request.id)
+        return True
 
     def get_tokenizer(self):
         return SimpleNamespace(eos_token_id=2)
@@ -189,15 +198,47 @@ def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
     assert (params[0].n, params[0].temperature, params[0].top_p, params[0].seed, params[0].logprobs) == (3, 0.7, 0.9, 11, 0)
     assert params[0].top_k == -1 and params[0].max_tokens == 16
     assert (params[1].n, params[1].temperature) == (1, 0.0)  # greedy
-    assert (lora.id, lora.path) == (1, "/adapters/v1")
+    assert [(r.id, r.path) for r in lora] == [(1, "/adapters/v1")] * 2  # one LoRARequest per prompt
     # a new adapter gets a new id; the third evicts the oldest (max_adapters=2) from the engine
     gen.generate_many([sampled], "/adapters/v2")
     gen.generate_many([sampled], "/adapters/v3")
-    assert [c[2].id for c in llm.calls] == [1, 2, 3]
+    assert [c[2][0].id for c in llm.calls] == [1, 2, 3]
     assert llm.removed == [1]
     gen.generate_many([sampled], "/adapters/v2")  # still loaded: same id, nothing evicted
-    assert llm.calls[-1][2].id == 2 and llm.removed == [1]
+    assert llm.calls[-1][2][0].id == 2 and llm.removed == [1]
+    assert llm.added == [1, 2, 3]  # each loaded once, before its batch
     assert params[0].structured_outputs is None  # unconstrained unless a request has a regex
+
+
+def test_a_mixed_vllm_batch_gives_each_prompt_its_adapter_and_evicts_none_of_its_own(fake_vllm):
+    """A sweep's configs on vLLM: one `LLM.generate`, each prompt with its adapter's LoRARequest,
+    up to `adapter_cache_size` adapters computed in one step (`max_loras`); making room for a
+    batch's new adapter evicts the least recently used adapter the batch does not use."""
+    from grpo_flyte.engines import VLLMGenerator
+
+    gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
+    llm = fake_vllm.instances[0]
+    assert (llm.kwargs["max_loras"], llm.kwargs["max_cpu_loras"]) == (2, 2)
+    requests = [SamplingRequest(prompt_ids=[1, t], group_size=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=t) for t in (5, 6)]
+    gen.generate_many(requests[:1], "/a")
+    gen.generate_many(requests[:1], "/b")  # resident: a (oldest), b
+    groups = gen.generate_mixed(requests, ["/b", "/a"])
+    assert [[r.text for r in g] for g in groups] == [["5", "5"], ["6", "6"]]
+    assert len(llm.calls) == 3 and [(r.id, r.path) for r in llm.calls[-1][2]] == [(2, "/b"), (1, "/a")]
+    assert llm.removed == []  # both were resident: kept, with their ids
+    # resident: b, a (a used last); a batch of c and b evicts a, not b, though b is the older
+    gen.generate_mixed(requests, ["/c", "/b"])
+    assert [(r.id, r.path) for r in llm.calls[-1][2]] == [(3, "/c"), (2, "/b")]
+    assert llm.removed == [1] and list(gen.lora_ids) == ["/b", "/c"]
+    # a damaged adapter: an AdapterError naming it, before anything is generated; it holds no slot
+    llm.damaged.add("/bad")
+    with pytest.raises(AdapterError, match="'/bad' cannot be loaded"):
+        gen.generate_mixed(requests, ["/bad", "/c"])
+    assert len(llm.calls) == 4 and "/bad" not in gen.lora_ids and "/c" in gen.lora_ids
+
+
+def test_vllm_lora_slots_follow_the_adapter_cache_within_a_bound():
+    assert [engines.vllm_lora_slots(n) for n in (1, 2, 4, engines.VLLM_MAX_LORA_SLOTS, 64)] == [1, 2, 4, *[engines.VLLM_MAX_LORA_SLOTS] * 2]
 
 
 def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vllm, monkeypatch):
@@ -306,15 +347,17 @@ class FakeEngine:
 
     def __init__(self, fail_on_adapter: str | None = None):
         self.batches: list[list[int]] = []
+        self.adapters: list[list[str | None]] = []  # each engine batch's adapter per request
         self.fail_on_adapter = fail_on_adapter
 
     def generate_many(self, requests, adapter_path):
         return self.generate_mixed(requests, [adapter_path] * len(requests))
 
     def generate_mixed(self, requests, adapter_paths):
-        if self.fail_on_adapter in adapter_paths:
+        if self.fail_on_adapter is not None and self.fail_on_adapter in adapter_paths:
             raise RuntimeError(f"engine failed on {self.fail_on_adapter}")
         self.batches.append([r.seed for r in requests])
+        self.adapters.append(list(adapter_paths))
         return [
             [Rollout(completion_ids=[r.seed], sampling_logprobs=[-0.5], finish_reason="stop", text=str(r.seed))] * r.group_size
             for r in requests
@@ -386,6 +429,33 @@ def test_on_a_gpu_the_transformers_engine_decodes_one_adapter_a_batch(monkeypatc
 
     asyncio.run(run_all())
     assert sorted(engine.batches) == [[1, 3], [2, 4]]
+
+
+def test_on_vllm_every_adapters_groups_share_a_batch_regexes_and_multi_turn_contexts_too(monkeypatch):
+    """vLLM takes a LoRARequest and settings per prompt: groups of other adapters share an engine
+    batch (as many adapters as the engine keeps, VKEY: 2), multi-turn turns and regex-held
+    requests included; other sampling settings and the base model (no adapter) batch apart."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    vkey = EngineKey("vllm", "/m", "bfloat16", 2, 8, 640)
+
+    async def run_all():
+        return await asyncio.gather(
+            engines.generate_groups(vkey, "/adapters/v1", [_request(1)]),
+            engines.generate_groups(vkey, "/adapters/v2", [_request(2, continues=True)]),
+            engines.generate_groups(vkey, "/adapters/v1", [_request(3, regex="[0-9]+")]),
+            engines.generate_groups(vkey, "/adapters/v3", [_request(4)]),
+            engines.generate_groups(vkey, "/adapters/v1", [_request(5, temperature=1.0)]),
+            engines.generate_groups(vkey, None, [_request(6)]),
+        )
+
+    asyncio.run(run_all())
+    assert sorted(zip(engine.batches, engine.adapters, strict=True)) == [
+        ([1, 2, 3], ["/adapters/v1", "/adapters/v2", "/adapters/v1"]),  # seed order; 2 adapters
+        ([4], ["/adapters/v3"]),
+        ([5], ["/adapters/v1"]),
+        ([6], [None]),
+    ]
 
 
 def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeypatch):

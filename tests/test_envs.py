@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 
 import grpo_flyte
 import grpo_flyte.driver
-import grpo_flyte.sweep  # noqa: F401 -- declares train_sweep on the driver's environment
+import grpo_flyte.sweep  # declares train_sweep on the driver's environment
 from grpo_flyte import envs
 
 SRC = Path(grpo_flyte.__file__).resolve().parents[1]

@@ -96,6 +96,28 @@ def test_multi_turn_episodes_on_vllm_train_on_exactly_the_models_tokens(contract
     assert ratio["tokens"] > 0 and abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_a_sweeps_adapters_meet_in_one_engine_batch_with_their_own_rollouts(contract, mode):
+    """Groups of two adapters sent to the replica's batcher at once (a sweep's configs) run as one
+    `LLM.generate` whose steps compute both adapters (`max_loras` 2: the engine's adapter cache),
+    and each group gets exactly the tokens of its adapter's batch alone (same seed; greedy and
+    sampled), its log-probs equal to float rounding."""
+    mixed = contract["mixed"]
+    assert mixed["max_loras"] == 2
+    run = mixed[mode]
+    assert run["engine_batches"] == 1 and run["adapters_per_step_max"] == 2
+    assert run["alone_differ_by_adapter"]  # the two adapters' rollouts differ: a mix-up would show
+    assert run["same_tokens"]
+    assert run["logprob_diff_max"] < 1e-4
+
+
+def test_a_damaged_adapter_in_a_mixed_batch_fails_alone_and_the_engine_goes_on(contract):
+    damaged = contract["mixed"]["damaged"]
+    assert damaged["error"].startswith("AdapterError: adapter ") and "damaged" in damaged["error"]
+    assert damaged["others_ok"]  # the good adapters' groups got their rollouts, and later batches run
+    assert damaged["adapters_loaded"]  # the damaged one holds no slot
+
+
 # --------------------------------------------------------------------------- the LLM judge (issue 28)
 
 JUDGE_CONTRACT = Path(__file__).with_name("vllm_judge_contract.py")

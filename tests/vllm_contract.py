@@ -95,6 +95,7 @@ def main() -> None:
             "tokens": ratio.numel(),
         }
     out["episodes"] = episodes(key, gen, paths["v0"], peft, config)
+    out["mixed"] = mixed(key, gen, paths["v0"], paths["a"], prompts, work)
     gen.close()
     print(json.dumps(out))
 
@@ -132,6 +133,70 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
         "mask_matches_turns": all(r.num_model_tokens == sum(t.num_tokens for t in r.episode.turns if t.role == "model") for r in played),
         "ratio": {"mean": float(ratio.mean()), "min": float(ratio.min()), "max": float(ratio.max()), "tokens": ratio.numel()},
     }
+
+
+def mixed(key, gen, v0: str, a: str, prompts: list[list[int]], work: Path) -> dict:
+    """A sweep's configs through the replica's batcher (issue 39): groups of two adapters, sent
+    concurrently, meet in one `LLM.generate` and one engine step computes both adapters; each group
+    gets what its adapter's batch alone gives. A damaged adapter's group fails alone, and the
+    engine goes on."""
+    import asyncio
+    import shutil
+
+    engines._slot.key, engines._slot.engine = key, gen  # the engine built above, not a second one
+    calls, step_adapters = [], []
+    generate = gen.llm.generate
+    gen.llm.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
+    runner = gen.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    activate = runner.lora_manager.set_active_adapters
+    runner.lora_manager.set_active_adapters = lambda requests, mapping: (
+        step_adapters.append(len({r.lora_int_id for r in requests if r})) or activate(requests, mapping)
+    )
+    adapters = (v0, a)
+
+    def ids(groups) -> list[list[list[int]]]:
+        return [[r.completion_ids for r in g] for g in groups]
+
+    def logprob_diff(groups, others) -> float:
+        rows = [(r, s) for g, h in zip(groups, others, strict=True) for r, s in zip(g, h, strict=True)]
+        return max(abs(x - y) for r, s in rows for x, y in zip(r.sampling_logprobs, s.sampling_logprobs, strict=True))
+
+    async def together(settings: dict, bad: str | None = None):
+        sends = [engines.generate_groups(key, path, [request(p, **settings)]) for path in adapters for p in prompts]
+        if bad is not None:
+            sends.append(engines.generate_groups(key, bad, [request(prompts[0], **settings)]))
+        return await asyncio.gather(*sends, return_exceptions=True)
+
+    out: dict = {"max_loras": gen.llm.llm_engine.vllm_config.lora_config.max_loras}
+    for mode, settings in (("greedy", {"group_size": 1, "greedy": True}), ("sampled", {"temperature": 1.0})):
+        started = time.perf_counter()
+        alone = [g for path in adapters for g in gen.generate_many([request(p, **settings) for p in prompts], path)]
+        alone_s = time.perf_counter() - started
+        calls.clear(), step_adapters.clear()
+        started = time.perf_counter()
+        groups = [g[0] for g in asyncio.run(together(settings))]
+        out[mode] = {
+            "alone_s": alone_s,
+            "mixed_s": time.perf_counter() - started,
+            "engine_batches": len(calls),
+            "adapters_per_step_max": max(step_adapters),
+            "same_tokens": ids(groups) == ids(alone),
+            "alone_differ_by_adapter": ids(alone[:2]) != ids(alone[2:]),
+            "logprob_diff_max": logprob_diff(groups, alone) if ids(groups) == ids(alone) else None,
+        }
+    # a damaged adapter (its weights cut short) in a batch with a good one
+    bad = work / "damaged"
+    shutil.copytree(a, bad)
+    weights = bad / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    *groups, failed = asyncio.run(together({"group_size": 1, "greedy": True}, bad=str(bad)))
+    out["damaged"] = {
+        "error": f"{type(failed).__name__}: {failed}" if isinstance(failed, BaseException) else None,
+        "others_ok": ids([g[0] for g in groups])
+        == ids([g for path in adapters for g in gen.generate_many([request(p, group_size=1, greedy=True) for p in prompts], path)]),
+        "adapters_loaded": sorted(gen.lora_ids) == sorted(adapters),
+    }
+    return out
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 - `HFGenerator` (transformers + PEFT, our own decode loop) and `VLLMGenerator` (vLLM, the LoRA
   adapter attached per request) share one interface: `generate_many(requests, adapter_path)`
-  decodes several groups that share an adapter and sampling settings in one batch.
+  decodes several groups that share an adapter and sampling settings in one batch, and
+  `generate_mixed(requests, adapter_paths)` several groups each with its own adapter.
 - `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
   replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
   the GPU). The LLM judge (grpo_flyte.judge) has a slot of its own: a judge engine serves the
@@ -11,9 +12,11 @@
   policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
-  batch, on transformers even when their adapters differ (a sweep's configs: PEFT's mixed adapter
-  batches, each row with its own adapter). Every row draws from its own random stream seeded by (request seed, row), so a completion
-  does not depend on its batch mates, and a batch's failure reaches every group in it.
+  batch, even when their adapters differ (a sweep's configs, a pipelined run's versions; each row
+  with its own adapter: PEFT's mixed adapter batches on transformers, a LoRARequest per prompt on
+  vLLM). Every row draws from its own random stream seeded by (request seed, row), so a completion
+  does not depend on its batch mates, and a batch's failure reaches every group in it (a batch of
+  several adapters is decoded again one adapter at a time, so a damaged one fails alone).
 
 Heavy libraries are imported inside the engines; importing this module is cheap.
 """
@@ -64,6 +67,9 @@ DECODE_BATCH_KV_BYTES = 2**30
 MIXED_ADAPTERS = "<several adapters>"
 # The LoRA ranks vLLM's `max_lora_rank` accepts; an adapter of a smaller rank runs on the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The most adapters one vLLM engine step computes (its `max_loras`, bounded by `adapter_cache_size`):
+# a sweep's configs or a pipelined run's versions; more wait for a slot (vllm_lora_slots).
+VLLM_MAX_LORA_SLOTS = 8
 
 
 class SamplingRequest(BaseModel):
@@ -90,6 +96,8 @@ class Generator(Protocol):
     tokenizer: object
 
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]: ...
+
+    def generate_mixed(self, requests: list[SamplingRequest], adapter_paths: list[str | None]) -> list[list[Rollout]]: ...
 
     def close(self) -> None: ...
 
@@ -268,7 +276,9 @@ class HFGenerator:
 
 
 class VLLMGenerator:
-    """vLLM generation with the adapter attached per request through LoRARequest."""
+    """vLLM generation with the adapter attached per request through LoRARequest: up to
+    `max_adapters` adapters kept loaded, and as many of them (at most `VLLM_MAX_LORA_SLOTS`) in
+    one batch of the engine's, each row computed with its own."""
 
     def __init__(
         self, model_path: str, dtype: str, max_adapters: int, max_lora_rank: int, max_model_len: int, memory_fraction: float = 0.85
@@ -278,7 +288,12 @@ class VLLMGenerator:
         except ImportError as exc:
             raise ImportError("the vLLM backend needs: pip install 'grpo-flyte[gpu]'") from exc
         # max_lora_rank 0: an engine that serves no adapter (the judge)
-        lora = {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1, "max_cpu_loras": max_adapters}
+        lora = {
+            "enable_lora": True,
+            "max_lora_rank": max_lora_rank,
+            "max_loras": vllm_lora_slots(max_adapters),
+            "max_cpu_loras": max_adapters,
+        }
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -290,24 +305,39 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.lora_ids: OrderedDict[str, int] = OrderedDict()  # adapter path -> LoRARequest int id
+        self.lora_ids: OrderedDict[str, int] = OrderedDict()  # adapter path -> LoRARequest int id, oldest use first
         self.max_adapters = max_adapters
         self._next_id = 1  # vLLM requires ids >= 1, unique per adapter
 
-    def _lora_request(self, adapter_path: str | None):
+    def _lora_requests(self, adapter_paths: list[str | None]) -> list:
+        """Each row's LoRARequest (None: the base model). A batch's adapters are loaded before it
+        runs, evicting only adapters it does not use (least recently used first); one that cannot be
+        loaded raises AdapterError naming it, and the engine goes on (vLLM would otherwise load it
+        inside a decode step, whose failure ends the engine)."""
         from vllm.lora.request import LoRARequest
 
-        if adapter_path is None:
-            return None
-        if adapter_path not in self.lora_ids:
-            self.lora_ids[adapter_path] = self._next_id
-            self._next_id += 1
-            while len(self.lora_ids) > self.max_adapters:
+        distinct = [path for path in dict.fromkeys(adapter_paths) if path is not None]
+        assert len(distinct) <= self.max_adapters, "a batch's adapters must fit the engine"
+        for path in distinct:  # the batch's resident adapters first: the newest, so none is evicted below
+            if path in self.lora_ids:
+                self.lora_ids.move_to_end(path)
+        requests = {}
+        for path in distinct:
+            lora_id = self.lora_ids.get(path)
+            if lora_id is not None:
+                requests[path] = LoRARequest(f"adapter{lora_id}", lora_id, path)
+                continue
+            while len(self.lora_ids) >= self.max_adapters:
                 _, old_id = self.lora_ids.popitem(last=False)
                 self.llm.llm_engine.remove_lora(old_id)
-        self.lora_ids.move_to_end(adapter_path)
-        lora_id = self.lora_ids[adapter_path]
-        return LoRARequest(f"adapter{lora_id}", lora_id, adapter_path)
+            lora_id, self._next_id = self._next_id, self._next_id + 1
+            requests[path] = LoRARequest(f"adapter{lora_id}", lora_id, path)
+            try:
+                self.llm.llm_engine.add_lora(requests[path])
+            except Exception as exc:  # noqa: BLE001 -- a missing, truncated or foreign adapter fails in many ways
+                raise AdapterError(f"adapter {path!r} cannot be loaded ({type(exc).__name__}: {exc})") from None
+            self.lora_ids[path] = lora_id
+        return [None if path is None else requests[path] for path in adapter_paths]
 
     def close(self) -> None:
         """Give the GPU memory back (vLLM keeps it after `del`: vllm#1908)."""
@@ -322,6 +352,13 @@ class VLLMGenerator:
         cleanup_dist_env_and_memory()
 
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
+        """One `LLM.generate` for several groups sharing an adapter (None: the base model, e.g. the judge)."""
+        return self.generate_mixed(requests, [adapter_path] * len(requests))
+
+    def generate_mixed(self, requests: list[SamplingRequest], adapter_paths: list[str | None]) -> list[list[Rollout]]:
+        """One `LLM.generate` for several groups, each with its own adapter (`adapter_paths[i]` for
+        `requests[i]`) and settings: vLLM takes a LoRARequest per prompt and schedules up to its
+        `max_loras` adapters in one step. At most `max_adapters` adapters."""
         from vllm import SamplingParams
 
         params = [
@@ -340,13 +377,22 @@ class VLLMGenerator:
             )
             for r in requests
         ]
+        loras = self._lora_requests(adapter_paths)
         outputs = self.llm.generate(
             [{"prompt_token_ids": r.prompt_ids} for r in requests],
             params,
-            lora_request=self._lora_request(adapter_path),
+            lora_request=None if all(lora is None for lora in loras) else loras,
             use_tqdm=False,
         )
         return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
+
+
+def vllm_lora_slots(max_adapters: int) -> int:
+    """vLLM's `max_loras`: how many of the loaded adapters one engine step computes. Each slot holds
+    GPU buffers of `max_lora_rank` for every adapted layer (~80 MB at rank 16 on a 7B model, taken
+    from the KV cache), so the adapters past `VLLM_MAX_LORA_SLOTS` wait for a slot within the same
+    `LLM.generate` instead."""
+    return max(1, min(max_adapters, VLLM_MAX_LORA_SLOTS))
 
 
 def structured_outputs(regex: str | None):
@@ -492,14 +538,15 @@ class EngineCall:
     request: SamplingRequest
 
     def mixes(self) -> bool:
-        """Whether this group may share an engine batch with other adapters' groups (the
-        transformers engine's mixed adapter batches: a sweep's configs, a pipelined run's versions)."""
-        return (
-            mixed_batches_pay(self.key.backend)
-            and self.adapter_path is not None
-            and not self.request.continues
-            and self.request.regex is None
-        )
+        """Whether this group may share an engine batch with other adapters' groups (a sweep's
+        configs, a pipelined run's versions): on vLLM any adapter's group (a LoRARequest per
+        prompt); on transformers, where mixed batches pay (`mixed_batches_pay`), one without a
+        multi-turn context to keep or a regex (PEFT's mixed adapter batches)."""
+        if self.adapter_path is None:
+            return False
+        if self.key.backend == "vllm":
+            return True
+        return mixed_batches_pay(self.key.backend) and not self.request.continues and self.request.regex is None
 
     def batches_with(self) -> tuple:
         """Calls decode in one engine batch when these are equal."""
