@@ -106,7 +106,7 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
 
     from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 
-    engines._slot.key, engines._slot.engine = key, gen  # the engine built above, not a second one
+    engines._engines.engines[key] = gen  # the engine built above, not a second one
     run = RunConfig(model=config.base.model, env="chatty_env:Chatty", max_turns=3, max_episode_tokens=96, max_new_tokens=8, temperature=0.8)
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
