@@ -80,6 +80,9 @@ def test_a_sweep_over_base_models_gives_each_config_its_base():
     ]
     dtypes = expand_sweep({"model": "a"}, sweep_grid(["dtype=bfloat16,float32"]))
     assert [m.config.base.dtype for m in dtypes] == ["bfloat16", "float32"]
+    with pytest.raises(ConfigError) as err:  # a list: the configs that leave the model alone have the default's
+        expand_sweep({}, sweep_grid([], [{"model": "a"}, {"seed": 1}, {"model": "b"}, {"model": "c"}]))
+    assert user_message(err.value).startswith("--sweep model=a,embedded,b,c: 4 base models")
 
 
 def test_a_model_folder_names_its_config_by_its_own_name_unless_two_share_it(tmp_path):

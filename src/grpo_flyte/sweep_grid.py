@@ -187,12 +187,8 @@ def _check_bases(members: list[SweepMember], local: bool) -> None:
     bases = {(m.config.base.model, m.config.base.dtype) for m in members}
     if len(bases) < 2:
         return
-    swept = {key: [] for m in members for key in m.overrides if key in BASE_KEYS}
-    for m in members:
-        for key in swept:
-            if m.overrides[key] not in swept[key]:
-                swept[key].append(m.overrides[key])
-    what = " ".join(f"{key}={_shown(values)}" for key, values in swept.items())
+    swept = dict.fromkeys(key for m in members for key in m.overrides if key in BASE_KEYS)
+    what = " ".join(f"{key}={_shown(list(dict.fromkeys(getattr(m.config.base, key) for m in members)))}" for key in swept)
     if len(bases) > MAX_BASES:
         raise ConfigError(
             f"{what}: {len(bases)} base models, each its own engine and loaded base on every replica; "
