@@ -411,7 +411,7 @@ def serve_replica(tgz: str, version: str, dest: str) -> None:
 
 
 async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
-    """What the replica's process holds between actions: the models its engine slot and trainer
+    """What the replica's process holds between actions: the models its engine cache and trainer
     built, its batcher's counts, and every cache with its bound."""
     from grpo_flyte import engines, policy, rollout, trainer
 
@@ -423,13 +423,13 @@ async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
     if engines.replica_batcher.cache_info().currsize:
         stats = (await engines.replica_batcher()).stats
         batcher = {"submitted": stats.total_submitted, "batches": stats.total_batches}
-    engine = engines._slot.engine
+    held = list(engines._engines.engines.values())
     return {
         "engine_builds": builds["engine"],
         "trainer_loads": builds["trainer"],
         "batcher": batcher,
         "batchers": engines.replica_batcher.cache_info().currsize,
-        "engine_adapters": [len(engine.adapters), engine.max_adapters] if engine is not None else None,
+        "engine_adapters": [[len(engine.adapters), engine.max_adapters] for engine in held],
         "trainer_models": policy._peft_model.cache_info().currsize,
         "caches": {
             "rollout models": cache(rollout._model_dirs),

@@ -1,4 +1,4 @@
-"""grpo_flyte.engines: EOS cutting, vLLM output conversion, backend choice, the engine slot, and the
+"""grpo_flyte.engines: EOS cutting, vLLM output conversion, backend choice, the engine cache, and the
 replica batcher (flyte.extras.DynamicBatcher) in front of the engine."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from grpo_flyte import engines
 from grpo_flyte.engines import (
+    EngineCache,
     EngineKey,
-    EngineSlot,
     SamplingRequest,
     cut_at_eos,
     resolve_backend,
@@ -265,19 +265,18 @@ def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vl
     assert lora is None and params[0].structured_outputs.regex == "1\\]"
 
 
-def test_the_judge_has_its_own_engine_slot(monkeypatch):
-    """A local run holds the policy's engine and the judge's at once: neither evicts the other."""
+def test_the_judge_has_its_own_engine_cache(monkeypatch):
+    """A local run holds the policy's engines and the judge's at once: the policy's bases, as many
+    as a sweep may have, never evict the judge's engine, nor it theirs."""
     built = []
     monkeypatch.setattr(engines.EngineKey, "build", lambda self: built.append(self) or SimpleNamespace(close=lambda: None))
-    policy = engines.EngineKey("hf", "/policy", "float32", 4, 0, 0)
+    policies = [engines.EngineKey("hf", f"/policy-{i}", "float32", 4, 0, 0) for i in range(engines.MAX_BASES)]
     judge = engines.EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
-    try:
-        for key in (policy, judge, policy, judge):
-            engines.get_engine(key)
-        assert built == [policy, judge]
-    finally:
-        engines._slot.clear()
-        engines._judge_slot.clear()
+    monkeypatch.setattr(engines, "_engines", engines.EngineCache(engines.MAX_BASES))
+    monkeypatch.setattr(engines, "_judge_engines", engines.EngineCache(1))
+    for key in (*policies, judge, *policies, judge):
+        engines.get_engine(key)
+    assert built == [*policies, judge]
 
 
 # --------------------------------------------------------------------------- vLLM LoRA ranks
@@ -323,17 +322,42 @@ class _Recorded:
         self.events.append(f"close {self.name}")
 
 
-def test_engine_slot_frees_the_old_engine_before_building_the_new_one(monkeypatch):
-    """A vLLM engine holds most of the GPU: a second one built before the first is freed would not fit."""
+def test_the_engine_cache_holds_one_engine_per_base_and_evicts_the_least_recently_used_first(monkeypatch):
+    """Two bases' calls interleaving build each engine once; a third base past the bound frees the
+    least recently used before it is built (never two past the bound at once), and coming back to
+    the freed base builds it again."""
     events: list[str] = []
     monkeypatch.setattr(EngineKey, "build", lambda key: _Recorded(key.model_path, events))
-    slot = EngineSlot()
-    a = EngineKey("hf", "/a", "bfloat16", 4, 0, 0)
-    first = slot.get(a)
-    assert slot.get(a) is first  # cached
-    second = slot.get(EngineKey("hf", "/b", "bfloat16", 4, 0, 0))
-    assert second is not first
-    assert events == ["build /a", "close /a", "build /b"]
+    cache = EngineCache(capacity=2)
+    a, b, c = (EngineKey("hf", f"/{name}", "bfloat16", 4, 0, 0) for name in "abc")
+    first = cache.get(a)
+    for key in (b, a, b, a, b):
+        cache.get(key)
+    assert cache.get(a) is first  # a's engine, warm all along
+    assert events == ["build /a", "build /b"]
+    cache.get(c)  # b was used before a's last call: b goes
+    assert events == ["build /a", "build /b", "close /b", "build /c"]
+    assert list(cache.engines) == [a, c]
+    cache.get(b)
+    assert events[-2:] == ["close /a", "build /b"] and list(cache.engines) == [c, b]
+
+
+def test_vllm_engines_past_the_memory_budget_free_the_old_one_before_building_the_new_one(monkeypatch):
+    """A vLLM engine reserves its share of the GPU: one for another base that would take the
+    engines held past VLLM_MEMORY_BUDGET frees the least recently used first; shares that fit
+    together are held together."""
+    events: list[str] = []
+    monkeypatch.setattr(EngineKey, "build", lambda key: _Recorded(key.model_path, events))
+    cache = EngineCache(capacity=3)
+    big = [EngineKey("vllm", f"/big-{i}", "bfloat16", 4, 8, 512, memory_fraction=0.85) for i in range(2)]
+    cache.get(big[0])
+    cache.get(big[1])
+    assert events == ["build /big-0", "close /big-0", "build /big-1"]
+    cache.clear()
+    small = [EngineKey("vllm", f"/small-{i}", "bfloat16", 4, 8, 512, memory_fraction=0.3) for i in range(3)]
+    for key in (*small, *small):
+        cache.get(key)
+    assert events[-3:] == ["build /small-0", "build /small-1", "build /small-2"] and len(cache.engines) == 3
 
 
 # --------------------------------------------------------------------------- the replica batcher

@@ -89,7 +89,7 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     assert best_device() == "cpu"  # this machine: no GPU, none required
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
     # a fresh pod: no engine and no base model loaded yet (earlier tests left theirs in this process)
-    monkeypatch.setattr(engines, "_slot", engines.EngineSlot())
+    monkeypatch.setattr(engines, "_engines", engines.EngineCache(1))
     policy._peft_model.cache_clear()
     with pytest.raises(
         DeviceError, match=r"CUDA is not usable: torch .*; the image's CUDA 13 needs NVIDIA driver >= 580 \(this node's driver: "

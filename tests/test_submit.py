@@ -47,6 +47,40 @@ def test_a_large_dataset_folder_still_exists_when_flyte_uploads_it(tmp_path, mon
     assert seen["exists"], f"{seen['folder']} was removed before Flyte could upload it"
 
 
+def test_a_cluster_sweep_over_two_bases_sends_each_config_its_own_base_model_uploaded_once(
+    tmp_path, monkeypatch, tiny_model_dir, embedded_dir
+):
+    """train_sweep gets a folder per base model, each uploaded once however many configs use it,
+    and each config's model names its folder; a lone run still gets its one `base_model`."""
+    from tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "tiny-b", embedded_dir, seed=1)
+    uploaded, submitted = [], []
+
+    class Runner:
+        def run(self, task, **inputs):
+            submitted.append((task.name, inputs))
+            return type("Run", (), {"url": "dry-run"})()
+
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "resolve_remote_model", lambda model: uploaded.append(model) or Dir(path=f"s3://bucket/{Path(model).name}"))
+    tiny = ["--backend", "hf", "--iterations", "1", "--max-new-tokens", "8", "--group-size", "2", "--prompts-per-iter", "2"]
+    assert cli.main([*tiny, "--sweep", f"model={tiny_model_dir},{other}", "--sweep", "seed=0,1"]) == 0
+    ((task, inputs),) = submitted
+    assert task.endswith("train_sweep") and "base_model" not in inputs and sorted(uploaded) == sorted([str(tiny_model_dir), str(other)])
+    assert {m: d.path for m, d in inputs["base_models"].items()} == {
+        str(tiny_model_dir): "s3://bucket/tiny-model0",
+        str(other): "s3://bucket/tiny-b",
+    }
+    assert {m.config.base.model for m in inputs["members"]} == inputs["base_models"].keys() and len(inputs["members"]) == 4
+
+    uploaded.clear()
+    assert cli.main([*tiny, "--model", str(other)]) == 0
+    assert (
+        submitted[-1][0].endswith("train_rl") and submitted[-1][1]["base_model"].path == "s3://bucket/tiny-b" and uploaded == [str(other)]
+    )
+
+
 def _refused(argv: list[str], monkeypatch, capsys) -> str:
     monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: pytest.fail("nothing may be uploaded"))

@@ -23,7 +23,7 @@ def test_the_parent_task_trains_its_config_and_reports_the_comparison(tmp_path, 
     )
     members = expand_sweep({**TINY, "model": str(tiny_model_dir)}, {"learning_rate": ["3e-4"]})
     runner = flyte.with_runcontext(mode="local", name="sweep-test", raw_data_path=str(tmp_path / "raw"))
-    result = runner.run(train_sweep, members=members, base_model=Dir(path=str(tiny_model_dir))).outputs()[0]
+    result = runner.run(train_sweep, members=members, base_models={str(tiny_model_dir): Dir(path=str(tiny_model_dir))}).outputs()[0]
     (only,) = result.configs
     assert only.name == "learning_rate=3e-4" and only.error is None
     assert [row.iteration for row in only.result.history] == [0, 1]
@@ -35,5 +35,13 @@ def test_locally_the_parent_task_refuses_several_configs_before_training(tmp_pat
     members = expand_sweep({**TINY, "model": str(tiny_model_dir)}, {"seed": [0, 1]})
     runner = flyte.with_runcontext(mode="local", name="sweep-test-2", raw_data_path=str(tmp_path / "raw"))
     with pytest.raises(Exception, match="shares one raw data folder and checkpoint between its configs in Flyte local mode"):
-        runner.run(train_sweep, members=members, base_model=Dir(path=str(tiny_model_dir)))
+        runner.run(train_sweep, members=members, base_models={str(tiny_model_dir): Dir(path=str(tiny_model_dir))})
+    assert not (tmp_path / "raw" / "adapters").exists()
+
+
+def test_a_config_whose_base_model_has_no_folder_is_refused_before_training(tmp_path, tiny_model_dir):
+    members = expand_sweep({**TINY, "model": str(tiny_model_dir)}, {"seed": [0]})
+    runner = flyte.with_runcontext(mode="local", name="sweep-test-3", raw_data_path=str(tmp_path / "raw"))
+    with pytest.raises(Exception, match=f"base_models has no folder for model {str(tiny_model_dir)!r}"):
+        runner.run(train_sweep, members=members, base_models={"elsewhere": Dir(path=str(tiny_model_dir))})
     assert not (tmp_path / "raw" / "adapters").exists()

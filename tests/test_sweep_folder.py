@@ -1,6 +1,6 @@
 """A local sweep through the command line: every config's run folder is what its lone run writes
 (same seed: the same completions, metrics and adapter up to float rounding), one engine and one
-base load for all, a failing config ends
+base load for all (a sweep over base models: one of each per base), a failing config ends
 alone and is named, --resume finishes what did not finish, and a bad grid writes nothing."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _outcomes(sweep_dir: Path) -> dict[str, dict]:
 
 
 def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_path, tiny_model_dir, caplog):
-    engines._slot.clear()  # a cold replica: what this process built for earlier tests would hide the count
+    engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
     policy.release_models()
     sweep_dir = tmp_path / "sweep"
     with caplog.at_level("INFO"):
@@ -57,10 +57,7 @@ def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_p
     # The same completions and rewards; float figures equal to float rounding: in the sweep's
     # engine batches (four adapters' rows) a row's log-probs differ from its lone run's in the 7th
     # digit (PEFT's mixed adapter batches, larger matmuls).
-    completions = [[json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((lone / "eval").iterdir())]
-    assert completions == [
-        [json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((swept / "eval").iterdir())
-    ]
+    assert _completions(swept) == _completions(lone)
     assert _close(_metrics(swept), _metrics(lone))
     assert [r["iteration"] for r in _metrics(swept)] == [0, 1, 2]
     assert _weights(swept).keys() == _weights(lone).keys()
@@ -68,6 +65,58 @@ def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_p
     # the other seed and learning rate trained something else (the folders are not copies of one run)
     other = _weights(sweep_dir / "learning_rate=1e-4_seed=0")
     assert max((other[k] - _weights(swept)[k]).abs().max().item() for k in other) > 1e-3
+
+
+def test_a_sweep_over_two_bases_builds_each_ones_engine_and_base_once_and_runs_each_config_as_alone(
+    tmp_path, tiny_model_dir, embedded_dir, caplog, capsys
+):
+    """Two tiny bases (the second 48 wide: an adapter of one loads on no other, so a config served
+    by the other's engine or trained on its base would fail): their configs' generate calls and
+    train steps interleave on the process's one engine cache and loaded-base cache, and nothing is
+    built twice; each config's metrics are its lone run's (its base's engine batches hold its rows only)."""
+    from tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "tiny-b", embedded_dir, seed=1, hidden_size=48)
+    engines._engines.clear()  # a cold replica
+    policy.release_models()
+    bases = (tiny_model_dir, other)
+    sweep_dir = tmp_path / "sweep"
+    common = ["--local", *TINY, "--iterations", "1", "--backend", "hf"]
+    with caplog.at_level("INFO"):
+        assert cli_main([*common, "--run-dir", str(sweep_dir), "--sweep", f"model={tiny_model_dir},{other}"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    for base in bases:
+        assert sum(f"building the hf generator for {base} " in m for m in messages) == 1, base
+        assert sum(f"loading the base model for training from {base} " in m for m in messages) == 1, base
+    assert not any("freeing the" in m for m in messages)
+    outcomes = _outcomes(sweep_dir)  # each config named by its model folder's name
+    assert {n: (o["model"], o["status"]) for n, o in outcomes.items()} == {f"model={b.name}": (str(b), "complete") for b in bases}
+    report = (sweep_dir / "report.html").read_text()
+    assert all(str(b) in report for b in bases)
+
+    widths = set()
+    for name, outcome in outcomes.items():
+        lone = tmp_path / f"lone-{Path(outcome['model']).name}"
+        assert cli_main([*common, "--model", outcome["model"], "--run-dir", str(lone)]) == 0
+        assert _metrics(sweep_dir / name) == _metrics(lone)
+        assert _completions(sweep_dir / name) == _completions(lone)
+        weights = _weights(sweep_dir / name)
+        assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in _weights(lone).items()}
+        widths.add(max(v.shape[-1] for v in weights.values()))  # each trained on its own base
+    assert widths == {32, 48}
+
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    four = ",".join(str(p) for p in (*bases, tmp_path / "c", tmp_path / "d"))
+    assert cli_main([*common, "--run-dir", str(refused), "--sweep", f"model={four}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --sweep model={four}: 4 base models") and "expected at most 3" in err and "\n" not in err
+    assert not refused.exists()
+
+
+def _completions(run_dir: Path) -> list[list[str]]:
+    """The held-out completions of each evaluation of a run folder."""
+    return [[json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((run_dir / "eval").iterdir())]
 
 
 def _weights(run_dir: Path) -> dict:

@@ -43,7 +43,12 @@ def test_values_with_commas_are_split_on_semicolons():
         (["seed=1,,2"], "--sweep 'seed=1,,2': an empty value"),
         (["seed=0,1", "seed=2"], "--sweep 'seed=2': seed is swept twice"),
         (["group_size=2,1"], "--sweep group_size=1: --group-size='1': Input should be greater than or equal to 2"),
-        (["model=a,b"], "--sweep model=a,b: changes the base model, which every config of a sweep shares"),
+        (["backend=hf,vllm"], "--sweep backend=hf,vllm: changes the generate engine, which every config of a sweep shares"),
+        (
+            ["model=a,b,c,d"],
+            "--sweep model=a,b,c,d: 4 base models, each its own engine and loaded base on every replica; expected at most 3",
+        ),
+        (["model=a,b", "dtype=bfloat16,float32"], "--sweep model=a,b dtype=bfloat16,float32: 4 base models"),
         (["lora_rank=8,16"], "--sweep lora_rank=8,16: changes the train pool's loaded base (its LoRA layers)"),
         (["rewards=correct"], "--sweep rewards=correct: expected NAME=WEIGHT"),
     ],
@@ -63,6 +68,48 @@ def test_a_key_that_would_split_the_vllm_engine_is_refused_unless_on_transformer
     assert len(expand_sweep({"backend": "hf"}, sweep_grid(["max_new_tokens=32,64"]), local=False)) == 2
     # one value changes nothing: not a split
     assert len(expand_sweep({}, sweep_grid(["model=a", "seed=1,2"]))) == 2
+
+
+def test_a_sweep_over_base_models_gives_each_config_its_base():
+    members = expand_sweep({"backend": "hf"}, sweep_grid(["model=a,b", "seed=0,1"]), local=False)
+    assert [(m.name, m.config.base.model, m.config.seed) for m in members] == [
+        ("model=a_seed=0", "a", 0),
+        ("model=a_seed=1", "a", 1),
+        ("model=b_seed=0", "b", 0),
+        ("model=b_seed=1", "b", 1),
+    ]
+    dtypes = expand_sweep({"model": "a"}, sweep_grid(["dtype=bfloat16,float32"]))
+    assert [m.config.base.dtype for m in dtypes] == ["bfloat16", "float32"]
+    with pytest.raises(ConfigError) as err:  # a list: the configs that leave the model alone have the default's
+        expand_sweep({}, sweep_grid([], [{"model": "a"}, {"seed": 1}, {"model": "b"}, {"model": "c"}]))
+    assert user_message(err.value).startswith("--sweep model=a,embedded,b,c: 4 base models")
+
+
+def test_a_model_folder_names_its_config_by_its_own_name_unless_two_share_it(tmp_path):
+    for folder in ("runs/x/ckpt", "runs/y/ckpt", "qwen-ft"):
+        (tmp_path / folder).mkdir(parents=True)
+    short = expand_sweep({}, sweep_grid([f"model={tmp_path / 'qwen-ft'},Qwen/Qwen3-0.6B"]))
+    assert [m.name for m in short] == ["model=qwen-ft", "model=Qwen-Qwen3-0.6B"]
+    assert short[0].overrides == {"model": str(tmp_path / "qwen-ft")}  # the config keeps the path
+    same = expand_sweep({}, sweep_grid([f"model={tmp_path / 'runs/x/ckpt'},{tmp_path / 'runs/y/ckpt'}"]))
+    assert [m.name for m in same] == [member_name({"model": str(tmp_path / f"runs/{p}/ckpt")}, short_paths=False) for p in "xy"]
+    assert same[0].name.endswith("runs-x-ckpt") and same[0].name != same[1].name
+
+
+def test_vllm_engines_of_several_bases_must_fit_on_one_gpu_together():
+    """Each base's vLLM engine reserves vllm_memory_fraction of a generate replica's GPU: refused
+    before starting unless they fit together, in one line naming the fraction to use."""
+    with pytest.raises(ConfigError) as err:
+        expand_sweep({"backend": "vllm"}, sweep_grid(["model=a,b"]))
+    assert user_message(err.value) == (
+        "--sweep model=a,b: 2 base models, each its own vLLM engine on a generate replica's GPU, at --vllm-memory-fraction 0.85 "
+        "each (1.70 of it); expected --vllm-memory-fraction at most 0.45 to sweep them (or --backend hf)"
+    )
+    with pytest.raises(ConfigError, match=r"at most 0\.30"):
+        expand_sweep({}, sweep_grid(["model=a,b,c"]), local=False)  # auto is vLLM on a GPU pod
+    assert len(expand_sweep({"vllm_memory_fraction": 0.3}, sweep_grid(["model=a,b,c"]), local=False)) == 3
+    assert len(expand_sweep({"backend": "vllm", "vllm_memory_fraction": 0.45}, sweep_grid(["model=a,b"]))) == 2
+    assert len(expand_sweep({}, sweep_grid(["model=a,b"]))) == 2  # locally, on this machine's CPU, auto is transformers
 
 
 def test_a_combination_the_config_refuses_is_named():

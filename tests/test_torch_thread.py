@@ -84,7 +84,7 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    engines._slot.clear()  # so this run builds its engine
+    engines._engines.clear()  # so this run builds its engine
     for owner, name in [
         (engines, "get_engine"),
         (engines, "HFGenerator"),
@@ -98,7 +98,7 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
     argv = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--max-new-tokens", "4"]
     argv += ["--prompts-per-iter", "2", "--group-size", "2", "--eval-size", "2", "--min-informative-groups", "0"]
     assert cli_main([*argv, "--backend", "hf", "--export-merged", "--run-dir", str(tmp_path / "run")]) == 0
-    engines._slot.clear()
+    engines._engines.clear()
 
     assert set(seen) == {
         "get_engine",

@@ -655,3 +655,31 @@ def test_a_damaged_adapter_in_a_multi_process_step_is_the_adapter_error_not_retr
                           [A, B], (0, 0), 1)  # fmt: skip
     with pytest.raises(AdapterError, match="v0000' cannot be loaded"):
         data_parallel.launch_ranks(job, tmp_path / "v0001", 2)
+
+
+def test_the_train_side_keeps_a_loaded_base_per_base_model_and_drops_the_least_recently_used_past_the_bound(tmp_path, llama_dir, caplog):
+    """A sweep over base models trains each on its own loaded base: calls that interleave the bases
+    load each once; past MAX_BASES the least recently used is dropped (a process that ran other
+    bases before), and coming back to it loads it again."""
+    import shutil
+
+    from grpo_flyte.config import MAX_BASES
+
+    bases = [str(shutil.copytree(llama_dir, tmp_path / f"base-{i}")) for i in range(MAX_BASES + 1)]
+    config = RunConfig(dtype="float32")
+    policy.release_models()
+
+    def load(i: int):
+        return policy.peft_model(config.base, config.lora, bases[i])
+
+    def loads() -> list[str]:
+        return [r.getMessage().split(" from ")[1].split(" ")[0] for r in caplog.records if "loading the base model" in r.getMessage()]
+
+    with caplog.at_level("INFO", logger="grpo_flyte.policy"):
+        first = [load(i) for i in range(MAX_BASES)]
+        assert all(load(i) is first[i] for i in (*range(MAX_BASES), *range(MAX_BASES)))  # interleaved: all warm
+        assert loads() == bases[:MAX_BASES]
+        load(MAX_BASES)  # base 0 was used least recently: dropped
+        assert all(load(i) is first[i] for i in range(1, MAX_BASES)) and loads() == bases
+        assert load(0) is not first[0] and loads() == [*bases, bases[0]]
+    policy.release_models()

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0, hidden_size: int = 32) -> Path:
     """A 2-layer, 32-wide random Llama sharing `tokenizer_dir`'s tokenizer and chat template, its
-    weights drawn with `seed` (another seed: another model of the same shape).
+    weights drawn with `seed` (another seed: another model of the same shape; another
+    `hidden_size`: one whose LoRA adapters no other base loads).
 
     It generates noise, fast: the tests and the failure drills run the real loop on it.
     """
@@ -18,8 +19,8 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

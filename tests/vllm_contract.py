@@ -107,7 +107,7 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
 
     from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 
-    engines._slot.key, engines._slot.engine = key, gen  # the engine built above, not a second one
+    engines._engines.engines[key] = gen  # the engine built above, not a second one
     run = RunConfig(model=config.base.model, env="chatty_env:Chatty", max_turns=3, max_episode_tokens=96, max_new_tokens=8, temperature=0.8)
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
@@ -143,7 +143,7 @@ def mixed(key, gen, v0: str, a: str, prompts: list[list[int]], work: Path) -> di
     import asyncio
     import shutil
 
-    engines._slot.key, engines._slot.engine = key, gen  # the engine built above, not a second one
+    engines._engines.engines[key] = gen  # the engine built above, not a second one
     calls, step_adapters = [], []
     generate = gen.llm.generate
     gen.llm.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)

@@ -52,7 +52,7 @@ def main() -> None:
         "invalid": sum(v.invalid for v in verdicts),
         "scores": [v.scores for v in verdicts],
     }
-    engines._judge_slot.clear()
+    engines._judge_engines.clear()
     print(json.dumps(out))
 
 

@@ -45,6 +45,13 @@ REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 MAX_TRAIN_PROCESSES = 64
 # A pipelined run's generate replica holds up to MAX_STALENESS + 2 adapter folders (rollout._adapter_dirs).
 MAX_STALENESS = 6
+# The base models (model and dtype) a sweep may train at once: each is held on every replica that
+# serves it (a generate engine, a loaded base on the train side, a downloaded folder), so a
+# replica holds this many at most, the least recently used evicted past it.
+MAX_BASES = 3
+# The share of a generate replica's GPU its vLLM engines may reserve together (their
+# vllm_memory_fraction summed): a sweep over base models holds one engine per base.
+VLLM_MEMORY_BUDGET = 0.9
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."

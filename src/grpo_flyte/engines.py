@@ -4,12 +4,13 @@
   adapter attached per request) share one interface: `generate_many(requests, adapter_path)`
   decodes several groups that share an adapter and sampling settings in one batch, and
   `generate_mixed(requests, adapter_paths)` several groups each with its own adapter.
-- `EngineSlot` holds one engine per replica, built on first use; an engine for other settings
-  replaces it, and the old one is freed before the new one is built (a vLLM engine holds most of
-  the GPU). The LLM judge (grpo_flyte.judge) has a slot of its own: a judge engine serves the
-  model without an adapter, its replies held to a regex (vLLM's structured outputs; on transformers
-  a logits mask per step, grpo_flyte.decoding), and a local run, one process, holds it beside the
-  policy's.
+- `EngineCache` holds a replica's engines, one per `EngineKey`, each built on first use: one for
+  a run, one per base model for a sweep over bases (at most `MAX_BASES`). Past that, or past the
+  GPU share vLLM engines may reserve together (`VLLM_MEMORY_BUDGET`), the least recently used is
+  freed before the new one is built (a vLLM engine holds most of the GPU). The LLM judge
+  (grpo_flyte.judge) has a cache of its own: a judge engine serves the model without an adapter,
+  its replies held to a regex (vLLM's structured outputs; on transformers a logits mask per step,
+  grpo_flyte.decoding), and a local run, one process, holds it beside the policy's.
 - `generate_group` sends one group through a `flyte.extras.DynamicBatcher`: concurrent `generate`
   calls on one replica (local mode, or a reusable pool with `concurrency > 1`) land in one engine
   batch, even when their adapters differ (a sweep's configs, a pipelined run's versions; each row
@@ -38,7 +39,7 @@ from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
 from grpo_flyte import episodes, multiturn
-from grpo_flyte.config import EpisodeConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config import MAX_BASES, VLLM_MEMORY_BUDGET, EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models import best_device, cuda_available, set_attention, torch_dtype
@@ -445,7 +446,7 @@ class EngineKey:
     max_lora_rank: int  # vLLM only (0 for hf)
     max_model_len: int  # vLLM only (0 for hf)
     memory_fraction: float = 0.85  # vLLM only: gpu_memory_utilization
-    # Which of the process's engine slots holds it: the judge's engine never evicts the policy's
+    # Which of the process's engine caches holds it: the judge's engine never evicts the policy's
     # (one process runs both in a local run).
     slot: Literal["generate", "judge"] = "generate"
 
@@ -458,33 +459,47 @@ class EngineKey:
         return HFGenerator(self.model_path, self.dtype, self.max_adapters)
 
 
-class EngineSlot:
-    """One engine per replica: built on first use, replaced (old one freed first) when the key changes.
+class EngineCache:
+    """A replica's engines, one per key, built on first use; the least recently used is freed
+    (before the new one is built) past `capacity` engines, or where a new vLLM engine's share of
+    the GPU would take the vLLM engines held past `VLLM_MEMORY_BUDGET`. A run uses one key; a sweep
+    over base models one per base, which `sweep_grid` keeps within both bounds, so that calls that
+    interleave the bases never rebuild an engine.
 
-    Used only on the torch thread, which serializes every use; warm state is a cache: any engine
-    built from the same key produces the same rollouts.
+    Hand-written rather than `functools.lru_cache`: that evicts after building the new entry, and
+    two vLLM engines cannot be on one GPU at once. Used only on the torch thread, which serializes
+    every use; warm state is a cache: any engine built from the same key produces the same rollouts.
     """
 
-    def __init__(self) -> None:
-        self.key: EngineKey | None = None
-        self.engine: Generator | None = None
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.engines: OrderedDict[EngineKey, Generator] = OrderedDict()
 
     def get(self, key: EngineKey) -> Generator:
-        if self.key != key:
-            self.clear()
-            self.engine = key.build()
-            self.key = key
-        assert self.engine is not None
-        return self.engine
+        if key in self.engines:
+            self.engines.move_to_end(key)
+            return self.engines[key]
+        while self.engines and not self._fits(key):
+            old_key, old = self.engines.popitem(last=False)
+            logger.info("freeing the %s generator for %s, least recently used, for %s", old_key.backend, old_key.model_path, key.model_path)
+            old.close()
+        self.engines[key] = engine = key.build()
+        return engine
+
+    def _fits(self, key: EngineKey) -> bool:
+        if len(self.engines) >= self.capacity:
+            return False
+        reserved = sum(k.memory_fraction for k in self.engines if k.backend == "vllm")
+        return key.backend != "vllm" or reserved + key.memory_fraction <= VLLM_MEMORY_BUDGET
 
     def clear(self) -> None:
-        if self.engine is not None:
-            engine, self.engine, self.key = self.engine, None, None
+        while self.engines:
+            _, engine = self.engines.popitem(last=False)
             engine.close()
 
 
-_slot = EngineSlot()
-_judge_slot = EngineSlot()
+_engines = EngineCache(MAX_BASES)
+_judge_engines = EngineCache(1)  # a sweep shares its judge (sweep_grid refuses judge_model)
 
 
 def engine_key(
@@ -499,7 +514,7 @@ def engine_key(
 
 
 def judge_engine_key(model_path: str, dtype: str, backend: str, max_model_len: int, memory_fraction: float = 0.85) -> EngineKey:
-    """The judge's engine: the model as it is, no adapter, in the judge's slot."""
+    """The judge's engine: the model as it is, no adapter, in the judge's cache."""
     resolved = resolve_backend(backend)
     if resolved == "vllm":
         return EngineKey("vllm", model_path, dtype, 0, 0, max_model_len, memory_fraction, slot="judge")
@@ -508,7 +523,7 @@ def judge_engine_key(model_path: str, dtype: str, backend: str, max_model_len: i
 
 def get_engine(key: EngineKey) -> Generator:
     """This replica's engine for `key` (call on the torch thread)."""
-    return (_judge_slot if key.slot == "judge" else _slot).get(key)
+    return (_judge_engines if key.slot == "judge" else _engines).get(key)
 
 
 def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:

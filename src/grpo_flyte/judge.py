@@ -2,7 +2,7 @@
 
 One judge prompt per group (RULER-style, see grpo_flyte.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
-model once (its own engine slot, grpo_flyte.engines) and its batcher puts concurrent judge calls in
+model once (its own engine cache, grpo_flyte.engines) and its batcher puts concurrent judge calls in
 one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
 (`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
 grpo_flyte.decoding), so it parses. A reply that still does not (an engine without the constraint,

@@ -1,9 +1,9 @@
 """The policy the train pool trains: a PEFT LoRA adapter on a frozen base, its AdamW optimizer,
 and the adapter folder both are saved to and restored from.
 
-The PEFT model loads once per warm train replica (`peft_model`, cached); `WarmOptimizer` keeps the
-optimizer of the adapter a replica wrote last, so the run's next step goes on from memory. Both
-are caches: an adapter folder holds everything that defines the policy.
+The PEFT model loads once per warm train replica and base model (`peft_model`, cached);
+`WarmOptimizer` keeps the optimizer of the adapter a replica wrote last, so the run's next step
+goes on from memory. Both are caches: an adapter folder holds everything that defines the policy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from grpo_flyte.config import LoraConfig, ModelConfig, TrainConfig
+from grpo_flyte.config import MAX_BASES, LoraConfig, ModelConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE
@@ -21,7 +21,10 @@ from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=1)
+# One loaded base per base model a sweep trains (a run: one), the least recently used dropped past
+# MAX_BASES (sweep_grid refuses more bases). Dropped after the next one loads: only a process
+# that ran other bases before (a local one) gets there, never a sweep's replica.
+@functools.lru_cache(maxsize=MAX_BASES)
 def _peft_model(
     model_path: str,
     dtype: str,

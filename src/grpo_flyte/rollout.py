@@ -14,14 +14,15 @@ import time
 from flyte.io import Dir
 
 from grpo_flyte import engines
-from grpo_flyte.config import MAX_STALENESS, EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config import MAX_BASES, MAX_STALENESS, EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.models import resolve_dtype
 from grpo_flyte.storage import replica_cache
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 
-_model_dirs = replica_cache("models", capacity=1)
+# One base model folder per base a sweep trains (a run: one).
+_model_dirs = replica_cache("models", capacity=MAX_BASES)
 # Every adapter version a pipelined run has in flight (max_staleness + 1) and the newest.
 _adapter_dirs = replica_cache("adapters", capacity=MAX_STALENESS + 2)
 

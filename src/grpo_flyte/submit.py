@@ -191,8 +191,9 @@ def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ..
 
 def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int:
     """Submit `train_rl` for `config`, or with a `sweep` (`sweep_grid.expand_sweep`), `train_sweep`
-    for its configs (which share the data, the model and the judge: the grid refuses keys that
-    change them, but the dataset, whose rows each config must then check)."""
+    for its configs (which share the data and the judge: the grid refuses keys that change them,
+    but the dataset, whose rows each config must then check; each base model is uploaded or
+    prefetched once, a folder for every config of it)."""
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
@@ -213,16 +214,16 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
             check_model_fits(c, resolve_local_model(c.base.model), c_split)
         if c.judging and not is_repo_id(c.judge.judge_model):  # a Hub judge: by the judge task
             check_judge_fits(c, resolve_local_model(c.judge.judge_model, field="judge_model"), c_split)
-    base_model = resolve_remote_model(configs[0].base.model)
+    base_models = {model: resolve_remote_model(model) for model in dict.fromkeys(c.base.model for c in configs)}
     judging = configs[0].judging
     inputs_judge = {"judge_model": resolve_remote_model(configs[0].judge.judge_model, field="judge_model")} if judging else {}
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
     task = train_sweep if sweep else train_rl
     task = task.override(links=links) if links else task
-    what = {"members": sweep} if sweep else {"config": config}
+    what = {"members": sweep, "base_models": base_models} if sweep else {"config": config, "base_model": base_models[config.base.model]}
     with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
         inputs = examples_inputs(examples, Path(staging), lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
-        run = runner.run(task, **what, base_model=base_model, **inputs, **inputs_judge)
+        run = runner.run(task, **what, **inputs, **inputs_judge)
     print(run.url)
     return 0
 

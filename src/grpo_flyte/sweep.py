@@ -1,6 +1,8 @@
 """`train_sweep`: a sweep as one Flyte run on a cluster: a parent task fanning out one `train_rl`
 per config (each in a `flyte.group` named for it), all at once, so that their `generate` calls
-share the warm generate pool's replicas and their train steps the train pool's loaded base.
+share the warm generate pool's replicas and their train steps the train pool's loaded base (a
+sweep over base models: each base its own engine and loaded base on those replicas, and its own
+folder among the task's `base_models`).
 
 Each config is a whole run: its own adapter lineage, checkpoint, metrics, held-out evaluations
 and report (its `train_rl` action's). A failing config ends alone: the others go on, and the
@@ -41,24 +43,28 @@ class SweepResult(BaseModel):
 
 
 def outcome(member: SweepMember, result: RunResult | BaseException) -> ConfigOutcome:
+    named = {"name": member.name, "overrides": member.overrides, "seed": member.config.seed, "model": member.config.base.model}
     if isinstance(result, BaseException):
         error = " ".join(str(result).split()) or type(result).__name__
-        return ConfigOutcome(name=member.name, overrides=member.overrides, seed=member.config.seed, status="failed", error=error)
-    history = [row.flat() for row in result.history]
-    return ConfigOutcome(name=member.name, overrides=member.overrides, seed=member.config.seed, status="complete", history=history)
+        return ConfigOutcome(**named, status="failed", error=error)
+    return ConfigOutcome(**named, status="complete", history=[row.flat() for row in result.history])
 
 
 @driver_env.task(report=True)
 async def train_sweep(
     members: list[SweepMember],
-    base_model: Dir,
+    base_models: dict[str, Dir],
     examples: list[Example] | None = None,
     examples_file: list[Dir] = [],  # noqa: B006 (as train_rl's)
     judge_model: Dir | None = None,
 ) -> SweepResult:
-    """Train every config of `members` (`sweep_grid.expand_sweep`) at once, one `train_rl` each;
-    returns each one's result or error, and publishes the comparison as this task's report."""
+    """Train every config of `members` (`sweep_grid.expand_sweep`) at once, one `train_rl` each,
+    on the folder `base_models` maps its base model (its `model` option) to; returns each one's
+    result or error, and publishes the comparison as this task's report."""
     with input_errors_not_retried():
+        missing = sorted({m.config.base.model for m in members} - base_models.keys())
+        if missing:
+            raise ConfigError(f"base_models has no folder for model {missing[0]!r}; expected one for each config's model")
         ctx = flyte.ctx()
         raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
         if len(members) > 1 and raw and not is_remote(raw):
@@ -69,7 +75,7 @@ async def train_sweep(
 
     async def one(member: SweepMember) -> RunResult:
         with flyte.group(member.name):
-            return await train_rl(member.config, base_model, examples, None, examples_file, judge_model)
+            return await train_rl(member.config, base_models[member.config.base.model], examples, None, examples_file, judge_model)
 
     results = await asyncio.gather(*(one(m) for m in members), return_exceptions=True)
     outcomes = [outcome(m, r) for m, r in zip(members, results, strict=True)]

@@ -6,7 +6,8 @@ every tool that reads a run folder reads it), `sweep.json` (the configs), `sweep
 config's outcome and held-out figures) and `report.html` (the comparison, `grpo_flyte.sweep_report`).
 The configs run as concurrent Flyte local runs on Flyte's one event loop, so their `generate` calls
 meet in the replica's batcher and engine, and their train steps share the loaded base (both are
-per-process caches). A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
+per-process caches); configs of another base model (`--sweep model=A,B`) get that base's own
+engine and loaded base, each built once. A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
 continues every config that did not finish, each from its own checkpoint.
 """
 
@@ -66,7 +67,9 @@ class SweepBoard:
 
     def __init__(self, root: Path, members: list[SweepMember]):
         self.root = root
-        self.outcomes = {m.name: ConfigOutcome(name=m.name, overrides=m.overrides, seed=m.config.seed) for m in members}
+        self.outcomes = {
+            m.name: ConfigOutcome(name=m.name, overrides=m.overrides, seed=m.config.seed, model=m.config.base.model) for m in members
+        }
 
     def update(self, name: str, **changes: Any) -> None:
         self.outcomes[name] = self.outcomes[name].model_copy(update=changes)
@@ -169,7 +172,8 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
 
     sweep_dir, members, todo = prepare_sweep(options, members, explicit)
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}
-    model_dir = resolve_local_model(members[0].config.base.model)
+    bases = {model: resolve_local_model(model) for model in dict.fromkeys(todo[name][0].base.model for name in todo)}
+    model_dirs = {name: bases[config.base.model] for name, (config, _) in todo.items()}
     judge_dir = None
     check_cache_writable()
     for m in members:
@@ -180,7 +184,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
         inputs[m.name] = (examples, data_fingerprint(config, split))
         if todo[m.name][1] is not None:
             check_same_data(sweep_dir / m.name, inputs[m.name][1])
-        check_model_fits(config, model_dir, split)
+        check_model_fits(config, model_dirs[m.name], split)
         if config.judging:
             judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model")
             check_judge_fits(config, judge_dir, split)
@@ -204,7 +208,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
                     update={"status": "complete", "history": _history(sweep_dir / m.name)}
                 )
         board.write()
-        return _run_all(sweep_dir, members, todo, inputs, model_dir, judge_dir, board)
+        return _run_all(sweep_dir, members, todo, inputs, model_dirs, judge_dir, board)
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
@@ -217,20 +221,21 @@ def _run_all(
     members: list[SweepMember],
     todo: dict[str, tuple[RunConfig, str | None]],
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]],
-    model_dir: Path,
+    model_dirs: dict[str, Path],
     judge_dir: Path | None,
     board: SweepBoard,
 ) -> int:
     runs = {name: f"grpo-{uuid.uuid4().hex[:10]}" for name in todo}
     named = _NamedLines({run: name for name, run in runs.items()})
     handlers = logging.getLogger().handlers
-    logger.info("grpo_flyte local sweep in %s: %d configs (%d to run), model %s", sweep_dir, len(members), len(todo), model_dir)
+    models = ", ".join(map(str, dict.fromkeys(model_dirs.values())))
+    logger.info("grpo_flyte local sweep in %s: %d configs (%d to run), model %s", sweep_dir, len(members), len(todo), models)
     for handler in handlers:
         handler.addFilter(named)
 
     async def all_configs() -> list[BaseException | None]:
         jobs = [
-            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dir, judge_dir, board)
+            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], judge_dir, board)
             for name, (config, resume_from) in todo.items()
         ]
         return await asyncio.gather(*jobs, return_exceptions=True)

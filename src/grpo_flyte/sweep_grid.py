@@ -3,8 +3,13 @@ one `RunConfig` per combination (or per entry of a list), each named by what it 
 
 Everything is checked here, before any task starts: an unknown key, a value its option refuses, a
 key also given as a flag, two configs with one name, and a key whose values would keep the configs
-from sharing the warm pools they share (one base model, one generate engine, one loaded base on
-the train side). Each error is one line naming `--sweep`, the key and the value.
+from sharing the warm pools they share (one generate engine and one loaded base on the train side
+per base model). Each error is one line naming `--sweep`, the key and the value.
+
+The base model (`model`, `dtype`) may vary: each base gets its own engine and loaded base on every
+replica, which hold `MAX_BASES` at most; on vLLM the bases' engines share a replica's GPU, so their
+`vllm_memory_fraction`s together must fit in `VLLM_MEMORY_BUDGET` (refused before starting, not
+split: the fraction is the user's to choose, and a lone run of a config takes the same).
 
 From Python: `expand_sweep(RunConfig(...).flat() or {}, {"learning_rate": [1e-4, 2e-4], "seed": [0, 1]})`.
 """
@@ -12,23 +17,24 @@ From Python: `expand_sweep(RunConfig(...).flat() or {}, {"learning_rate": [1e-4,
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import itertools
 import re
 import typing
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from grpo_flyte.config import RunConfig, leaf_index
+from grpo_flyte.config import MAX_BASES, VLLM_MEMORY_BUDGET, RunConfig, leaf_index
 from grpo_flyte.config_errors import make_config
 from grpo_flyte.errors import ConfigError, flag
 from grpo_flyte.trl_names import TRL_ALIASES
 
 # Keys whose values would give the configs different pools: each config would need its own engine
-# or its own loaded base, which a sweep on one warm pool exists to share.
+# or its own loaded base, which a sweep on one warm pool exists to share. (The base model may vary:
+# BASE_KEYS.)
 POOL_KEYS = {
-    "model": "the base model",
-    "dtype": "the base model's dtype, which both pools load it in",
     "backend": "the generate engine",
     "adapter_cache_size": "the generate engine",
     "vllm_memory_fraction": "the generate engine",
@@ -41,6 +47,8 @@ POOL_KEYS = {
     "train_processes": "the train pool's processes",
     "judge_model": "the judge's engine",
 }
+# Keys that choose the base model: each value its own engine and loaded base per replica.
+BASE_KEYS = ("model", "dtype")
 # Keys that set the vLLM engine's context length (max_model_len): shared on transformers only.
 CONTEXT_KEYS = ("max_prompt_tokens", "max_new_tokens", "max_episode_tokens")
 MAX_CONFIGS = 256
@@ -130,10 +138,30 @@ def _shown(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
-def member_name(overrides: dict[str, Any]) -> str:
-    """A config's name from what it changes, usable as a folder name: `learning_rate=1e-4_seed=0`."""
-    text = "_".join(f"{key}={_shown(value)}" for key, value in overrides.items())
+def member_name(overrides: dict[str, Any], short_paths: bool = True) -> str:
+    """A config's name from what it changes, usable as a folder name: `learning_rate=1e-4_seed=0`;
+    with `short_paths`, a local model folder by its own name (`model=qwen-ft`), not its path."""
+
+    def shown(key: str, value: Any) -> str:
+        if short_paths and key == "model" and isinstance(value, str) and Path(value).expanduser().is_dir():
+            return Path(value).expanduser().resolve().name
+        return _shown(value)
+
+    text = "_".join(f"{key}={shown(key, value)}" for key, value in overrides.items())
     return re.sub(r"[^A-Za-z0-9._=+-]", "-", text)[:120] or "base"
+
+
+def _may_use_vllm(config: RunConfig, local: bool) -> bool:
+    """Whether the generate engines may be vLLM's: named, or 'auto' on a cluster's GPUs or on
+    this machine where it would pick vLLM (engines.resolve_backend: vLLM installed and a GPU)."""
+    backend = config.engine.backend
+    if backend != "auto":
+        return backend == "vllm"
+    if not local:
+        return True
+    from grpo_flyte.models import cuda_available
+
+    return importlib.util.find_spec("vllm") is not None and cuda_available()
 
 
 def _check_shares_pools(name: str, values: list[Any], configs: list[RunConfig], local: bool) -> None:
@@ -142,14 +170,37 @@ def _check_shares_pools(name: str, values: list[Any], configs: list[RunConfig], 
     if name in POOL_KEYS:
         raise ConfigError(
             f"{name}={_shown(values)}: changes {POOL_KEYS[name]}, which every config of a sweep shares; "
-            "expected keys that leave it alone (learning_rate, seed, rewards, ...): one sweep per value of it",
+            "expected keys that leave it alone (learning_rate, seed, rewards, model, ...): one sweep per value of it",
             field="sweep",
         )
-    backend = configs[0].engine.backend
-    if name in CONTEXT_KEYS and (backend == "vllm" or (backend == "auto" and not local)):
+    if name in CONTEXT_KEYS and _may_use_vllm(configs[0], local):
         raise ConfigError(
             f"{name}={_shown(values)}: changes the vLLM engine's context length, which every config of a sweep shares; "
             "expected --backend hf to sweep it",
+            field="sweep",
+        )
+
+
+def _check_bases(members: list[SweepMember], local: bool) -> None:
+    """The base models (model, dtype) of a sweep fit on each replica: `MAX_BASES` at most, and on
+    vLLM one engine each, their GPU shares (`vllm_memory_fraction`) within `VLLM_MEMORY_BUDGET`."""
+    bases = {(m.config.base.model, m.config.base.dtype) for m in members}
+    if len(bases) < 2:
+        return
+    swept = dict.fromkeys(key for m in members for key in m.overrides if key in BASE_KEYS)
+    what = " ".join(f"{key}={_shown(list(dict.fromkeys(getattr(m.config.base, key) for m in members)))}" for key in swept)
+    if len(bases) > MAX_BASES:
+        raise ConfigError(
+            f"{what}: {len(bases)} base models, each its own engine and loaded base on every replica; "
+            f"expected at most {MAX_BASES} in one sweep: one sweep per {MAX_BASES} of them",
+            field="sweep",
+        )
+    fraction = members[0].config.engine.vllm_memory_fraction
+    if _may_use_vllm(members[0].config, local) and len(bases) * fraction > VLLM_MEMORY_BUDGET + 1e-9:
+        raise ConfigError(
+            f"{what}: {len(bases)} base models, each its own vLLM engine on a generate replica's GPU, at "
+            f"--vllm-memory-fraction {fraction:g} each ({len(bases) * fraction:.2f} of it); expected "
+            f"--vllm-memory-fraction at most {VLLM_MEMORY_BUDGET / len(bases):.2f} to sweep them (or --backend hf)",
             field="sweep",
         )
 
@@ -178,14 +229,17 @@ def expand_sweep(
     if not entries or len(entries) > MAX_CONFIGS:
         raise ConfigError(f"expands to {len(entries)} configs; expected 1 to {MAX_CONFIGS}", field="sweep")
     members = []
-    for entry in entries:
-        name = member_name(entry)
+    names = [member_name(entry) for entry in entries]
+    if len(set(names)) < len(names):  # model folders of one name: named by their paths
+        names = [member_name(entry, short_paths=False) for entry in entries]
+    for entry, name in zip(entries, names, strict=True):
         try:
             config = make_config(**{**values, **entry})
         except ConfigError as exc:
             raise ConfigError(f"{name}: {exc}", field="sweep") from None
         flat = config.flat()
         members.append(SweepMember(name=name, overrides={key: flat[key] for key in entry}, config=config))
+    _check_bases(members, local)
     names = [m.name for m in members]
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)

@@ -26,11 +26,13 @@ REPORT_TITLE = "grpo_flyte sweep"
 
 
 class ConfigOutcome(BaseModel):
-    """Where one config of a sweep stands: what it changes, its status, why it failed, its rows."""
+    """Where one config of a sweep stands: what it changes, its base model, its status, why it
+    failed, its rows."""
 
     name: str
     overrides: dict[str, Any]
     seed: int
+    model: str = ""
     status: Status = "pending"
     error: str | None = None
     history: list[dict[str, Any]] = []
@@ -43,8 +45,8 @@ def held_out_key(outcomes: list[ConfigOutcome]) -> str:
 
 
 def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
-    """One config's line of `sweep.jsonl`: its outcome, final and best held-out figure (and at
-    which iteration), iterations done and mean seconds per iteration."""
+    """One config's line of `sweep.jsonl`: its outcome and base model, final and best held-out
+    figure (and at which iteration), iterations done and mean seconds per iteration."""
     evaluated = [(row["iteration"], row[key]) for row in outcome.history if row.get(key) is not None]
     seconds = [row["iteration_s"] for row in outcome.history if row.get("iteration_s") is not None]
     best = max(evaluated, key=lambda point: point[1]) if evaluated else None
@@ -52,6 +54,7 @@ def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
         "name": outcome.name,
         "overrides": outcome.overrides,
         "seed": outcome.seed,
+        "model": outcome.model,
         "status": outcome.status,
         "error": outcome.error,
         "iterations_done": max((row["iteration"] for row in outcome.history), default=0),
@@ -117,10 +120,22 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
     histories = {o.name: o.history for o in outcomes}
     charts = "".join(overlay_chart(title, metric, histories) for title, metric in OVERLAID)
     table = _table(
-        ["config", "status", f"first {key}", f"final {key}", f"best {key}", "best at", "iterations", "s / iteration", "why it failed"],
+        [
+            "config",
+            "model",
+            "status",
+            f"first {key}",
+            f"final {key}",
+            f"best {key}",
+            "best at",
+            "iterations",
+            "s / iteration",
+            "why it failed",
+        ],
         [
             [
                 escape(line["name"]),
+                escape(line["model"]),
                 escape(line["status"]),
                 _number(line["first"]),
                 _number(line["final"]),

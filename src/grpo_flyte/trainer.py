@@ -17,14 +17,14 @@ from typing import Any
 from flyte.io import Dir
 
 from grpo_flyte import data_parallel, merge, policy, policy_update
-from grpo_flyte.config import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
+from grpo_flyte.config import MAX_BASES, LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 _warm = policy.WarmOptimizer()
-_model_dirs = replica_cache("train-models", capacity=1)
+_model_dirs = replica_cache("train-models", capacity=MAX_BASES)  # one per base a sweep trains (policy.peft_model)
 _payload_dirs = replica_cache("train-payloads", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
 
