@@ -8,6 +8,11 @@ The configs run as concurrent Flyte local runs on Flyte's one event loop, so the
 meet in the replica's batcher and engine, and their train steps share the loaded base (both are
 per-process caches). A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
 continues every config that did not finish, each from its own checkpoint.
+
+On the console each line of a config starts with its name, a terminal shows a progress bar per
+config (`progress.RunProgress` on the sweep's shared bars), and the sweep ends with the comparison
+(`sweep_report.comparison_lines`). Ctrl-C and SIGTERM stop it as they stop a lone run: one line,
+what each config kept, the resume command.
 """
 
 from __future__ import annotations
