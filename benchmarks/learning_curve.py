@@ -8,17 +8,20 @@ after), the lowest held-out accuracy seen during the run and the seconds per ite
 to <run-dir>/learning_curve.json.
 
     python benchmarks/learning_curve.py                       # one run, seed 0
-    python benchmarks/learning_curve.py --seeds 0 1 2 3 4     # one run per seed, and the spread over them
+    python benchmarks/learning_curve.py --seeds 0 1 2 3 4     # one sweep over the seeds, and the spread over them
     python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --gate 0.10   # the gate in docs/measurements.md
-    python benchmarks/learning_curve.py --seeds 0 1 2 --jobs 2          # two seeds at a time, a core each
-    python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --run-dir runs/gate   # reuses the seeds runs/gate finished
+    python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --run-dir runs/gate   # resumes (or reuses) the sweep in runs/gate
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
     python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations (the plumbing)
 
 One run's end point depends on its seed more than its 95% interval over the held-out questions
-says, so a learning claim is a figure over seeds: `--seeds` adds, over the seeds, the mean paired
-accuracy gain with a t-interval (the seed is the sampling unit), the worst seed's gain and the
-lowest held-out accuracy any seed saw during its run.
+says, so a learning claim is a figure over seeds. `--seeds` runs them as one sweep
+(`python -m grpo_flyte.driver --local --sweep seed=0,1,...`: every seed at once in one process, their
+`generate` calls in one engine's batches, their train steps on one loaded base; the sweep folder
+holds a run folder per seed, `seed=N`, and the sweep's comparison report) and adds, over the seeds,
+the mean paired accuracy gain with a t-interval (the seed is the sampling unit), the worst seed's
+gain and the lowest held-out accuracy any seed saw during its run. A `--run-dir` that holds the
+sweep of these seeds is resumed where it stopped (Ctrl-C, a kill), or read if it finished.
 
 `--gate GAIN` checks what "learns on every seed" means here, per seed: a paired accuracy gain of at
 least GAIN whose 95% interval lies above 0; no evaluation below the starting accuracy by more than
@@ -44,6 +47,7 @@ from grpo_flyte.cli import main as cli_main
 from grpo_flyte.config_files import flatten
 from grpo_flyte.metrics import mean_ci95
 from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
+from grpo_flyte.sweep_folder import OUTCOMES_FILE, SWEEP_FILE, is_sweep_dir
 
 ITERATIONS = 20
 EVAL_EVERY = 5
@@ -277,6 +281,41 @@ def run_parallel(
     return walls
 
 
+def saved_configs(sweep_dir: Path) -> list[dict]:
+    """A sweep folder's configs (`sweep.json`): each one's name, what it changes and its whole config."""
+    return json.loads((sweep_dir / SWEEP_FILE).read_text())["configs"]
+
+
+def run_seeds(run_dir: Path, args: argparse.Namespace, driver_flags: list[str]) -> tuple[dict[int, dict], int]:
+    """The seeds as one sweep (`--sweep seed=...`: every seed at once in this process, on one engine
+    and one loaded base), in `run_dir`: each seed's summary from its config's run folder, and the
+    sweep's exit status. A sweep folder from an earlier call (stopped, or finished) is resumed."""
+    outcomes = read_jsonl(run_dir / OUTCOMES_FILE) if (run_dir / OUTCOMES_FILE).is_file() else []
+    finished = bool(outcomes) and all(line["status"] == "complete" for line in outcomes)
+    started = time.perf_counter()
+    if finished:
+        print(f"reused the finished sweep in {run_dir}")
+        code = 0
+    elif is_sweep_dir(run_dir):
+        code = cli_main(["--local", "--resume", "--run-dir", str(run_dir)])
+    else:
+        code = cli_main([*driver_args(run_dir, args, driver_flags, None), "--sweep", f"seed={','.join(map(str, args.seeds))}"])
+    wall = time.perf_counter() - started  # every seed's: they ran at once
+    if code != 0:
+        return {}, code
+    configs = {m["overrides"]["seed"]: run_dir / m["name"] for m in saved_configs(run_dir)}
+    results = {}
+    for seed in args.seeds:
+        summary = configs[seed] / "learning_curve.json"
+        if summary.is_file():  # summarized by an earlier call
+            results[seed] = json.loads(summary.read_text())
+        else:
+            results[seed] = summarize(configs[seed], wall)
+            summary.write_text(json.dumps(results[seed], indent=2) + "\n")
+        print(f"\nseed {seed}\n" + report(results[seed]))
+    return results, 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # No abbreviations: every flag this parser does not know goes to the driver whole (--seed is not --seeds).
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -286,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON of results here")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="one run per seed (each in <run-dir>/seed-N), and their spread")
-    parser.add_argument("--jobs", type=int, default=1, help="with --seeds: runs at a time, each a process with its share of the cores")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="one sweep over the seeds (<run-dir>/seed=N each), and their spread"
+    )
+    parser.add_argument("--jobs", type=int, default=None, help=argparse.SUPPRESS)  # refused below, with why
     parser.add_argument(
         "--gate", type=float, default=None, metavar="GAIN", help="with --seeds: check the gate (see above); exit 1 if a seed fails"
     )
@@ -297,38 +338,35 @@ def main(argv: list[str] | None = None) -> int:
         driver_flags = [*QUICK, *driver_flags]
     if args.seeds and any(f == "--seed" or f.startswith("--seed=") for f in driver_flags):
         parser.error("--seeds runs one seed per run: leave out --seed")
-    if (args.jobs != 1 or args.gate is not None) and not args.seeds:
-        parser.error("--jobs and --gate need --seeds")
-    if args.jobs < 1:
-        parser.error(f"--jobs {args.jobs}: expected at least 1")
+    if args.seeds and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))}: a seed given twice")
+    if args.jobs is not None:
+        parser.error(f"--jobs {args.jobs}: the seeds run as one sweep now, every seed at once in one process; leave out --jobs")
+    if args.gate is not None and not args.seeds:
+        parser.error("--gate needs --seeds")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-learning-"))
-    seeds = args.seeds or [None]
-    folders = {seed: run_dir if seed is None else run_dir / f"seed-{seed}" for seed in seeds}
-    # A seed whose folder already holds its summary (a run finished before, in an earlier call) is reused.
-    results = {}
-    for seed in seeds:
-        if args.seeds and args.run_dir and (folders[seed] / "learning_curve.json").is_file():
-            results[seed] = json.loads((folders[seed] / "learning_curve.json").read_text())
-            print(f"seed {seed}: reused the finished run in {folders[seed]}")
-    to_run = [s for s in seeds if s not in results]
-    walls = {}
-    if args.jobs > 1 and to_run:
-        labelled = run_parallel([(f"seed {s}", folders[s], driver_args(folders[s], args, driver_flags, s)) for s in to_run], args.jobs)
-        walls = {s: labelled[f"seed {s}"] for s in to_run}
-    for seed in to_run:
-        if seed not in walls:
-            started = time.perf_counter()
-            code = cli_main(driver_args(folders[seed], args, driver_flags, seed))
-            if code != 0:
-                return code
-            walls[seed] = time.perf_counter() - started
-        results[seed] = summarize(folders[seed], walls[seed])
-        (folders[seed] / "learning_curve.json").write_text(json.dumps(results[seed], indent=2) + "\n")
-        print(("" if seed is None else f"\nseed {seed}\n") + report(results[seed]))
-    results = {seed: results[seed] for seed in seeds}  # in the order given
-    result = results[None] if args.seeds is None else combine(results, args.gate)
-    for path in ([run_dir / "learning_curve.json"] if args.seeds else []) + ([args.out] if args.out else []):
-        path.write_text(json.dumps(result, indent=2) + "\n")
+    if (
+        args.seeds
+        and is_sweep_dir(run_dir)
+        and (saved := [m["overrides"] for m in saved_configs(run_dir)]) != [{"seed": seed} for seed in args.seeds]
+    ):
+        parser.error(f"--run-dir {run_dir} holds the sweep {saved}, not --seeds {' '.join(map(str, args.seeds))}: pick another folder")
+    if args.seeds:
+        results, code = run_seeds(run_dir, args, driver_flags)
+        if code != 0:
+            return code
+        result = combine(results, args.gate)
+        (run_dir / "learning_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+    else:
+        started = time.perf_counter()
+        code = cli_main(driver_args(run_dir, args, driver_flags, None))
+        if code != 0:
+            return code
+        result = summarize(run_dir, time.perf_counter() - started)
+        (run_dir / "learning_curve.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(report(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.seeds:
         print("\n" + report_seeds(result))
     print(f"\nrun files: {run_dir}")

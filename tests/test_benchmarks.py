@@ -114,24 +114,49 @@ def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
         learning_curve.main(["--gate", "0.1"])  # the gate is over seeds
 
 
-def test_learning_curve_reuses_the_seeds_a_run_folder_finished(tmp_path, monkeypatch):
-    """A gate of 5 seeds can be made in several sittings: a seed folder holding its summary is read, not run again."""
+def test_learning_curve_runs_its_seeds_as_one_sweep_and_reads_each_seeds_figures_from_it(
+    tmp_path, tiny_model_dir, caplog, capsys, monkeypatch
+):
+    """--seeds is one sweep (`--sweep seed=...`): one engine build and one base load for every seed,
+    a run folder per seed in the sweep folder, each seed's figures read from it; the same call
+    again reads the finished sweep and runs nothing; another set of seeds there is refused."""
     import learning_curve
 
-    for seed, gain in ((1, 0.05), (0, 0.13)):
-        (tmp_path / f"seed-{seed}").mkdir()
-        (tmp_path / f"seed-{seed}" / "learning_curve.json").write_text(json.dumps(seed_summary(0.17, 0.17 + gain)))
+    from grpo_flyte import engines, policy
+
+    engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
+    policy.release_models()
+    run_dir = tmp_path / "gate"
+    argv = ["--quick", "--seeds", "0", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir), "--gate", "0.1"]
+    with caplog.at_level("INFO"):
+        assert learning_curve.main(argv) == 1  # a random tiny model learns nothing: the gate fails, and says so
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("building the hf generator" in m for m in messages) == 1
+    assert sum("loading the base model for training" in m for m in messages) == 1
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_dir()) == ["seed=0", "seed=1"]
+    assert (run_dir / "sweep.json").is_file() and (run_dir / "report.html").is_file()
+    combined = json.loads((run_dir / "learning_curve.json").read_text())
+    assert list(combined["seeds"]) == ["0", "1"] and list(combined["gate"]["failures"]) == ["0", "1"]
+    for seed in (0, 1):
+        figures = combined["seeds"][str(seed)]
+        assert figures["config"]["seed"] == seed and figures["iterations"] == 2
+        assert [p["iteration"] for p in figures["curve"]] == [0, 1, 2]
+    printed = capsys.readouterr().out
+    assert "\nseed 0\n" in printed and "\nseed 1\n" in printed and "over 2 seeds: paired accuracy gain" in printed and "FAILED" in printed
 
     def no_run(argv):
-        raise AssertionError(f"a finished seed was run again: {argv}")
+        raise AssertionError(f"a finished sweep was run again: {argv}")
 
     monkeypatch.setattr(learning_curve, "cli_main", no_run)
-    monkeypatch.setattr(learning_curve, "run_parallel", no_run)
-    # seed 1 gained 5 points: the gate at +10 fails on it alone
-    assert learning_curve.main(["--seeds", "0", "1", "--run-dir", str(tmp_path), "--gate", "0.10", "--jobs", "2"]) == 1
-    combined = json.loads((tmp_path / "learning_curve.json").read_text())
-    assert list(combined["seeds"]) == ["0", "1"] and list(combined["gate"]["failures"]) == ["1"]
-    assert combined["accuracy_gain"]["mean"] == pytest.approx(0.09)
+    assert learning_curve.main(argv) == 1
+    assert json.loads((run_dir / "learning_curve.json").read_text()) == combined
+    assert f"reused the finished sweep in {run_dir}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        learning_curve.main(["--quick", "--seeds", "0", "2", "--run-dir", str(run_dir)])
+    assert refused.value.code == 2
+    assert "holds the sweep [{'seed': 0}, {'seed': 1}], not --seeds 0 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learning_curve.main(["--seeds", "0", "1", "--jobs", "2"])  # one sweep runs every seed at once
 
 
 def test_learning_curve_counts_the_longest_run_at_the_training_floor():

@@ -1,24 +1,31 @@
 """A local sweep through the command line: every config's run folder is what its lone run writes
 (same seed: the same completions, metrics and adapter up to float rounding), one engine and one
-base load for all (a sweep over base models: one of each per base), a failing config ends
-alone and is named, --resume finishes what did not finish, and a bad grid writes nothing."""
+base load for all (a sweep over base models: one of each per base), each console line named for
+its config and a comparison at the end, a failing config ends alone and is named, --resume
+finishes what did not finish, Ctrl-C stops it in one line, a kill anywhere loses nothing (the lone
+run's drills, tests/test_run_folder.py), and a bad grid writes nothing."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 from pathlib import Path
 
 import pytest
+import warm_python
+from test_run_folder import DRILL, _check_whole_files, _interrupt, _iterations, _temp_names
 
-from grpo_flyte import engines, policy
+from grpo_flyte import engines, policy, progress, sweep_folder
 from grpo_flyte.cli import main as cli_main
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 TIMINGS = ("_s", "per_s")
+progress_class = progress.RunProgress
 
 
-def _args(model: Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["--local", "--model", str(model), *TINY, "--iterations", "2", "--run-dir", str(run_dir), *extra]
+def _args(model: Path, run_dir: Path, *extra: str, iterations: int = 2) -> list[str]:
+    return ["--local", "--model", str(model), *TINY, "--iterations", str(iterations), "--run-dir", str(run_dir), *extra]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -34,9 +41,11 @@ def _outcomes(sweep_dir: Path) -> dict[str, dict]:
     return {line["name"]: line for line in map(json.loads, (sweep_dir / "sweep.jsonl").read_text().splitlines())}
 
 
-def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_path, tiny_model_dir, caplog):
+def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_path, tiny_model_dir, caplog, monkeypatch):
     engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
     policy.release_models()
+    bars = []
+    monkeypatch.setattr(progress, "RunProgress", lambda *a, **kw: bars.append(progress_class(*a, **kw)) or bars[-1])
     sweep_dir = tmp_path / "sweep"
     with caplog.at_level("INFO"):
         assert cli_main(_args(tiny_model_dir, sweep_dir, "--sweep", "learning_rate=1e-4,5e-3", "--sweep", "seed=0,1")) == 0
@@ -46,7 +55,22 @@ def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_p
     names = [f"learning_rate={lr}_seed={seed}" for lr in ("1e-4", "5e-3") for seed in (0, 1)]
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == sorted(names)
     assert {n: o["status"] for n, o in _outcomes(sweep_dir).items()} == dict.fromkeys(names, "complete")
-    assert any(m.startswith("[learning_rate=5e-3_seed=1] iter 2/2") for m in messages)  # each line names its config
+    # each line names its config: its iterations and, outside its Flyte run, where its files are
+    assert any(m.startswith("[learning_rate=5e-3_seed=1] iter 2/2") for m in messages)
+    assert any(
+        m.startswith(f"[learning_rate=5e-3_seed=1] done: adapter {sweep_dir.resolve()}/learning_rate=5e-3_seed=1/adapter") for m in messages
+    )
+    # the comparison ends it: a line per config, each setting's seeds, then where the report is
+    table = next(m for m in messages if m.startswith("sweep: 4 of 4 configs complete")).splitlines()
+    assert [line.split()[0] for line in table[1:5]] == names and all(" complete  2/2 iterations " in line for line in table[1:5])
+    assert [line.split(":")[0] for line in table[5:]] == [
+        "  over seeds 0, 1 of learning_rate=0.0001",
+        "  over seeds 0, 1 of learning_rate=0.005",
+    ]
+    assert messages[-1] == f"sweep done: report {sweep_dir / 'report.html'}, figures {sweep_dir / 'sweep.jsonl'}"
+    # a progress bar per config, all on one display (drawn on a terminal only), each at its end
+    assert len({id(b.bars) for b in bars}) == 1
+    assert [(t.description, t.completed, t.total) for t in bars[0].bars.tasks] == [(n, 2, 2) for n in names]
     report = (sweep_dir / "report.html").read_text()
     assert all(name in report for name in names) and "Over seeds" in report
 
@@ -159,7 +183,14 @@ def test_a_failing_config_ends_alone_is_named_and_a_resume_finishes_only_it(tmp_
     assert outcomes[good]["status"] == "complete" and outcomes[good]["iterations_done"] == 2
     assert outcomes[bad]["status"] == "failed" and "the marker says fail" in outcomes[bad]["error"]
     assert "the marker says fail" in (sweep_dir / "report.html").read_text()
-    last = caplog.records[-1].getMessage()
+    messages = [r.getMessage() for r in caplog.records]
+    # said as it fails, and in the comparison at the end
+    assert any(
+        m.startswith(f"[{bad}] failed: ") and m.endswith("; the other configs go on") and "the marker says fail" in m for m in messages
+    )
+    table = next(m for m in messages if m.startswith("sweep: 1 of 2 configs complete")).splitlines()
+    assert table[2].split()[:2] == [bad, "failed"] and "failed: " in table[2] and "the marker says fail" in table[2]
+    last = messages[-1]
     assert last.startswith("1 of 2 configs failed; the others finished") and f"--resume --run-dir {sweep_dir}" in last
     finished = {str(p): p.stat().st_mtime_ns for p in (sweep_dir / good).rglob("*") if p.is_file()}
 
@@ -184,3 +215,84 @@ def test_a_bad_grid_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir, cap
     err = capsys.readouterr().err.strip()
     assert err.startswith(expected) and "\n" not in err
     assert not sweep_dir.exists()
+
+
+# --------------------------------------------------------------------------- Ctrl-C and kills (the lone run's drills)
+
+SEEDS = ("--sweep", "seed=0,1")
+NAMES = ("seed=0", "seed=1")
+
+
+def test_ctrl_c_stops_a_sweep_in_one_line_ending_its_processes_and_the_resume_finishes_every_config(tmp_path, tiny_model_dir, monkeypatch):
+    """Ctrl-C to the sweep's process group as its configs train: exit 130, one line saying what
+    each config kept and how to continue, no traceback, no process of it left; the resume finishes
+    both configs, each iteration once."""
+    sweep_dir = tmp_path / "sweep"
+    code, after, console = _interrupt(
+        tmp_path, _args(tiny_model_dir, sweep_dir, *SEEDS, iterations=6), lambda _, text: "] iter 1/6 " in text, signal.SIGINT, True
+    )
+    assert code == 130, console[-3000:]
+    assert len(after) == 1, console[-3000:]
+    assert re.fullmatch(
+        rf"\d\d:\d\d:\d\d interrupted: iterations kept: seed=0 (1-\d|none) of 6, seed=1 (1-\d|none) of 6; "
+        rf"continue with: .* --local --resume --run-dir {re.escape(str(sweep_dir))}",
+        after[0],
+    ), after[0]
+    assert "Traceback" not in console and "KeyboardInterrupt" not in console, console[-3000:]
+    kept = {name: max(_iterations(sweep_dir / name), default=0) for name in NAMES}
+    shown = []  # sweep.jsonl as the resumed sweep starts: each config's iterations so far, not 0 until its next one
+    run_all = sweep_folder._run_all
+    monkeypatch.setattr(sweep_folder, "_run_all", lambda *a: shown.append(_outcomes(sweep_dir)) or run_all(*a))
+    assert cli_main(["--local", "--resume", "--run-dir", str(sweep_dir)]) == 0
+    assert {name: line["iterations_done"] for name, line in shown[0].items()} == kept
+    assert {n: o["status"] for n, o in _outcomes(sweep_dir).items()} == dict.fromkeys(NAMES, "complete")
+    assert all(_iterations(sweep_dir / name) == list(range(7)) for name in NAMES)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_model_dir) -> Path:
+    """The drills' sweep, run to its end without a kill."""
+    sweep_dir = tmp_path_factory.mktemp("uninterrupted") / "sweep"
+    assert cli_main(_args(tiny_model_dir, sweep_dir, *SEEDS)) == 0
+    return sweep_dir
+
+
+# (point, occurrence): the sweep's own files, a config mid-iteration, a config done but not its folder
+SWEEP_KILL_POINTS = [
+    ("sweep.jsonl", 4),  # the sweep's figures, rewritten as a config records its evaluation before training
+    ("checkpoint", 3),  # a config saving its loop state, the other mid-iteration
+    ("adapter", 1),  # the first config to finish exporting its adapter into its folder
+]
+
+
+def _removed(caplog) -> set[Path]:
+    """What the resume said it removed, left half-written by the kill (a config's lines start with its name)."""
+    said = [re.sub(r"^\[[^]]*\] ", "", r.getMessage()) for r in caplog.records]
+    suffix = ", left half-written by a run that was killed"
+    return {Path(m.removeprefix("removed ").removesuffix(suffix)) for m in said if m.startswith("removed ") and m.endswith(suffix)}
+
+
+@pytest.mark.parametrize(("point", "nth"), SWEEP_KILL_POINTS, ids=[f"{p}-{n}" for p, n in SWEEP_KILL_POINTS])
+def test_a_sweep_killed_anywhere_resumes_every_config_once_with_the_uninterrupted_metrics(
+    tmp_path, tiny_model_dir, uninterrupted, point, nth, caplog
+):
+    """SIGKILL mid-sweep, then --resume: whole files only, what the kill left half-written removed
+    (the sweep folder's own files too: before, a temp file of sweep.jsonl stayed for good), every
+    config complete with each iteration once and the uninterrupted sweep's metrics and adapter."""
+    sweep_dir = tmp_path / "sweep"
+    killed = warm_python.run([DRILL, point, str(nth), *_args(tiny_model_dir, sweep_dir, *SEEDS)], timeout=300, cli=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    for name in NAMES:
+        if (sweep_dir / name).is_dir():
+            _check_whole_files(sweep_dir / name)
+    left = _temp_names(sweep_dir)
+    assert left
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main(["--local", "--resume", "--run-dir", str(sweep_dir)]) == 0
+    assert _removed(caplog) == left and not _temp_names(sweep_dir)  # what the kill left, and nothing else
+    assert {n: o["status"] for n, o in _outcomes(sweep_dir).items()} == dict.fromkeys(NAMES, "complete")
+    for name in NAMES:
+        _check_whole_files(sweep_dir / name)
+        assert _iterations(sweep_dir / name) == [0, 1, 2]
+        assert _close(_metrics(sweep_dir / name), _metrics(uninterrupted / name))
+        assert max((_weights(sweep_dir / name)[k] - w).abs().max().item() for k, w in _weights(uninterrupted / name).items()) < 1e-5

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_flyte.sweep_report import ConfigOutcome, figures, render_sweep_report, seed_summary
+from grpo_flyte.sweep_report import ConfigOutcome, comparison_lines, figures, render_sweep_report, seed_summary
 
 
 def _outcome(lr: float, seed: int, accuracies: list[float], status: str = "complete", error: str | None = None) -> ConfigOutcome:
@@ -64,3 +64,30 @@ def test_the_report_overlays_every_config_names_failures_and_escapes_text():
     chart = html[html.index("Held-out accuracy (95% interval)") : html.index("Held-out reward")]
     assert all(o.name in chart for o in outcomes[:2]) and chart.count("<polygon") == 2
     assert "Over seeds" in html and "0.350" in html  # lr=1e-4: (0.3 + 0.4) / 2
+
+
+def test_the_console_ends_a_sweep_with_each_configs_line_and_each_settings_seeds():
+    outcomes = [
+        _outcome(1e-4, 0, [0.2, 0.5, 0.4]),
+        _outcome(1e-4, 1, [0.2, 0.3], status="failed", error="reward 'mine' raised: boom"),
+    ]
+    lines = comparison_lines(outcomes, {"lr=0.0001_seed=0": 2, "lr=0.0001_seed=1": 2})
+    assert lines[0] == "sweep: 1 of 2 configs complete; held-out accuracy per config (first -> final, best):"
+    assert lines[1].split() == "lr=0.0001_seed=0 complete 2/2 iterations 20.0% -> 40.0% best 50.0% (iteration 1) 3.0 s/iteration".split()
+    assert lines[2].split()[:6] == ["lr=0.0001_seed=1", "failed", "1/2", "iterations", "20.0%", "->"]
+    assert lines[2].endswith("  failed: reward 'mine' raised: boom")
+    assert lines[1].index("->") == lines[2].index("->")  # in columns
+    assert lines[3] == ("over seeds 0, 1 of learning_rate=0.0001: final 35.0% mean, 30.0% worst seed; best 40.0% mean, 30.0% worst seed")
+    # a config without held-out evaluations (eval_size 0) shows dashes, one seed no seed line
+    bare = ConfigOutcome(name="a", overrides={}, seed=0, history=[{"iteration": 1, "mean_reward": 0.5, "iteration_s": 1.0}])
+    assert comparison_lines([bare], {"a": 3})[1].split() == [
+        "a",
+        "pending",
+        "1/3",
+        "iterations",
+        "\u2013",
+        "->",
+        "\u2013",
+        "1.0",
+        "s/iteration",
+    ]

@@ -66,9 +66,36 @@ class EtaColumn(ProgressColumn):
         return Text(f"ETA {clock(left)}" if left is not None else "ETA --", style="progress.remaining")
 
 
+def new_bars(console: Console, now: Callable[[], float] = time.monotonic) -> Progress:
+    """Bars drawn below the log lines on a terminal (none elsewhere): a run's, or a sweep's (a bar per config)."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        EtaColumn(now),
+        console=console,
+        get_time=now,
+        transient=True,  # gone at the end: the log lines are the record
+        disable=not console.is_terminal,
+    )
+
+
+@contextlib.contextmanager
+def bars_shown(bars: Progress) -> Iterator[None]:
+    """Draw `bars` while the block runs, with log records printed above them."""
+    if bars.disable:  # not a terminal: the log lines alone
+        yield
+        return
+    with bars, _logs_above_bars(bars.console):
+        yield
+
+
 class RunProgress:
     """The bars of one local run. `eta(history, iterations_done)` is the run's time left
-    (`driver.eta_seconds`); an evaluation's is the time the previous one took."""
+    (`driver.eta_seconds`); an evaluation's is the time the previous one took. In a sweep each
+    config's run has its bars among the sweep's (`bars`), named for its config (`name`)."""
 
     def __init__(
         self,
@@ -77,34 +104,21 @@ class RunProgress:
         eta: Callable[[list[MetricsRow], int], float | None],
         console: Console | None = None,
         now: Callable[[], float] = time.monotonic,
+        bars: Progress | None = None,
+        name: str | None = None,
     ):
-        self.console = console or Console(stderr=True)
+        self.console = console or (bars.console if bars is not None else Console(stderr=True))
         self._eta = eta
         self._now = now
         self._eval_s: float | None = None
         self._eval: TaskID | None = None
-        self.bars = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            EtaColumn(now),
-            console=self.console,
-            get_time=now,
-            transient=True,  # gone at the end: the log lines are the record
-            disable=not self.console.is_terminal,
-        )
-        self._run = self.bars.add_task("iterations", total=iterations, completed=done, eta_s=None, eta_at=now())
+        self._name = name
+        self.bars = bars if bars is not None else new_bars(self.console, now)
+        self._run = self.bars.add_task(name or "iterations", total=iterations, completed=done, eta_s=None, eta_at=now())
 
-    @contextlib.contextmanager
-    def shown(self) -> Iterator[RunProgress]:
+    def shown(self) -> contextlib.AbstractContextManager[None]:
         """Draw the bars while the block runs, with log records printed above them."""
-        if self.bars.disable:  # not a terminal: the log lines alone
-            yield self
-            return
-        with self.bars, _logs_above_bars(self.console):
-            yield self
+        return bars_shown(self.bars)
 
     def recorded(self, state: Checkpointed, row: MetricsRow, answers: Any) -> None:
         self.bars.update(
@@ -119,7 +133,8 @@ class RunProgress:
     def evaluating(self, iteration: int, answered: int, total: int) -> None:
         if self._eval is None:
             what = "before training" if iteration == 0 else f"after iteration {iteration}"
-            self._eval = self.bars.add_task(f"held-out eval {what}", total=total, eta_s=self._eval_s, eta_at=self._now())
+            named = f"{self._name}: " if self._name else ""
+            self._eval = self.bars.add_task(f"{named}held-out eval {what}", total=total, eta_s=self._eval_s, eta_at=self._now())
         self.bars.update(self._eval, completed=answered)
         if answered >= total:  # its result is the next log line
             self.bars.remove_task(self._eval)

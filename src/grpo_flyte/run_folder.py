@@ -362,10 +362,13 @@ def one_line(exc: BaseException) -> str:
 
 class _ConsoleLines(logging.Filter):
     """Flyte's console lines during a local run: its warnings (retries), never its errors, whose
-    tracebacks go to the run log and whose message is the run's last line."""
+    tracebacks go to the run log and whose message is the run's last line. Other loggers' lines
+    pass: Flyte's handlers may be shared (pytest's, a notebook's), and in a sweep a config's
+    failure is said while the others run."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR and not record.exc_info
+        flyte = record.name == "flyte" or record.name.startswith("flyte.")
+        return not flyte or (record.levelno < logging.ERROR and not record.exc_info)
 
 
 class _OneRun(logging.Filter):

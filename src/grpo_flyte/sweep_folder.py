@@ -9,24 +9,31 @@ meet in the replica's batcher and engine, and their train steps share the loaded
 per-process caches); configs of another base model (`--sweep model=A,B`) get that base's own
 engine and loaded base, each built once. A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
 continues every config that did not finish, each from its own checkpoint.
+
+On the console each line of a config starts with its name, a terminal shows a progress bar per
+config (`progress.RunProgress` on the sweep's shared bars), and the sweep ends with the comparison
+(`sweep_report.comparison_lines`). Ctrl-C and SIGTERM stop it as they stop a lone run: one line,
+what each config kept, the resume command.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime as dt
 import json
 import logging
+import shutil
 import signal
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_flyte import observers
 from grpo_flyte.config import PROG, RunConfig
 from grpo_flyte.errors import UserError
-from grpo_flyte.files import write_text_atomic
+from grpo_flyte.files import leftovers, write_text_atomic
 from grpo_flyte.loop_state import LoopState
 from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.run_folder import (
@@ -41,6 +48,7 @@ from grpo_flyte.run_folder import (
     data_fingerprint,
     exit_now,
     finish_local_run,
+    finished_iterations,
     flyte_log_in,
     one_line,
     prepare_local_run,
@@ -49,8 +57,11 @@ from grpo_flyte.run_folder import (
     sigterm_stops_like_ctrl_c,
 )
 from grpo_flyte.sweep_grid import SweepMember
-from grpo_flyte.sweep_report import ConfigOutcome, figures, held_out_key, render_sweep_report
+from grpo_flyte.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
 from grpo_flyte.types import REPORT_FILE, EvalAnswer, Example, MetricsRow
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -98,6 +109,11 @@ class _ConfigProgress:
         """The comparison changes when an evaluation is recorded, not while it runs."""
 
 
+# The config whose work this is, outside its Flyte run (its folder's last files, its failure):
+# each config runs as an asyncio task of its own, which holds its own value.
+_config_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("sweep_config", default=None)
+
+
 class _NamedLines(logging.Filter):
     """The console's lines of a config's run start with its name: `[learning_rate=1e-4] iter 1/5 ...`."""
 
@@ -106,7 +122,7 @@ class _NamedLines(logging.Filter):
         self.names = names  # Flyte run name -> config name
 
     def filter(self, record: logging.LogRecord) -> bool:
-        name = self.names.get(observers.current_run() or "")
+        name = self.names.get(observers.current_run() or "") or _config_name.get()
         if name and not getattr(record, "sweep_named", False):
             record.msg, record.sweep_named = f"[{name}] {record.msg}", True
         return True
@@ -195,6 +211,9 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
         if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
             raise UserError(f"--run-dir {str(sweep_dir)!r} already holds a sweep: add --resume to continue it, or pick another folder")
+        for path in leftovers(sweep_dir):  # the sweep's own files (each config's folder is cleaned as it starts)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("removed %s, left half-written by a run that was killed", path)
         configs = {"configs": [m.model_dump(mode="json") for m in members]}
         write_text_atomic(sweep_dir / SWEEP_FILE, json.dumps(configs, indent=2) + "\n")
         for name in todo:
@@ -202,11 +221,9 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
             locks.enter_context(run_dir_lock(sweep_dir / name))
             write_text_atomic(sweep_dir / name / DATA_FILE, json.dumps(inputs[name][1], indent=2) + "\n")
         board = SweepBoard(sweep_dir, members)
-        for m in members:  # a resumed sweep shows the configs that finished before
-            if m.name not in todo:
-                board.outcomes[m.name] = board.outcomes[m.name].model_copy(
-                    update={"status": "complete", "history": _history(sweep_dir / m.name)}
-                )
+        for m in members:  # a resumed sweep shows what each config did before: finished, or its iterations so far
+            done = {} if m.name in todo else {"status": "complete"}
+            board.outcomes[m.name] = board.outcomes[m.name].model_copy(update={**done, "history": _history(sweep_dir / m.name)})
         board.write()
         return _run_all(sweep_dir, members, todo, inputs, model_dirs, judge_dir, board)
 
@@ -225,6 +242,10 @@ def _run_all(
     judge_dir: Path | None,
     board: SweepBoard,
 ) -> int:
+    from rich.console import Console
+
+    from grpo_flyte.progress import bars_shown, new_bars
+
     runs = {name: f"grpo-{uuid.uuid4().hex[:10]}" for name in todo}
     named = _NamedLines({run: name for name, run in runs.items()})
     handlers = logging.getLogger().handlers
@@ -232,22 +253,25 @@ def _run_all(
     logger.info("grpo_flyte local sweep in %s: %d configs (%d to run), model %s", sweep_dir, len(members), len(todo), models)
     for handler in handlers:
         handler.addFilter(named)
+    bars = new_bars(Console(stderr=True))  # a bar per config on a terminal, as a lone run has its own
 
     async def all_configs() -> list[BaseException | None]:
         jobs = [
-            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], judge_dir, board)
+            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], judge_dir, board, bars)
             for name, (config, resume_from) in todo.items()
         ]
         return await asyncio.gather(*jobs, return_exceptions=True)
 
     try:
-        with sigterm_stops_like_ctrl_c():
+        # the bars stop (and the terminal is whole again) before any message below
+        with sigterm_stops_like_ctrl_c(), bars_shown(bars):
             errors = asyncio.run(all_configs())
     except KeyboardInterrupt as exc:
         for stopping in (signal.SIGINT, signal.SIGTERM):
             signal.signal(stopping, signal.SIG_IGN)
         how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-        logger.error("%s: each config keeps its finished iterations; continue with: %s --local --resume --run-dir %s", how, PROG, sweep_dir)
+        kept = ", ".join(f"{name} {_kept(sweep_dir / name, config.iterations)}" for name, (config, _) in todo.items())
+        logger.error("%s: iterations kept: %s; continue with: %s --local --resume --run-dir %s", how, kept, PROG, sweep_dir)
         exit_now(143 if isinstance(exc, Terminated) else 130)
     finally:
         for handler in handlers:
@@ -257,6 +281,7 @@ def _run_all(
             board.outcomes[name] = board.outcomes[name].model_copy(update={"status": "failed", "error": one_line(error)})
     failed = [o for o in board.outcomes.values() if o.status == "failed"]
     board.write("failed" if failed else "complete")
+    logger.info("%s", "\n  ".join(comparison_lines(list(board.outcomes.values()), {m.name: m.config.iterations for m in members})))
     logger.info("sweep done: report %s, figures %s", sweep_dir / REPORT_FILE, sweep_dir / OUTCOMES_FILE)
     for outcome in failed:
         logger.error("config %s failed: %s", outcome.name, outcome.error)
@@ -265,6 +290,11 @@ def _run_all(
                      len(failed), len(members), PROG, sweep_dir)  # fmt: skip
         return 1
     return 0
+
+
+def _kept(run_dir: Path, iterations: int) -> str:
+    done = [i for i in finished_iterations(run_dir) if i > 0]
+    return f"1-{max(done)} of {iterations}" if done else f"none of {iterations}"
 
 
 async def _run_config(
@@ -277,21 +307,33 @@ async def _run_config(
     model_dir: Path,
     judge_dir: Path | None,
     board: SweepBoard,
+    bars: Progress,
 ) -> None:
-    """One config's run, as a lone local run of it would go (its folder, its files), beside the others."""
+    """One config's run, as a lone local run of it would go (its folder, its files, its bars), beside the others."""
     import flyte
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
+    from grpo_flyte.progress import RunProgress, eta_seconds
 
+    _config_name.set(name)  # this task's own context: its lines outside the Flyte run are named too
     for path in remove_leftovers(run_dir):
         logger.info("removed %s, left half-written by a run that was killed", path)
     write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     runner = flyte.with_runcontext(mode="local", name=run, raw_data_path=str(run_dir.resolve() / FLYTE_DATA))
     files = LocalRunFiles(run_dir.resolve(), config.adapters_to_keep)
+    done = max([i for i in finished_iterations(run_dir) if i > 0], default=0)
+    progress = RunProgress(
+        config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished), bars=bars, name=name
+    )
     board.update(name, status="running")
     try:
-        with flyte_log_in(run_dir / LOG_FILE, run), observers.observe(files, run), observers.observe(_ConfigProgress(board, name), run):
+        with (
+            flyte_log_in(run_dir / LOG_FILE, run),
+            observers.observe(files, run),
+            observers.observe(_ConfigProgress(board, name), run),
+            observers.observe(progress, run),
+        ):
             judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None and config.judging else {}
             result = (
                 await runner.run.aio(
@@ -300,6 +342,7 @@ async def _run_config(
             ).outputs()[0]
     except Exception as exc:
         board.update(name, status="failed", error=one_line(exc))
+        logger.error("failed: %s; the traceback is in %s; the other configs go on", one_line(exc), run_dir / LOG_FILE)
         raise
     finish_local_run(files, config, result)
     board.update(name, status="complete", history=[row.flat() for row in result.history])

@@ -92,6 +92,44 @@ def seed_summary(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return summary
 
 
+def _shown(key: str, value: float | None) -> str:
+    """A held-out figure as the console writes it: accuracy in percent, reward to 3 places."""
+    return "\u2013" if value is None else f"{value:.1%}" if key == "eval_accuracy" else f"{value:.3f}"
+
+
+def comparison_lines(outcomes: list[ConfigOutcome], iterations: dict[str, int]) -> list[str]:
+    """The comparison as the console ends a sweep with it: a line per config (status, iterations
+    done of `iterations[name]`, first -> final held-out figure, the best and its iteration, seconds
+    per iteration, why it failed) and, with several seeds, each setting's mean and worst seed."""
+    key = held_out_key(outcomes)
+    lines = [figures(o, key) for o in outcomes]
+    what = "accuracy" if key == "eval_accuracy" else "reward"
+    done = sum(line["status"] == "complete" for line in lines)
+    out = [f"sweep: {done} of {len(lines)} configs complete; held-out {what} per config (first -> final, best):"]
+    width = max(len(line["name"]) for line in lines)
+    for line in lines:
+        best = f"best {_shown(key, line['best'])} (iteration {line['best_iteration']})" if line["best"] is not None else ""
+        seconds = f"{line['seconds_per_iteration']:.1f} s/iteration" if line["seconds_per_iteration"] is not None else ""
+        cells = [
+            line["name"].ljust(width),
+            line["status"].ljust(8),
+            f"{line['iterations_done']}/{iterations.get(line['name'], '?')} iterations".ljust(16),
+            f"{_shown(key, line['first'])} -> {_shown(key, line['final'])}".ljust(17),
+            best.ljust(25),
+            seconds,
+        ]
+        out.append("  ".join(cells).rstrip() + (f"  failed: {line['error']}" if line["error"] else ""))
+    if len({o.seed for o in outcomes}) > 1:
+        for s in seed_summary(lines):
+            setting = ", ".join(f"{k}={v}" for k, v in s["setting"].items())
+            out.append(
+                f"over seeds {', '.join(map(str, s['seeds']))}{' of ' + setting if setting else ''}: "
+                f"final {_shown(key, s['final_mean'])} mean, {_shown(key, s['final_worst'])} worst seed; "
+                f"best {_shown(key, s['best_mean'])} mean, {_shown(key, s['best_worst'])} worst seed"
+            )
+    return out
+
+
 def _number(value: Any) -> str:
     return "\u2013" if value is None else f"{value:.3f}" if isinstance(value, float) else escape(value)
 
