@@ -555,7 +555,7 @@ def test_a_damaged_adapter_fails_only_its_callers_when_others_are_merged(tmp_pat
 
     on_good0, on_bad, on_good1, on_missing = asyncio.run(run_all())
     assert isinstance(on_bad, RuntimeError) and f"engine failed on {bad}" in str(on_bad)
-    assert on_good0 == on_good1 and on_good0[0][0].completion_ids == [1]
+    assert on_good0 == on_good1 == on_missing and on_good0[0][0].completion_ids == [1]
     # the mixed batch failed; one adapter at a time: good0 for both good ones, and a missing folder
     # as its own adapter (the fake engine decodes it; a real one fails it alone)
     assert sorted(engine.adapters) == [[good0], [str(tmp_path / "missing")]]

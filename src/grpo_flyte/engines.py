@@ -631,12 +631,14 @@ async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseExceptio
     (`identical_calls`; each caller gets its own copy), one engine batch per shared settings."""
     decoded, owners = identical_calls(calls, await asyncio.to_thread(_contents, calls))
     results = await _decode_calls(decoded)
-    first = {j: i for i, j in reversed(list(enumerate(owners)))}  # the first caller of each decoded call
-    return [results[j] if first[j] == i or isinstance(results[j], BaseException) else _copy(results[j]) for i, j in enumerate(owners)]
-
-
-def _copy(rollouts: list[Rollout]) -> list[Rollout]:
-    return [rollout.model_copy(deep=True) for rollout in rollouts]
+    answers: list[list[Rollout] | BaseException] = []
+    answered: set[int] = set()
+    for j in owners:
+        shared = j in answered and not isinstance(results[j], BaseException)
+        # a deep copy for each caller after the first: what one caller changes stays its own
+        answers.append([rollout.model_copy(deep=True) for rollout in results[j]] if shared else results[j])
+        answered.add(j)
+    return answers
 
 
 async def _decode_calls(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
