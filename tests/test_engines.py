@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -500,6 +501,88 @@ def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeyp
     # the batch mixing both adapters failed; decoded one adapter at a time, the good one's group went on
     assert good[0][0].completion_ids == [3]
     assert engine.batches == [[3]]
+
+
+def _adapter(folder, weights: bytes) -> str:
+    """An adapter folder (its content is all the batcher reads of it)."""
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return str(folder)
+
+
+def test_identical_calls_merge_the_same_request_on_adapters_of_the_same_content():
+    calls = [
+        engines.EngineCall(KEY, "/run1/v0", _request(1)),
+        engines.EngineCall(KEY, "/run0/v0", _request(1)),  # the same content and request: decoded once, under the least path
+        engines.EngineCall(KEY, "/run2/v0", _request(1)),  # other content
+        engines.EngineCall(KEY, "/run1/v0", _request(2)),  # another seed
+        engines.EngineCall(KEY, "/run1/v0", _request(1, continues=True)),  # multi-turn contexts stay apart
+        engines.EngineCall(KEY, "/run0/v0", _request(1, continues=True)),
+        engines.EngineCall(KEY, None, _request(1, regex="[0-9]+")),  # the judge's (no adapter): the same regex merges
+        engines.EngineCall(KEY, None, _request(1, regex="[0-9]+")),
+    ]
+    decoded, owners = engines.identical_calls(calls, ["A", "A", "B", "A", "A", "A", None, None])
+    assert owners == [0, 0, 1, 2, 3, 4, 5, 5]
+    assert [(c.adapter_path, c.request) for c in decoded] == [
+        ("/run0/v0", calls[0].request),
+        ("/run2/v0", calls[2].request),
+        ("/run0/v0", calls[3].request),  # content A is loaded once, under /run0/v0
+        ("/run1/v0", calls[4].request),
+        ("/run0/v0", calls[5].request),
+        (None, calls[6].request),
+    ]
+
+
+def test_identical_groups_on_identical_adapters_decode_once_and_each_caller_gets_its_own_copy(tmp_path, monkeypatch):
+    """A sweep's configs before their first train step: adapters of the same content at other
+    paths, the same prompts and seeds. Their groups decode once, on one adapter; another content
+    or another seed is decoded apart, and a folder replaced at the same path is read again."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    a, b, c = (_adapter(tmp_path / name, w) for name, w in (("a", b"w0"), ("b", b"w0"), ("c", b"w1")))
+
+    async def run_all():
+        return await asyncio.gather(
+            engines.generate_groups(KEY, b, [_request(1)]),
+            engines.generate_groups(KEY, a, [_request(1)]),
+            engines.generate_groups(KEY, c, [_request(1)]),
+            engines.generate_groups(KEY, b, [_request(2)]),
+        )
+
+    on_b, on_a, on_c, seed2 = asyncio.run(run_all())
+    assert list(zip(engine.batches, engine.adapters, strict=True)) == [([1, 1, 2], [a, c, a])]  # one slot for a and b
+    assert on_a == on_b == on_c and seed2[0][0].completion_ids == [2]
+    assert on_a[0] is not on_b[0] and on_a[0][0] is not on_b[0][0]  # copies: a caller's change stays its own
+    on_a[0][0].completion_ids.append(9)
+    assert on_b[0][0].completion_ids == [1]
+
+    shutil.rmtree(b)
+    _adapter(tmp_path / "b", b"w2")  # a retried train step's folder, replacing an attempt's
+    engine.batches.clear()
+    asyncio.run(run_all())
+    assert engine.batches == [[1, 1, 1, 2]]
+
+
+def test_a_damaged_adapter_fails_only_its_callers_when_others_are_merged(tmp_path, monkeypatch):
+    good0, good1 = _adapter(tmp_path / "good0", b"w0"), _adapter(tmp_path / "good1", b"w0")
+    bad = _adapter(tmp_path / "bad", b"truncated")
+    engine = FakeEngine(fail_on_adapter=bad)
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+
+    async def run_all():
+        return await asyncio.gather(
+            *[engines.generate_groups(KEY, path, [_request(1)]) for path in (good0, bad, good1)],
+            engines.generate_groups(KEY, str(tmp_path / "missing"), [_request(1)]),
+            return_exceptions=True,
+        )
+
+    on_good0, on_bad, on_good1, on_missing = asyncio.run(run_all())
+    assert isinstance(on_bad, RuntimeError) and f"engine failed on {bad}" in str(on_bad)
+    assert on_good0 == on_good1 == on_missing and on_good0[0][0].completion_ids == [1]
+    # the mixed batch failed; one adapter at a time: good0 for both good ones, and a missing folder
+    # as its own adapter (the fake engine decodes it; a real one fails it alone)
+    assert sorted(engine.adapters) == [[good0], [str(tmp_path / "missing")]]
 
 
 def test_the_batcher_survives_a_new_event_loop(monkeypatch):

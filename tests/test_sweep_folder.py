@@ -143,6 +143,43 @@ def _completions(run_dir: Path) -> list[list[str]]:
     return [[json.loads(line)["completion"] for line in path.read_text().splitlines()] for path in sorted((run_dir / "eval").iterdir())]
 
 
+@pytest.fixture
+def wide_batch_window(monkeypatch):
+    """Identical groups merge when they meet in one batcher flush: a window that what one config
+    does before the other's request (its init_adapter, its report) fits in, however busy the
+    machine. A batcher of its own, so the tests after it get the usual window."""
+    monkeypatch.setattr(engines, "BATCH_WINDOW_S", 2.0)
+    engines.replica_batcher.cache_clear()
+    yield
+    engines.replica_batcher.cache_clear()
+
+
+def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_once(tmp_path, tiny_model_dir, monkeypatch, wide_batch_window):
+    """Two learning rates, one seed: both configs start from adapters of the same content (at their
+    own paths) and sample the same prompts with the same seeds, so the held-out evaluation before
+    training and the first iteration's rollouts are decoded once for both; each config's metrics
+    are exactly its lone run's."""
+    decoded_rows: list[int] = []
+    generate_mixed = engines.HFGenerator.generate_mixed
+
+    def counted(self, requests, adapter_paths):
+        decoded_rows.append(sum(r.group_size for r in requests))
+        return generate_mixed(self, requests, adapter_paths)
+
+    monkeypatch.setattr(engines.HFGenerator, "generate_mixed", counted)
+    one_iteration = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1"]
+    assert cli_main([*one_iteration, "--sweep", "learning_rate=1e-4,5e-3", "--run-dir", str(tmp_path / "sweep")]) == 0
+    sweep_rows = sum(decoded_rows)
+    for rate in ("1e-4", "5e-3"):
+        decoded_rows.clear()
+        assert cli_main([*one_iteration, "--learning-rate", rate, "--run-dir", str(tmp_path / rate)]) == 0
+        assert _metrics(tmp_path / "sweep" / f"learning_rate={rate}") == _metrics(tmp_path / rate)
+    # one lone run's rows (2 evaluations of 2 questions, 2 prompts x 3 rollouts), and the other
+    # config's evaluation after training (its adapter differs by then)
+    assert sum(decoded_rows) == 2 + 2 * 3 + 2
+    assert sweep_rows == sum(decoded_rows) + 2
+
+
 def _weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 

@@ -17,7 +17,9 @@
   with its own adapter: PEFT's mixed adapter batches on transformers, a LoRARequest per prompt on
   vLLM). Every row draws from its own random stream seeded by (request seed, row), so a completion
   does not depend on its batch mates, and a batch's failure reaches every group in it (a batch of
-  several adapters is decoded again one adapter at a time, so a damaged one fails alone).
+  several adapters is decoded again one adapter at a time, so a damaged one fails alone). Identical
+  groups are decoded once (`identical_calls`: the same request with adapters of the same content,
+  e.g. a sweep's configs before their first train step), each caller getting its own copy.
 
 Heavy libraries are imported inside the engines; importing this module is cheap.
 """
@@ -25,12 +27,14 @@ Heavy libraries are imported inside the engines; importing this module is cheap.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import importlib.util
 import json
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
@@ -42,6 +46,7 @@ from grpo_flyte import episodes, multiturn
 from grpo_flyte.config import MAX_BASES, VLLM_MEMORY_BUDGET, EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
+from grpo_flyte.files import files_of
 from grpo_flyte.models import best_device, cuda_available, set_attention, torch_dtype
 from grpo_flyte.prompts import is_chat, tokenize_prompt
 from grpo_flyte.torch_thread import run_on_torch_thread
@@ -71,6 +76,9 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The most adapters one vLLM engine step computes (its `max_loras`, bounded by `adapter_cache_size`):
 # a sweep's configs or a pipelined run's versions; more wait for a slot (vllm_lora_slots).
 VLLM_MAX_LORA_SLOTS = 8
+# How many adapter folders' content digests a replica keeps (identical_calls): a sweep's configs
+# times the versions each has in flight, with room to spare.
+ADAPTER_DIGESTS = 256
 
 
 class SamplingRequest(BaseModel):
@@ -579,8 +587,77 @@ def mixed_batches_pay(backend: str) -> bool:
     return backend == "hf" and best_device() == "cpu"
 
 
+def identical_calls(calls: list[EngineCall], contents: list[str | None]) -> tuple[list[EngineCall], list[int]]:
+    """The calls to decode, one for each set of identical ones, and for each call the index of the
+    one decoded for it. `contents[i]` identifies the content of `calls[i]`'s adapter (`adapter_content`).
+
+    Identical: the same engine, adapter content and request (a sweep's configs that differ only in
+    what they train start from the same adapter and sample the same prompts with the same seeds).
+    A multi-turn turn (`continues`) is its own: the engine keeps its context per adapter path. An
+    adapter's content is decoded under one of its paths, the least (whichever batch it is in), so
+    the engine loads it once."""
+    canonical: dict[str | None, str] = {}
+    for call, content in zip(calls, contents, strict=True):
+        if call.adapter_path is not None and not call.request.continues:
+            canonical[content] = min(canonical.get(content, call.adapter_path), call.adapter_path)
+    decoded: list[EngineCall] = []
+    index: dict[object, int] = {}
+    owners: list[int] = []
+    for i, (call, content) in enumerate(zip(calls, contents, strict=True)):
+        same = i if call.request.continues else (call.key, content, call.request.model_dump_json())
+        if same not in index:
+            index[same] = len(decoded)
+            path = call.adapter_path if call.request.continues else canonical.get(content, call.adapter_path)
+            decoded.append(replace(call, adapter_path=path))
+        owners.append(index[same])
+    return decoded, owners
+
+
+@functools.lru_cache(maxsize=ADAPTER_DIGESTS)
+def _folder_digest(path: str, files: tuple) -> str:
+    """The sha256 of a folder's files (names and bytes). `files` (`files.files_of`) is part of the
+    cache's key: a folder replaced at the same path (a train step's retry) is hashed again."""
+    digest = hashlib.sha256()
+    for name, *_ in files:
+        with open(Path(path) / name, "rb") as f:
+            digest.update(name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return "sha256:" + digest.hexdigest()
+
+
+def adapter_content(path: str | None) -> str | None:
+    """What identifies an adapter's content: its folder's digest (None: no adapter). A folder that
+    cannot be read is identified by its path: it fails on its own, as it would have."""
+    if path is None:
+        return None
+    try:
+        return _folder_digest(path, files_of(path))
+    except OSError:
+        return path
+
+
+def _contents(calls: list[EngineCall]) -> list[str | None]:
+    """Each call's `adapter_content`; a batch with one adapter path needs no digest (its path says it)."""
+    paths = [call.adapter_path for call in calls]
+    return paths if len(set(paths) - {None}) < 2 else [adapter_content(path) for path in paths]
+
+
 async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
-    """The batcher's function: the calls of one batch, decoded one engine batch per shared settings.
+    """The batcher's function: the calls of one batch, identical ones decoded once
+    (`identical_calls`; each caller gets its own copy), one engine batch per shared settings."""
+    decoded, owners = identical_calls(calls, await asyncio.to_thread(_contents, calls))
+    results = await _decode_calls(decoded)
+    answers: list[list[Rollout] | BaseException] = []
+    answered: set[int] = set()
+    for j in owners:
+        shared = j in answered and not isinstance(results[j], BaseException)
+        # a deep copy for each caller after the first: what one caller changes stays its own
+        answers.append([rollout.model_copy(deep=True) for rollout in results[j]] if shared else results[j])
+        answered.add(j)
+    return answers
+
+
+async def _decode_calls(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
+    """The calls of one batch, decoded one engine batch per shared settings.
 
     A failing engine batch fails every group in it (its exception is each one's result) and no other.
     """

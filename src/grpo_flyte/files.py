@@ -128,3 +128,8 @@ def unwritable(folder: Path) -> tuple[Path, str] | None:
 
 def _can_write(folder: Path) -> bool:
     return os.access(folder, os.W_OK | os.X_OK)
+
+
+def files_of(folder: str) -> tuple:
+    """(name, size, modification time) of each file of a folder: what changes if it is edited or replaced."""
+    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from grpo_flyte.config import MAX_BASES, LoraConfig, ModelConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
+from grpo_flyte.files import files_of
 from grpo_flyte.models import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE
 
@@ -165,11 +166,6 @@ class WarmOptimizer:
         if optimizer is not None:
             _set_hyperparameters(optimizer, train)  # the config, not the cache, sets them
         return optimizer
-
-
-def files_of(folder: str) -> tuple:
-    """(name, size, modification time) of each file of an adapter folder: what changes if it is edited."""
-    return tuple(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
 
 
 def release_models() -> None:
