@@ -16,7 +16,7 @@ and the same with an adapter already loaded (cache hit), so the load's share sho
 vLLM (LoRARequest on a GPU) is not measured: this machine has no GPU.
 
     python benchmarks/adapter_swap.py            # 10 trials, ~1 minute
-    python benchmarks/adapter_swap.py --quick    # 3 trials
+    python benchmarks/adapter_swap.py --quick    # the plumbing: 1 trial, 4-token completions
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=10)
     args = p.parse_args(argv)
     _common.quiet_logs()
-    trials = 3 if args.quick else args.trials
+    trials = 1 if args.quick else args.trials
+    completion_tokens = 4 if args.quick else SHORT_COMPLETION_TOKENS
     # group_size 2 (the smallest group) and 1 new token: the task path's "first completion".
     config = RunConfig(group_size=2, max_new_tokens=1, backend="hf")
     model_dir = embedded_model_dir()
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = tokenize_prompt(engine.tokenizer, example, config.prompt)
         short = engines.SamplingRequest(
             prompt_ids=prompt_ids, group_size=1, temperature=config.sampling.temperature, top_p=config.sampling.top_p,
-            max_new_tokens=SHORT_COMPLETION_TOKENS, seed=0,
+            max_new_tokens=completion_tokens, seed=0,
         )  # fmt: skip
         fresh = iter(dirs)
         # Warm: engine built, a first adapter served, the adapter cache filled.
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nnew adapter dir -> first completion on a warm HF replica: {headline:.3f} s "
         f"({'met' if headline < TARGET_S else 'MISSED'}: target < {TARGET_S:g} s); load only {med['load only']:.3f} s; "
-        f"a {SHORT_COMPLETION_TOKENS}-token completion with a new adapter {med['first completion']:.3f} s "
+        f"a {completion_tokens}-token completion with a new adapter {med['first completion']:.3f} s "
         f"vs {med['first completion, cached']:.3f} s cached"
     )
     print("  vLLM (GPU) not measured: no GPU on this machine")

@@ -10,7 +10,7 @@ matmuls, its decode loop and its log-probs are those of the real shape.
     python benchmarks/device_check.py                            # on a GPU: 64 rows x 128 new tokens
     python benchmarks/device_check.py --rows 16 --new-tokens 32  # on a CPU
     python benchmarks/device_check.py --out DIR                  # writes DIR/device_check.json
-    python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens
+    python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens, 2 of the 30 layers
 
 Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adapters (random,
 distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names`, what
@@ -34,13 +34,13 @@ from grpo_flyte.decoding import Sampling, decode
 from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
 
 
-def random_smollm2(out: Path) -> Path:
-    """A random Llama with SmolLM2-135M-Instruct's configuration, saved to `out`."""
+def random_smollm2(out: Path, layers: int = 30) -> Path:
+    """A random Llama with SmolLM2-135M-Instruct's configuration (`layers` of its 30), saved to `out`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )  # fmt: skip
@@ -117,20 +117,28 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
 
 
 def main() -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a model folder (default: a random SmolLM2-135M-shaped model)")
     parser.add_argument("--rows", type=int, default=64, help="completions per batch (8 prompts x 8)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="a folder (device_check.json goes in it) or a .json file")
-    parser.add_argument("--quick", action="store_true", help="8 rows x 8 new tokens: the plumbing")
+    parser.add_argument("--quick", action="store_true", help="8 rows x 8 new tokens on 2 of the model's 30 layers: the plumbing")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.new_tokens = 8, 8
+    scratch = None if args.model else tempfile.TemporaryDirectory(prefix="device_check-")
+    try:
+        return check(args, args.model or random_smollm2(Path(scratch.name), layers=2 if args.quick else 30))
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
+
+
+def check(args: argparse.Namespace, model_dir: Path) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     device = best_device()
-    model_dir = args.model or random_smollm2(Path(tempfile.mkdtemp(prefix="device_check-")))
     dtype = resolve_dtype("auto")
     result: dict = {"benchmark": "device_check", "machine": _common.machine(),
                     "device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",

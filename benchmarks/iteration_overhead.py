@@ -14,7 +14,7 @@ benchmark checks that (the trained adapters must be bit-identical). Model loadin
 warm-up run per side first. Prints the median of the per-round ratios flyte / bare.
 
     python benchmarks/iteration_overhead.py              # 3 rounds, ~8 minutes on a 2-core CPU
-    python benchmarks/iteration_overhead.py --quick      # tiny sizes, ~1 minute
+    python benchmarks/iteration_overhead.py --quick      # the plumbing: tiny sizes, 1 round
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _common.quiet_logs()
     sizes = {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 16, "min_informative_groups": 0} if args.quick else {}
-    rounds = 2 if args.quick else args.rounds
+    rounds = 1 if args.quick else args.rounds
     config = RunConfig(iterations=1, eval_size=0, **sizes)
     # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.
     warm = RunConfig(**{**config.flat(), "prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})

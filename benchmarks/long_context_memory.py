@@ -12,7 +12,8 @@ loaded model's (the process's high-water mark, reset once the model is loaded) o
 "after" is this checkout; "before" sets the knobs back to main's code before issue 40: every
 attention call through `decoding.grouped_attention`'s own arithmetic (a queries x keys scores
 matrix per head), the context prefilled in one pass, no checkpointing past --micro-batch-tokens.
-Each case runs in a fresh process; the ratio before / after is taken at the same N, in one run.
+Each case runs in a fresh process (--quick: each side's cases in one); the ratio before / after is
+taken at the same N, in one run.
 Memory per 1,000 tokens that stays flat as N grows is memory linear in the tokens (the key/value
 cache: 23 KB a token on this model in bfloat16); one that grows with N is quadratic.
 
@@ -102,13 +103,13 @@ def measure(case: str, side: str, num: int) -> dict:
     return {"case": case, "side": side, "tokens": num, "model_rss_bytes": start, "peak_above_model_bytes": peak - start}
 
 
-def run_case(case: str, side: str, num: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, __file__, "--one", case, side, str(num)], capture_output=True, text=True, timeout=3600, check=False
-    )
+def run_cases(side: str, cases: list[tuple[str, int]]) -> list[dict]:
+    """(case, tokens) of one side, one after another in a fresh process of their own."""
+    argv = [sys.executable, __file__, "--one", side, *(f"{case}:{num}" for case, num in cases)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
-        return {"case": case, "side": side, "tokens": num, "error": (done.stdout + done.stderr)[-2000:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return [{"case": case, "side": side, "tokens": num, "error": (done.stdout + done.stderr)[-2000:]} for case, num in cases]
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(cases) :]]
 
 
 def table(results: list[dict], case: str) -> tuple[list[str], list[dict]]:
@@ -134,21 +135,25 @@ def table(results: list[dict], case: str) -> tuple[list[str], list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:
+    if argv[:1] == ["--one"]:  # --one SIDE CASE:TOKENS ...
         _common.quiet_logs()
-        print(json.dumps(measure(argv[1], argv[2], int(argv[3]))))
+        for one in argv[2:]:
+            case, num = one.split(":")
+            print(json.dumps(measure(case, argv[1], int(num))), flush=True)
         return 0
     p = _common.parser(__doc__, "long_context_memory.json")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    # a process per case; --quick: a process per side (the plumbing, with two imports fewer)
+    batches = [(side, [(case, num)]) for case, sides in plan.items() for side, sizes in sides.items() for num in sizes]
+    if args.quick:
+        batches = [(side, [c for s, cs in batches if s == side for c in cs]) for side in ("before", "after")]
     results = []
-    for case, sides in plan.items():
-        for side, sizes in sides.items():
-            for num in sizes:
-                r = run_case(case, side, num)
-                results.append(r)
-                shown = f"{r['peak_above_model_bytes'] / 2**20:.0f} MB above the model" if "error" not in r else "FAILED\n" + r["error"]
-                print(f"{case:8} {side:6} {num:6} tokens: {shown}", flush=True)
+    for side, cases in batches:
+        for r in run_cases(side, cases):
+            results.append(r)
+            shown = f"{r['peak_above_model_bytes'] / 2**20:.0f} MB above the model" if "error" not in r else "FAILED\n" + r["error"]
+            print(f"{r['case']:8} {side:6} {r['tokens']:6} tokens: {shown}", flush=True)
     print()
     summary = {}
     for case in plan:

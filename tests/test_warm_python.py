@@ -94,3 +94,12 @@ def test_a_command_past_its_timeout_is_killed(probe):
         warm_python.run([probe / "scripts" / "probe.py", "sleep"], cwd=probe, env=_env(probe), timeout=3)
     # the server ran the next command: it had killed the sleeping one (it runs one at a time)
     assert warm_python.run([probe / "scripts" / "probe.py", "exit"], cwd=probe, env=_env(probe)).returncode == 3
+
+
+def test_commands_run_in_a_child_of_the_warm_server_even_where_numpy_started_threads():
+    """The point of it: a command forked from the server, not a fresh interpreter that imports everything again.
+    Also without OMP_NUM_THREADS on a machine of 2 cores or more (CI), where numpy's OpenBLAS starts its pool of
+    threads at import: the pool ends at a fork, so the server may fork."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    done = warm_python.run(["-c", "import os; print(os.getppid())"], env=env)
+    assert done.returncode == 0 and int(done.stdout) != os.getpid(), done.stderr

@@ -134,6 +134,13 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
 
 
+def _fork_and_wait() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def _serve() -> None:
     import peft  # noqa: F401
     import safetensors.torch  # noqa: F401
@@ -143,6 +150,10 @@ def _serve() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401
 
+    # numpy's OpenBLAS starts a pool of threads when imported (one per core past the first, unless OMP_NUM_THREADS=1)
+    # and ends it whenever the process forks (its pthread_atfork handler), starting it again at its next use. A
+    # first fork ends such pools now: a thread still there after it would be lost in a child, unsafe to fork.
+    _fork_and_wait()
     if _threads() != 1 or threading.active_count() != 1:
         print(f"{_threads()} threads after the imports: forking would not be safe", file=sys.stderr, flush=True)
         return
