@@ -488,3 +488,41 @@ def test_several_train_gpus_serialize_an_elastic_train_step():
 
 def test_one_train_gpu_declares_no_distributed_step_and_loads_no_torch():
     assert envs.train_dist_env is None and "grpo_flyte-train-dist" not in [e.name for e in envs.driver_env.depends_on]
+
+
+_WATCHDOG_PROBE = textwrap.dedent(
+    """
+    import os, sys, time
+    import flyteplugins.pytorch.task as plugin
+    from grpo_flyte import envs
+    assert envs.train_dist_env is not None
+    plugin._start_zombie_watchdog(nproc=1, check_interval=2.0)  # what the plugin's execute calls
+    child = os.fork()
+    if child == 0:
+        os._exit(3)  # a train process that failed: a zombie until its agent polls
+    time.sleep(3.0 if sys.argv[1] == "reaped" else 9.0)  # a live agent polls between two checks
+    if sys.argv[1] == "reaped":
+        os.waitpid(child, 0)
+        time.sleep(4.0)  # two more checks
+    print("survived")
+    """
+)
+
+
+@pytest.mark.parametrize("agent", ["reaped", "stuck"])
+def test_the_train_steps_zombie_watchdog_waits_for_the_agents_poll(agent):
+    """flyteplugins-pytorch's watchdog force-exits (code 1) when it sees every worker a zombie once,
+    also between a normal failure and the elastic agent's next poll: the step then fails retried,
+    without its processes' error (a damaged adapter's, in a CI run). The train step's watchdog exits
+    only for workers that stay zombies over two checks: an agent that reaps them in time is left
+    to report the error, a stuck one is still ended."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
+    env.update(GRPO_FLYTE_TRAIN_GPU="A100:2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _WATCHDOG_PROBE, agent], capture_output=True, text=True, env=env, cwd=SRC.parent, timeout=120, check=False
+    )
+    if agent == "reaped":
+        assert (proc.returncode, proc.stdout.strip()) == (0, "survived"), proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and "survived" not in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+        assert "stayed zombies" in proc.stderr

@@ -9,6 +9,8 @@ Importing this module is cheap: it imports flyte and pydantic only.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -329,12 +331,50 @@ train_env = flyte.TaskEnvironment(
 )
 
 
+def zombie_watchdog(nproc: int, check_interval: float = 10.0) -> threading.Event:
+    """flyteplugins-pytorch's zombie watchdog (`_start_zombie_watchdog`: force-exit when every
+    worker is dead and the elastic agent is stuck in a PyTorch deadlock), acting only on workers
+    that stayed zombies over two checks in a row. The plugin's acts on one check, and a check that
+    falls between the workers' exit and the agent's next poll (every `monitor_interval`, 3 s) ends a
+    step whose processes failed normally with exit code 1: a retried failure without their error
+    (a damaged adapter's, in one CI run). A live agent reaps its workers within that poll; a stuck
+    one is still caught, one check later. Returns the event that stops it."""
+    stop = threading.Event()
+
+    def zombies() -> set[int]:
+        found = set()
+        for entry in os.listdir("/proc"):
+            try:
+                status = Path("/proc", entry, "status").read_text() if entry.isdigit() else ""
+            except OSError:  # gone meanwhile
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields.get("PPid", "").strip() == str(os.getpid()) and fields.get("State", "").strip().startswith("Z"):
+                found.add(int(entry))
+        return found
+
+    def watch() -> None:
+        seen: set[int] = set()
+        while not stop.wait(check_interval):
+            now = zombies()
+            if len(now & seen) >= nproc:
+                logging.getLogger(__name__).error(
+                    "%d train processes stayed zombies (%s): the elastic agent is stuck; exiting", len(now), sorted(now)
+                )
+                os._exit(1)
+            seen = now
+
+    threading.Thread(target=watch, daemon=True, name="zombie-watchdog").start()
+    return stop
+
+
 def _train_step_elastic(processes: int):
     """flyteplugins-pytorch's Elastic config for the train step, whose task fails with what its
     processes raised: the plugin turns any worker failure into a RuntimeError with exit codes only
     (flyteplugins/pytorch/task.py, `execute`), which Flyte retries, so an input error (a damaged
     adapter, no usable CUDA) would run, reloading the base, twice more. The processes record their
     errors (trainer.train_step_distributed); an input error fails the task not retried."""
+    import flyteplugins.pytorch.task as plugin
     from flyte.extend import TaskPluginRegistry
     from flyteplugins.pytorch import Elastic  # imports torch: only where several train GPUs are configured
     from flyteplugins.pytorch.task import TorchFunctionTask
@@ -356,6 +396,7 @@ def _train_step_elastic(processes: int):
                 raise (not_retried(error) if isinstance(error, GrpoFlyteError) else error) from None
 
     TaskPluginRegistry.register(TrainStepElastic, TrainStepTask)
+    plugin._start_zombie_watchdog = zombie_watchdog  # the plugin's execute calls it by this name
     # no restarts of the worker group: a failed step fails the task, and the task's retries run it again
     return TrainStepElastic(nnodes=settings.train_nodes, nproc_per_node=processes, max_restarts=0)
 
