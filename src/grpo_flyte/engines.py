@@ -635,16 +635,19 @@ def adapter_content(path: str | None) -> str | None:
         return path
 
 
-def _contents(calls: list[EngineCall]) -> list[str | None]:
-    """Each call's `adapter_content`; a batch with one adapter path needs no digest (its path says it)."""
+async def _contents(calls: list[EngineCall]) -> list[str | None]:
+    """Each call's `adapter_content`; a batch with one adapter path (every flush of a lone run)
+    needs no digest, its path says it, and no hop to a thread to read files."""
     paths = [call.adapter_path for call in calls]
-    return paths if len(set(paths) - {None}) < 2 else [adapter_content(path) for path in paths]
+    if len(set(paths) - {None}) < 2:
+        return paths
+    return await asyncio.to_thread(lambda: [adapter_content(path) for path in paths])
 
 
 async def _process(calls: list[EngineCall]) -> list[list[Rollout] | BaseException]:
     """The batcher's function: the calls of one batch, identical ones decoded once
     (`identical_calls`; each caller gets its own copy), one engine batch per shared settings."""
-    decoded, owners = identical_calls(calls, await asyncio.to_thread(_contents, calls))
+    decoded, owners = identical_calls(calls, await _contents(calls))
     results = await _decode_calls(decoded)
     answers: list[list[Rollout] | BaseException] = []
     answered: set[int] = set()
