@@ -116,12 +116,31 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _compare(alone: Path, swept: Path) -> dict:
+    """Whether a config's sweep run gave its lone run's metrics and adapter, and how close it came:
+    the first iteration whose row differs, the last held-out accuracy and the mean training reward
+    of each."""
     a, b = _metrics(alone), _metrics(swept)
     differing = sorted({k for x, y in zip(a, b, strict=False) for k in set(x) | set(y) if x.get(k) != y.get(k)})
     same_adapter = (alone / "adapter" / "adapter_model.safetensors").read_bytes() == (
         swept / "adapter" / "adapter_model.safetensors"
     ).read_bytes()
-    return {"same_metrics": a == b, "metrics_differing": differing, "same_adapter": same_adapter, "rows": [len(a), len(b)]}
+
+    def last_accuracy(rows: list[dict]) -> float | None:
+        return next((r["eval_accuracy"] for r in reversed(rows) if "eval_accuracy" in r), None)
+
+    def mean_reward(rows: list[dict]) -> float:
+        rewards = [r["mean_reward"] for r in rows if "mean_reward" in r]
+        return sum(rewards) / max(1, len(rewards))
+
+    return {
+        "same_metrics": a == b,
+        "metrics_differing": differing,
+        "same_adapter": same_adapter,
+        "rows": [len(a), len(b)],
+        "first_differing_iteration": next((x["iteration"] for x, y in zip(a, b, strict=False) if x != y), None),
+        "eval_accuracy_last": [last_accuracy(a), last_accuracy(b)],
+        "mean_reward": [mean_reward(a), mean_reward(b)],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,9 +191,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['engine_batches_mixing_adapters']} engine batches mixed adapters (at most {r['adapters_per_engine_batch_max']})"
         )
     for rate, c in same.items():
-        print(
-            f"learning_rate={rate}: same metrics as alone: {c['same_metrics']} {c['metrics_differing'] or ''}, same adapter: {c['same_adapter']}"
+        closeness = (
+            ""
+            if c["same_metrics"]
+            else f" (rows differ from iteration {c['first_differing_iteration']}; last held-out accuracy "
+            f"{c['eval_accuracy_last'][0]} alone, {c['eval_accuracy_last'][1]} in the sweep; mean training reward "
+            f"{c['mean_reward'][0]:.3f} alone, {c['mean_reward'][1]:.3f} in the sweep)"
         )
+        print(f"learning_rate={rate}: same metrics as alone: {c['same_metrics']}{closeness}, same adapter: {c['same_adapter']}")
     print(f"sweep / sequential wall time: {ratio:.2f}x ({_common.verdict(ratio, TARGET_RATIO)}); CPU time: {cpu_ratio:.2f}x")
     _common.write_result(_common.out_file(args), result)
     return 0 if ratio <= TARGET_RATIO else 1

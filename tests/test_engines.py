@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import shutil
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,8 @@ from grpo_flyte.engines import (
 )
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.prompts import tokenize_prompt
-from grpo_flyte.types import Rollout
+from grpo_flyte.torch_thread import run_on_torch_thread
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Rollout
 
 # --------------------------------------------------------------------------- cut_at_eos
 
@@ -419,6 +422,23 @@ def test_concurrent_groups_decode_in_one_engine_batch_in_seed_order(monkeypatch)
     assert (stats.total_batches, stats.total_completed) == (1, len(seeds))
 
 
+def test_groups_that_arrive_while_the_torch_thread_works_join_one_engine_batch(monkeypatch):
+    """A decode waits behind the torch thread's work anyway (in a local sweep, the configs' train
+    steps, one after another): groups that arrive meanwhile, further apart than the batcher's
+    window, are decoded in one engine batch, not one each."""
+    engine = FakeEngine()
+    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+
+    async def run_all():
+        busy = asyncio.ensure_future(run_on_torch_thread(time.sleep, 2.0))
+        first = asyncio.ensure_future(engines.generate_groups(KEY, "/adapters/a", [_request(1)]))
+        await asyncio.sleep(6 * engines.BATCH_WINDOW_S)
+        await asyncio.gather(busy, first, engines.generate_groups(KEY, "/adapters/b", [_request(2)]))
+
+    asyncio.run(run_all())
+    assert engine.batches == [[1, 2]]
+
+
 def test_groups_with_other_settings_get_their_own_engine_batch_and_other_adapters_share_one(monkeypatch):
     """Other adapters (a sweep's configs) share a transformers engine batch, as many as the engine
     holds at once (KEY: 4); a multi-turn context or a regex keeps a group to its adapter's batch."""
@@ -556,6 +576,14 @@ def test_identical_groups_on_identical_adapters_decode_once_and_each_caller_gets
     assert on_a[0] is not on_b[0] and on_a[0][0] is not on_b[0][0]  # copies: a caller's change stays its own
     on_a[0][0].completion_ids.append(9)
     assert on_b[0][0].completion_ids == [1]
+
+    # the trainer's own files are no engine's content: the optimizer state holds each config's learning rate
+    for folder, lr in ((a, b"lr=1e-4"), (b, b"lr=5e-3")):
+        (Path(folder) / OPTIMIZER_FILE).write_bytes(lr)
+        (Path(folder) / STATE_FILE).write_text('{"version": 1}')
+    engine.batches.clear()
+    asyncio.run(run_all())
+    assert engine.batches == [[1, 1, 2]]
 
     shutil.rmtree(b)
     _adapter(tmp_path / "b", b"w2")  # a retried train step's folder, replacing an attempt's

@@ -18,8 +18,8 @@ LAYERS = {
     # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math, the
     # allocator's settings); the torch thread; the reward sandbox, the reward functions and the
     # multi-turn environments, each owning its registry of names; the config's dependent defaults
-    "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0,
-    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2, "config_defaults": 2,
+    "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0, "mixed_lora": 0,
+    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2, "config_defaults": 2, "lockstep": 2,
     # 3: TRL's names for options; the report renderer; the LLM judge's prompt, rubric, reply parsing and chunking
     "trl_names": 3, "report_helpers": 3, "judging": 3, "sweep_report": 4,
     # 4: the run's config (it checks reward and environment names with their registries)

@@ -157,8 +157,9 @@ def wide_batch_window(monkeypatch):
 def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_once(tmp_path, tiny_model_dir, monkeypatch, wide_batch_window):
     """Two learning rates, one seed: both configs start from adapters of the same content (at their
     own paths) and sample the same prompts with the same seeds, so the held-out evaluation before
-    training and the first iteration's rollouts are decoded once for both; each config's metrics
-    are exactly its lone run's."""
+    training and the first iteration's rollouts are decoded once for both, and so is the evaluation
+    after an iteration that changed neither adapter; each config's metrics are exactly its lone
+    run's."""
     decoded_rows: list[int] = []
     generate_mixed = engines.HFGenerator.generate_mixed
 
@@ -174,10 +175,50 @@ def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_onc
         decoded_rows.clear()
         assert cli_main([*one_iteration, "--learning-rate", rate, "--run-dir", str(tmp_path / rate)]) == 0
         assert _metrics(tmp_path / "sweep" / f"learning_rate={rate}") == _metrics(tmp_path / rate)
-    # one lone run's rows (2 evaluations of 2 questions, 2 prompts x 3 rollouts), and the other
-    # config's evaluation after training (its adapter differs by then)
+    # one lone run's rows: 2 evaluations of 2 questions, 2 prompts x 3 rollouts
     assert sum(decoded_rows) == 2 + 2 * 3 + 2
-    assert sweep_rows == sum(decoded_rows) + 2
+    # At this size the iteration has no update (no group's rewards differ): both adapters still
+    # hold the same weights after it, their optimizer states differ (the learning rate), so even
+    # the evaluation after training is decoded once for both.
+    configs = [tmp_path / "sweep" / f"learning_rate={rate}" for rate in ("1e-4", "5e-3")]
+    assert all(row.get("num_updates") == 0 for config in configs for row in _metrics(config) if row["iteration"] == 1)
+    first, second = (_weights(config) for config in configs)
+    assert first.keys() == second.keys() and all(first[k].equal(second[k]) for k in first)
+    assert sweep_rows == sum(decoded_rows)
+
+
+def test_a_sweeps_configs_ask_for_each_iterations_rollouts_together(tmp_path, tiny_model_dir, monkeypatch):
+    """One config's bookkeeping after each iteration is slow (its report takes 0.3 s more, six
+    batcher windows): the configs still meet before every iteration's rollouts (grpo_flyte.lockstep),
+    so each iteration's rollouts are one batcher flush holding both configs' groups."""
+    import asyncio
+
+    from grpo_flyte import driver, lockstep
+
+    monkeypatch.setattr(lockstep, "IDLE_GRACE_S", 30.0)  # what is tested here is the meeting, not the grace
+    publish = driver.publish_report
+
+    async def slow_for_one(config, state, *args, **kwargs):
+        if config.train.learning_rate == 5e-3:
+            await asyncio.sleep(0.3)
+        return await publish(config, state, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "publish_report", slow_for_one)
+    flushes: list[set[str]] = []
+    process = engines._process
+
+    async def recorded(calls):
+        if calls[0].request.group_size == 3:  # rollouts (TINY's groups of 3), not the evaluations' questions
+            flushes.append({Path(c.adapter_path).relative_to(tmp_path / "sweep").parts[0] for c in calls})
+        return await process(calls)
+
+    monkeypatch.setattr(engines, "_process", recorded)
+    engines.replica_batcher.cache_clear()  # a batcher whose function is the recording one
+    try:
+        assert cli_main(_args(tiny_model_dir, tmp_path / "sweep", "--sweep", "learning_rate=1e-4,5e-3", iterations=3)) == 0
+    finally:
+        engines.replica_batcher.cache_clear()
+    assert flushes == [{"learning_rate=1e-4", "learning_rate=5e-3"}] * 3
 
 
 def _weights(run_dir: Path) -> dict:

@@ -28,7 +28,7 @@ import logging
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte import observers
+from grpo_flyte import lockstep, observers
 from grpo_flyte.batches import run_iteration
 from grpo_flyte.config import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
@@ -162,8 +162,10 @@ async def _train_rl(
         recent = [*state.recent_adapters, state.adapter]
         ahead = BatchesAhead(guarded(config, state.guard), base_model, dataset, recent, state.in_flight, judge_model)
         ahead.launch(state.iterations_done)  # generation starts now, beside the evaluation before training
+    run = observers.current_run()  # a local sweep's configs meet before each iteration's rollouts (grpo_flyte.lockstep)
     try:
         if eval_due(config, 0) and not any(row.iteration == 0 for row in state.history):
+            await lockstep.meet(run)
             with flyte.group("eval-0"):
                 metrics, answers = await run_eval(config, base_model, state.adapter, held_out, 0)
             row, guard = guarded_row(
@@ -174,6 +176,7 @@ async def _train_rl(
             it = state.iterations_done
             answers = None
             dropped = 0
+            await lockstep.meet(run)
             with flyte.group(f"iter-{it + 1}"):
                 if ahead is None:
                     step_config = guarded(config, state.guard)
@@ -209,6 +212,7 @@ async def _train_rl(
                 row,
                 answers,
             )
+        lockstep.leave(run)
         merged = None
         if config.export_merged:
             with flyte.group("export"):
@@ -221,6 +225,7 @@ async def _train_rl(
         tracker.finish(failed=True)
         raise
     finally:
+        lockstep.leave(run)
         if ahead is not None:
             ahead.cancel()  # batches past the last iteration are never started; a failure leaves none running
     closing = [line for line in (state.guard.stopped, best_summary(state.history)) if line]

@@ -42,18 +42,19 @@ from async_lru import alru_cache
 from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
-from grpo_flyte import episodes, multiturn
+from grpo_flyte import episodes, mixed_lora, multiturn
 from grpo_flyte.config import MAX_BASES, VLLM_MEMORY_BUDGET, EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.decoding import Sampling, sub_seed
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.files import files_of
 from grpo_flyte.models import best_device, cuda_available, set_attention, torch_dtype
 from grpo_flyte.prompts import is_chat, tokenize_prompt
-from grpo_flyte.torch_thread import run_on_torch_thread
-from grpo_flyte.types import Example, Rollout
+from grpo_flyte.torch_thread import run_on_torch_thread, until_idle
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, Rollout
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+TRAINER_FILES = frozenset({OPTIMIZER_FILE, STATE_FILE})  # in an adapter's folder, for the trainer only
 
 # How long the batcher waits for more groups once one arrived (the groups of one iteration arrive
 # within milliseconds of each other), and the most completion rows one engine batch decodes.
@@ -205,6 +206,7 @@ class HFGenerator:
         while len(self.adapters) > self.max_adapters:
             _, old = self.adapters.popitem(last=False)
             self.model.delete_adapter(old)
+        mixed_lora.install(self.model)  # mixed batches in two matmuls a layer; drops stale stacks
 
     def generate_many(self, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
         """One batched decode for several groups sharing an adapter (None: the base model, e.g.
@@ -625,12 +627,14 @@ def _folder_digest(path: str, files: tuple) -> str:
 
 
 def adapter_content(path: str | None) -> str | None:
-    """What identifies an adapter's content: its folder's digest (None: no adapter). A folder that
-    cannot be read is identified by its path: it fails on its own, as it would have."""
+    """What identifies an adapter's content: the digest of its folder's files an engine loads, the
+    trainer's own (`TRAINER_FILES`: the optimizer state holds the config's learning rate) left out
+    (None: no adapter). A folder that cannot be read is identified by its path: it fails on its
+    own, as it would have."""
     if path is None:
         return None
     try:
-        return _folder_digest(path, files_of(path))
+        return _folder_digest(path, tuple(f for f in files_of(path) if f[0] not in TRAINER_FILES))
     except OSError:
         return path
 
@@ -737,6 +741,7 @@ async def replica_batcher() -> DynamicBatcher:
 async def generate_groups(key: EngineKey, adapter_path: str | None, requests: list[SamplingRequest]) -> list[list[Rollout]]:
     """Each request's group of rollouts, through the replica's batcher (so they batch with others')."""
     batcher = await replica_batcher()
+    await until_idle()  # the calls that arrive while the engine's thread works join one batch
     futures = [await batcher.submit(EngineCall(key, adapter_path, r)) for r in requests]
     results = await asyncio.gather(*futures)
     for result in results:

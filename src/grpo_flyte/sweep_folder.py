@@ -6,7 +6,8 @@ every tool that reads a run folder reads it), `sweep.json` (the configs), `sweep
 config's outcome and held-out figures) and `report.html` (the comparison, `grpo_flyte.sweep_report`).
 The configs run as concurrent Flyte local runs on Flyte's one event loop, so their `generate` calls
 meet in the replica's batcher and engine, and their train steps share the loaded base (both are
-per-process caches); configs of another base model (`--sweep model=A,B`) get that base's own
+per-process caches). They meet before each iteration's rollouts (`grpo_flyte.lockstep`), so that
+an iteration's rollouts of every config are one engine batch; configs of another base model (`--sweep model=A,B`) get that base's own
 engine and loaded base, each built once. A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
 continues every config that did not finish, each from its own checkpoint.
 
@@ -34,6 +35,7 @@ from grpo_flyte import observers
 from grpo_flyte.config import PROG, RunConfig
 from grpo_flyte.errors import UserError
 from grpo_flyte.files import leftovers, write_text_atomic
+from grpo_flyte.lockstep import leave, lockstep
 from grpo_flyte.loop_state import LoopState
 from grpo_flyte.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.run_folder import (
@@ -264,7 +266,7 @@ def _run_all(
 
     try:
         # the bars stop (and the terminal is whole again) before any message below
-        with sigterm_stops_like_ctrl_c(), bars_shown(bars):
+        with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()):
             errors = asyncio.run(all_configs())
     except KeyboardInterrupt as exc:
         for stopping in (signal.SIGINT, signal.SIGTERM):
@@ -341,6 +343,7 @@ async def _run_config(
                 )
             ).outputs()[0]
     except Exception as exc:
+        leave(run)  # a run that failed before its loop began: the others stop waiting for it
         board.update(name, status="failed", error=one_line(exc))
         logger.error("failed: %s; the traceback is in %s; the other configs go on", one_line(exc), run_dir / LOG_FILE)
         raise

@@ -43,6 +43,9 @@ def _start() -> None:
 
 
 _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME, initializer=_start)
+_queued = threading.Lock()  # guards the two below
+_unfinished = 0  # calls submitted and not yet finished
+_newest: concurrent.futures.Future | None = None  # the last call submitted
 
 
 def is_torch_thread() -> bool:
@@ -50,8 +53,48 @@ def is_torch_thread() -> bool:
 
 
 def _submit(fn: Callable[..., T], args, kwargs) -> concurrent.futures.Future[T]:
-    # The caller's context variables (Flyte's task context among them) travel with the call.
-    return _executor.submit(contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
+    global _unfinished, _newest
+    with _queued:
+        # The caller's context variables (Flyte's task context among them) travel with the call.
+        future = _executor.submit(contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
+        _unfinished += 1
+        _newest = future
+    future.add_done_callback(_finished)
+    return future
+
+
+def _finished(_future: concurrent.futures.Future) -> None:
+    global _unfinished
+    with _queued:
+        _unfinished -= 1
+
+
+def is_idle() -> bool:
+    """Whether the torch thread has nothing to run (every call submitted to it finished)."""
+    with _queued:
+        return _unfinished == 0
+
+
+async def until_idle() -> None:
+    """Return once the torch thread has finished every call submitted to it, those submitted while
+    waiting included (at once when it is idle). A generate call waits here before it joins the
+    batcher: a decode would wait behind that work anyway, and the calls that arrive meanwhile (a
+    sweep's configs whose train steps ran one after another) then form one engine batch instead
+    of one each."""
+    loop = asyncio.get_running_loop()
+    while True:
+        with _queued:
+            newest = _newest if _unfinished else None
+        if newest is None:
+            return
+        done = loop.create_future()
+        newest.add_done_callback(lambda _, done=done: wake(loop, done))
+        await done
+
+
+def wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future) -> None:
+    """Resolve `waiter` (of event loop `loop`) from any thread, unless it is done already."""
+    loop.call_soon_threadsafe(lambda: waiter.done() or waiter.set_result(None))
 
 
 def on_torch_thread(fn: Callable[..., T], /, *args, **kwargs) -> T:
