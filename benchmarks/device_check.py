@@ -13,8 +13,10 @@ matmuls, its decode loop and its log-probs are those of the real shape.
     python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens, 2 of the 30 layers
 
 Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adapters (random,
-distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names`, what
-`HFGenerator.generate_mixed` runs): tokens/s of each, and how many rows kept their tokens.
+distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names` with
+`grpo_flyte.mixed_lora`'s two matmuls a layer, what `HFGenerator.generate_mixed` runs; and PEFT's
+own mixed batch, each LoRA layer once per adapter): tokens/s of each, and how many rows kept their
+tokens. It decides `engines.mixed_batches_pay` on a GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import grpo, policy, policy_update
+from grpo_flyte import grpo, mixed_lora, policy, policy_update
 from grpo_flyte.config import RunConfig
 from grpo_flyte.decoding import Sampling, decode
 from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
@@ -94,7 +96,10 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
             alone += out
             alone_s += seconds
         every = [name for name in names for _ in rows]
-        mixed, mixed_s = timed(decode, peft, rows * adapters, seeds * adapters, sampling, {2}, 2, None, None, frozenset(), None, every)
+        mixed_args = (peft, rows * adapters, seeds * adapters, sampling, {2}, 2, None, None, frozenset(), None, every)
+        _, peft_mixed_s = timed(decode, *mixed_args)  # PEFT's own: each LoRA layer once per adapter
+        mixed_lora.install(peft)  # what HFGenerator runs: each LoRA layer in two matmuls for all adapters
+        mixed, mixed_s = timed(decode, *mixed_args)
         # The same prompts through one forward, per adapter and mixed: a row gets its own adapter's
         # log-probs (up to the batch's rounding), far from another adapter's.
         inputs = torch.tensor(rows, device=peft.device)
@@ -110,6 +115,7 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
     return {
         "adapters": adapters, "rows_per_adapter": len(rows), "new_tokens": tokens,
         "per_adapter_batches_s": alone_s, "mixed_batch_s": mixed_s, "mixed_over_per_adapter": mixed_s / alone_s,
+        "peft_mixed_batch_s": peft_mixed_s, "peft_mixed_over_per_adapter": peft_mixed_s / alone_s,
         "per_adapter_tokens_per_s": sum(len(ids) for ids, _ in alone) / alone_s, "mixed_tokens_per_s": tokens / mixed_s,
         "rows_with_the_same_tokens": same, "rows": len(mixed),
         "max_logprob_gap_mixed_vs_own_adapter": off_own, "min_logprob_gap_between_adapters": between,
@@ -187,7 +193,8 @@ def check(args: argparse.Namespace, model_dir: Path) -> int:
     print(
         f"  {adapters} adapters x {args.rows} rows: one batch per adapter {mixed['per_adapter_batches_s']:.2f} s "
         f"({mixed['per_adapter_tokens_per_s']:.0f} tokens/s), one mixed batch {mixed['mixed_batch_s']:.2f} s "
-        f"({mixed['mixed_tokens_per_s']:.0f} tokens/s): {mixed['mixed_over_per_adapter']:.2f}x the time; "
+        f"({mixed['mixed_tokens_per_s']:.0f} tokens/s): {mixed['mixed_over_per_adapter']:.2f}x the time "
+        f"(PEFT's own mixed batch: {mixed['peft_mixed_over_per_adapter']:.2f}x); "
         f"{mixed['rows_with_the_same_tokens']} of {mixed['rows']} rows kept their sampled tokens; a row's next-token "
         f"log-probs are {mixed['max_logprob_gap_mixed_vs_own_adapter']:.2g} from its adapter's alone (adapters differ by "
         f"{mixed['min_logprob_gap_between_adapters']:.2g})"

@@ -1,6 +1,7 @@
 """A sweep on one warm pool against the same configs run one after another: wall time, engine batches, loads.
 
-Four configs of the embedded SmolLM2-135M-Instruct that differ in the learning rate only, 5
+Four configs of the embedded SmolLM2-135M-Instruct that differ in the learning rate only (`--vary
+seed`: in the seed only, at the default learning rate: nothing identical to decode once), 5
 iterations each (4 prompts x 4 completions, 32 new tokens, a held-out evaluation of 20 questions
 before and after; `--recipe-size`: the default recipe's 8 x 8, 64 tokens, 50 questions), run on
 this machine in one invocation:
@@ -17,6 +18,7 @@ on both sides (same seed, same batches).
 
     python benchmarks/sweep_throughput.py                  # 4 configs x 5 iterations, ~10 minutes on 2 quiet cores
     python benchmarks/sweep_throughput.py --recipe-size    # the same at the default recipe's size, ~4x longer
+    python benchmarks/sweep_throughput.py --vary seed      # seeds 0-3 instead of learning rates
     python benchmarks/sweep_throughput.py --quick    # 2 configs x 1 tiny iteration (the plumbing)
 """
 
@@ -38,6 +40,7 @@ FULL = {"iterations": 5, "prompts_per_iter": 4, "group_size": 4, "max_new_tokens
 RECIPE = {**FULL, "prompts_per_iter": 8, "group_size": 8, "max_new_tokens": 64, "eval_size": 50}
 QUICK = {"iterations": 1, "prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8, "eval_size": 2}
 LEARNING_RATES = ("1e-4", "2e-4", "3e-4", "5e-4")
+VARIED = {"learning_rate": LEARNING_RATES, "seed": ("0", "1", "2", "3")}  # --vary: the option the configs differ in
 ENGINE_BUILT = "building the hf generator"
 BASE_LOADED = "loading the base model for training"
 TIMINGS = ("_s", "per_s")
@@ -146,30 +149,34 @@ def _compare(alone: Path, swept: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "sweep_throughput.json")
     p.add_argument("--recipe-size", action="store_true", help="the default recipe's batch and completion length")
+    p.add_argument("--vary", choices=sorted(VARIED), default="learning_rate", help="the option the 4 configs differ in")
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else RECIPE if args.recipe_size else FULL
-    rates = LEARNING_RATES[:2] if args.quick else LEARNING_RATES
+    values = VARIED[args.vary][:2] if args.quick else VARIED[args.vary]
+    flag = "--" + args.vary.replace("_", "-")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     base = ["--local", *flags, "--min-informative-groups", "0"]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-bench-"))
-    print(f"{len(rates)} configs x {sizes['iterations']} iterations; work in {root}")
+    print(f"{len(values)} configs x {sizes['iterations']} iterations; work in {root}")
     sequential_s = sequential_cpu_s = 0.0
-    for rate in rates:
-        run_dir = root / "sequential" / f"learning_rate={rate}"
-        s, cpu = _run([*base, "--learning-rate", rate, "--run-dir", str(run_dir)], root / "seq.batches", root / "seq.log")
-        print(f"  sequential  learning_rate={rate}: {s:7.1f} s wall, {cpu:7.1f} s CPU")
+    for value in values:
+        run_dir = root / "sequential" / f"{args.vary}={value}"
+        s, cpu = _run([*base, flag, value, "--run-dir", str(run_dir)], root / "seq.batches", root / "seq.log")
+        print(f"  sequential  {args.vary}={value}: {s:7.1f} s wall, {cpu:7.1f} s CPU")
         sequential_s, sequential_cpu_s = sequential_s + s, sequential_cpu_s + cpu
-    sweep_args = [*base, "--sweep", "learning_rate=" + ",".join(rates), "--run-dir", str(root / "sweep")]
+    sweep_args = [*base, "--sweep", f"{args.vary}=" + ",".join(values), "--run-dir", str(root / "sweep")]
     sweep_s, sweep_cpu_s = _run(sweep_args, root / "sweep.batches", root / "sweep.log")
-    print(f"  sweep       {len(rates)} configs at once: {sweep_s:7.1f} s wall, {sweep_cpu_s:7.1f} s CPU")
+    print(f"  sweep       {len(values)} configs at once: {sweep_s:7.1f} s wall, {sweep_cpu_s:7.1f} s CPU")
     ratio = sweep_s / sequential_s
     cpu_ratio = sweep_cpu_s / sequential_cpu_s
-    same = {rate: _compare(root / "sequential" / f"learning_rate={rate}", root / "sweep" / f"learning_rate={rate}") for rate in rates}
+    names = [f"{args.vary}={value}" for value in values]
+    same = {name: _compare(root / "sequential" / name, root / "sweep" / name) for name in names}
     result = {
         "machine": _common.machine(),
-        "configs": len(rates),
+        "configs": len(values),
         "sizes": sizes,
-        "learning_rates": list(rates),
+        "varied": args.vary,
+        "values": list(values),
         "sequential_s": sequential_s,
         "sweep_s": sweep_s,
         "ratio": ratio,
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['flushes']} batcher flushes held several configs' groups (at most {r['configs_per_flush_max']}); "
             f"{r['engine_batches_mixing_adapters']} engine batches mixed adapters (at most {r['adapters_per_engine_batch_max']})"
         )
-    for rate, c in same.items():
+    for name, c in same.items():
         closeness = (
             ""
             if c["same_metrics"]
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['eval_accuracy_last'][0]} alone, {c['eval_accuracy_last'][1]} in the sweep; mean training reward "
             f"{c['mean_reward'][0]:.3f} alone, {c['mean_reward'][1]:.3f} in the sweep)"
         )
-        print(f"learning_rate={rate}: same metrics as alone: {c['same_metrics']}{closeness}, same adapter: {c['same_adapter']}")
+        print(f"{name}: same metrics as alone: {c['same_metrics']}{closeness}, same adapter: {c['same_adapter']}")
     print(f"sweep / sequential wall time: {ratio:.2f}x ({_common.verdict(ratio, TARGET_RATIO)}); CPU time: {cpu_ratio:.2f}x")
     _common.write_result(_common.out_file(args), result)
     return 0 if ratio <= TARGET_RATIO else 1

@@ -113,5 +113,16 @@ def test_until_idle_waits_for_every_call_on_the_torch_thread_those_queued_meanwh
         assert is_idle() and time.monotonic() - started >= 0.6  # the first's rest, then the second
         await asyncio.gather(first, second)
         await until_idle()  # idle: at once
+        # a thread kept busy by new calls: the waiter gives up after as many rounds as it was given
+        calls = [asyncio.ensure_future(run_on_torch_thread(time.sleep, 0.2))]
+        await asyncio.sleep(0.05)
+        waiter = asyncio.create_task(until_idle(rounds=2))
+        for _ in range(4):
+            await asyncio.sleep(0.1)
+            calls.append(asyncio.ensure_future(run_on_torch_thread(time.sleep, 0.2)))
+            await asyncio.sleep(0)
+        await asyncio.wait_for(waiter, 5)
+        assert not is_idle()
+        await asyncio.gather(*calls)
 
     asyncio.run(scenario())

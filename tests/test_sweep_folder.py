@@ -187,10 +187,10 @@ def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_onc
     assert sweep_rows == sum(decoded_rows)
 
 
-def test_a_sweeps_configs_ask_for_each_iterations_rollouts_together(tmp_path, tiny_model_dir, monkeypatch):
-    """One config's bookkeeping after each iteration is slow (its report takes 0.3 s more, six
-    batcher windows): the configs still meet before every iteration's rollouts (grpo_flyte.lockstep),
-    so each iteration's rollouts are one batcher flush holding both configs' groups."""
+def test_a_sweeps_configs_ask_for_each_iterations_rollouts_and_evaluations_together(tmp_path, tiny_model_dir, monkeypatch):
+    """One config's bookkeeping is slow (1.5 s more after its train step, 0.3 s more after its
+    report: each longer than the batcher's window): the configs still meet before every iteration's rollouts and every held-out
+    evaluation (grpo_flyte.lockstep), so each is one batcher flush holding both configs' groups."""
     import asyncio
 
     from grpo_flyte import driver, lockstep
@@ -204,12 +204,21 @@ def test_a_sweeps_configs_ask_for_each_iterations_rollouts_together(tmp_path, ti
         return await publish(config, state, *args, **kwargs)
 
     monkeypatch.setattr(driver, "publish_report", slow_for_one)
-    flushes: list[set[str]] = []
+    iteration = driver.run_iteration
+
+    async def late_for_one(config, *args, **kwargs):  # between its train step and its evaluation: longer than the other's
+        done = await iteration(config, *args, **kwargs)
+        if config.train.learning_rate == 5e-3:
+            await asyncio.sleep(1.5)
+        return done
+
+    monkeypatch.setattr(driver, "run_iteration", late_for_one)
+    flushes: dict[str, list[set[str]]] = {"rollouts": [], "evaluations": []}
     process = engines._process
 
     async def recorded(calls):
-        if calls[0].request.group_size == 3:  # rollouts (TINY's groups of 3), not the evaluations' questions
-            flushes.append({Path(c.adapter_path).relative_to(tmp_path / "sweep").parts[0] for c in calls})
+        kind = "rollouts" if calls[0].request.group_size == 3 else "evaluations"  # TINY's groups of 3; a question each
+        flushes[kind].append({Path(c.adapter_path).relative_to(tmp_path / "sweep").parts[0] for c in calls})
         return await process(calls)
 
     monkeypatch.setattr(engines, "_process", recorded)
@@ -218,7 +227,10 @@ def test_a_sweeps_configs_ask_for_each_iterations_rollouts_together(tmp_path, ti
         assert cli_main(_args(tiny_model_dir, tmp_path / "sweep", "--sweep", "learning_rate=1e-4,5e-3", iterations=3)) == 0
     finally:
         engines.replica_batcher.cache_clear()
-    assert flushes == [{"learning_rate=1e-4", "learning_rate=5e-3"}] * 3
+    both = {"learning_rate=1e-4", "learning_rate=5e-3"}
+    assert flushes["rollouts"] == [both] * 3
+    evaluations = [row for row in _metrics(tmp_path / "sweep" / "learning_rate=1e-4") if "eval_accuracy" in row]
+    assert flushes["evaluations"] == [both] * len(evaluations) and len(evaluations) == 2  # before training, after the last
 
 
 def _weights(run_dir: Path) -> dict:

@@ -189,6 +189,7 @@ async def _train_rl(
                     train=iteration_metrics(config, scored, result, timings, stale_dropped=dropped),
                 )
                 if eval_due(config, it + 1):
+                    await lockstep.meet(run)  # the configs' evaluations meet too: their questions in one batch
                     metrics, answers = await run_eval(config, base_model, result.adapter, held_out, it + 1)
                     row = row.model_copy(update={"eval": metrics})
             row, guard = guarded_row(row, answers, result.adapter, state.history)

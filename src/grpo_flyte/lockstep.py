@@ -1,4 +1,4 @@
-"""A local sweep's configs ask for each iteration's rollouts together.
+"""A local sweep's configs ask for each iteration's rollouts, and each evaluation, together.
 
 In a local sweep every config runs in one process: one engine and one torch thread
 (`grpo_flyte.torch_thread`) do every config's decoding and train steps, one after another. Left
@@ -7,7 +7,8 @@ after the others' groups left in a batch, so its groups get an engine batch of t
 iteration (`benchmarks/sweep_throughput.py` saw 2 engine batches an iteration instead of 1).
 
 `Lockstep` is the sweep's meeting point. The driver waits at it (`meet`) before each iteration's
-rollouts and before the evaluation before training; the waiters go on together once every config
+rollouts and before each held-out evaluation (the one after an iteration's train step came one
+config at a time otherwise, in pieces of its questions); the waiters go on together once every config
 still running has come, or once the torch thread has been idle for `IDLE_GRACE_S` while they
 waited (then nothing they could share is running: a config busy elsewhere, e.g. scoring slow
 rewards, is left behind for that iteration rather than holding up the others). A config whose

@@ -6,8 +6,8 @@ every tool that reads a run folder reads it), `sweep.json` (the configs), `sweep
 config's outcome and held-out figures) and `report.html` (the comparison, `grpo_flyte.sweep_report`).
 The configs run as concurrent Flyte local runs on Flyte's one event loop, so their `generate` calls
 meet in the replica's batcher and engine, and their train steps share the loaded base (both are
-per-process caches). They meet before each iteration's rollouts (`grpo_flyte.lockstep`), so that
-an iteration's rollouts of every config are one engine batch; configs of another base model (`--sweep model=A,B`) get that base's own
+per-process caches). They meet before each iteration's rollouts and each evaluation
+(`grpo_flyte.lockstep`), so that those of every config are one engine batch; configs of another base model (`--sweep model=A,B`) get that base's own
 engine and loaded base, each built once. A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
 continues every config that did not finish, each from its own checkpoint.
 

@@ -42,6 +42,8 @@ def _start() -> None:
     keep_memory()
 
 
+IDLE_ROUNDS = 8  # `until_idle` waits for at most this many successive newest calls
+
 _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME, initializer=_start)
 _queued = threading.Lock()  # guards the two below
 _unfinished = 0  # calls submitted and not yet finished
@@ -75,14 +77,15 @@ def is_idle() -> bool:
         return _unfinished == 0
 
 
-async def until_idle() -> None:
+async def until_idle(rounds: int = IDLE_ROUNDS) -> None:
     """Return once the torch thread has finished every call submitted to it, those submitted while
-    waiting included (at once when it is idle). A generate call waits here before it joins the
-    batcher: a decode would wait behind that work anyway, and the calls that arrive meanwhile (a
-    sweep's configs whose train steps ran one after another) then form one engine batch instead
-    of one each."""
+    waiting included (at once when it is idle), or after waiting for the newest call `rounds`
+    times (a thread kept busy by ever new calls does not hold the caller forever). A generate call
+    waits here before it joins the batcher: a decode would wait behind that work anyway, and the
+    calls that arrive meanwhile (a sweep's configs whose train steps ran one after another) then
+    form one engine batch instead of one each."""
     loop = asyncio.get_running_loop()
-    while True:
+    for _ in range(rounds):
         with _queued:
             newest = _newest if _unfinished else None
         if newest is None:
