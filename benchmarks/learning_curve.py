@@ -243,8 +243,11 @@ def run_parallel(
     the cores split between them (torch's threads: two processes at a core's worth each beat two
     fighting over both); its console output goes to <folder>/console.log. `done(label, folder,
     wall seconds)` is called as each run ends; `extra_env`: more environment variables for some
-    labels' processes. Returns each label's wall seconds; a run that fails stops the rest."""
-    threads = str(max(1, (os.cpu_count() or 1) // parallel))
+    labels' processes. Returns each label's wall seconds; a run that fails stops the rest. The
+    cores are this process's torch threads (OMP_NUM_THREADS where set: a test worker's share of
+    the CPUs), else all of them."""
+    own = os.environ.get("OMP_NUM_THREADS", "")
+    threads = str(max(1, (int(own) if own.isdigit() else os.cpu_count() or 1) // parallel))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     pending, running, walls = list(jobs), {}, {}
     try:
@@ -261,7 +264,7 @@ def run_parallel(
                 )
                 running[label] = (proc, log, time.perf_counter(), folder)
                 print(f"{label}: started ({folder / 'console.log'})", flush=True)
-            time.sleep(2)
+            time.sleep(0.2)
             for label, (proc, log, started, folder) in list(running.items()):
                 if proc.poll() is None:
                     continue

@@ -17,7 +17,7 @@ Tokens per second count the real (unpadded) prompt + completion tokens, the same
 so the ratio is bare seconds / grpo seconds. Prints the median of the per-round ratios.
 
     python benchmarks/train_step.py            # 5 rounds, ~4 minutes on a 2-core CPU
-    python benchmarks/train_step.py --quick    # 2 x 4 rollouts, 1 round
+    python benchmarks/train_step.py --quick    # 2 x 4 rollouts, 1 round, no warm-up
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             s = time.perf_counter() - started
             return {"s": s, "tokens_per_s": tokens / s, "loss": loss, "note": f"{tokens / s:.0f} tokens/s"}
 
-        print("warm-up: one step of each side (excluded)")
-        grpo_side(), bare_side()
+        if not args.quick:  # --quick: the plumbing, which the timed round runs all of
+            print("warm-up: one step of each side (excluded)")
+            grpo_side(), bare_side()
         print(f"{rounds} rounds, order rotating")
         runs = _common.alternate({"grpo_step": grpo_side, "bare": bare_side, "train path": train_path_side}, rounds)
     finally:

@@ -22,7 +22,7 @@ Sides, run alternately, each step timed from its start to its optimizer step:
   candidates): bfloat16 weights, no gradient checkpointing.
 
     python benchmarks/vs_trl.py                # 3 steps per side after a warm-up, ~10 minutes
-    python benchmarks/vs_trl.py --quick        # 2 prompts x 2, 16 tokens, 1 step
+    python benchmarks/vs_trl.py --quick        # 2 prompts x 2, 16 tokens, 1 step, no warm-up
     python benchmarks/vs_trl.py --explore      # time TRL's candidate settings, one step each
 """
 
@@ -270,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_default_side:
             trl_default, default_timer = on_torch_thread(build_trl, config, model_dir, root / "trl-default", {}, fixed)
             sides["trl default"] = lambda: on_torch_thread(trl_step, trl_default, default_timer)
-        print("warm-up: one step per side (excluded)")
-        for name, side in sides.items():
-            print(f"  {name:<12} {side()['s']:.1f} s")
+        if not args.quick:  # --quick: the plumbing, which the timed step runs all of
+            print("warm-up: one step per side (excluded)")
+            for name, side in sides.items():
+                print(f"  {name:<12} {side()['s']:.1f} s")
         print(f"{steps} timed steps per side, order rotating")
         runs = _common.alternate(sides, steps)
     finally:

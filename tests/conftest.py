@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-import warm_python
+
+
+def _share_the_cpus() -> None:
+    """Under pytest-xdist (`-n 2` in pyproject.toml) each worker process runs its tests beside the
+    others': torch in each, and in every process a test starts (warm pythons, drills, pods: they
+    inherit this environment), gets the CPUs divided among the workers. Set before anything
+    imports torch, which reads it once. Two processes of 2 OpenMP threads on 2 cores wait on each
+    other's spinning threads many times over. An OMP_NUM_THREADS of the caller's is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set by xdist in each worker
+    if workers:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // workers)))
+
+
+_share_the_cpus()
+
+import warm_python  # noqa: E402 (imports no torch, but after the setting all the same)
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +47,32 @@ def jsonl_dataset(tmp_path) -> Path:
     path = tmp_path / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# The modules whose tests one pytest-xdist worker runs together, and why; every other test goes to
+# whichever worker is free (`--dist loadgroup` in pyproject.toml).
+ONE_WORKER = {
+    "test_vllm_contract.py": "two vLLM engines (module fixtures, 40 s and GBs of memory each; vLLM refuses to start "
+    "when too little memory is free): each built once, and never two at once",
+    "test_pod_rehearsal.py": "the submission, the image and the first adapter (module fixtures, a fresh process each) made once",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with ONE_WORKER's modules as its groups. pytest-xdist's own grouping
+    (`xdist_group` marks) groups nothing on pytest 9.2: it renames the tests' node ids, which
+    pytest 9.2 no longer lets it do (pytest-xdist#1386)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ByModuleOrTest(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in ONE_WORKER else super()._split_scope(nodeid)
+
+    return ByModuleOrTest(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -273,6 +273,8 @@ def pod_environment(bin_dir: Path, home: Path, spec_env: dict[str, str], metadat
         "_U_EP_OVERRIDE": "localhost:1",  # no backend: a leaf task must never need one
         # this "node" has no GPU: the GPU pools' CUDA requirement is tested in test_rollout.py
         "GRPO_FLYTE_REQUIRE_CUDA": "0",
+        # and only the CPUs the tests' process has: its share where pytest-xdist divides them (tests/conftest.py)
+        **{k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ},
     }
 
 

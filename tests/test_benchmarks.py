@@ -4,6 +4,7 @@ adapter), and every one of them runs in its quick mode."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,9 +61,11 @@ def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
     """Each benchmark's plumbing, from this checkout, on every change: a benchmark whose code drifted
     from the package's (a task's signature changed) fails here, not in front of a reader. A quick
     run may miss its speed target (exit 1, said in its output); it may not crash. Each runs as
-    `python SCRIPT --quick` in a process of its own (a warm one: tests/warm_python.py)."""
+    `python SCRIPT --quick` in a process of its own (a warm one: tests/warm_python.py), its
+    temporary folders under the test's (TMPDIR), which pytest removes in time."""
     out = tmp_path / f"{script.stem}.json"
-    done = warm_python.run([script, "--quick", "--out", out], cwd=script.parent, timeout=900)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = warm_python.run([script, "--quick", "--out", out], cwd=script.parent, env=env, timeout=900)
     assert "Traceback" not in done.stderr + done.stdout, (done.stdout + done.stderr)[-4000:]
     assert done.returncode in (0, 1) and out.is_file(), (done.returncode, (done.stdout + done.stderr)[-4000:])
     assert isinstance(json.loads(out.read_text()), dict)

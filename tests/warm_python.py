@@ -193,6 +193,7 @@ def _child(request: dict, base: list[str]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # found again from the command's TMPDIR, as a fresh interpreter does
     argv = request["argv"]
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
     if argv[0] == "-m":  # sys.path[0] as the interpreter sets it: the working directory, '' or the script's folder
