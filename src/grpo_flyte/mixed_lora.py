@@ -118,7 +118,8 @@ def install(model) -> int:
     layers = lora_linears(model)
     for layer in layers:
         layer._mixed_batch_forward = types.MethodType(_mixed_batch_forward, layer)
-    forget(model)
+        layer.__dict__.pop("_grpo_flyte_stacks", None)  # what `forget` drops, in the same walk
+    _selections.clear()
     return len(layers)
 
 
