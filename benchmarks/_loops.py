@@ -15,13 +15,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte import engines, policy, policy_update
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
-from grpo_flyte.decoding import sub_seed as rollout_seed
-from grpo_flyte.metrics import informative_group
-from grpo_flyte.models import resolve_dtype
-from grpo_flyte.prompts import tokenize_prompt
+from grpo_flyte.engine import engines
+from grpo_flyte.engine.decoding import sub_seed as rollout_seed
+from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.learning import policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.loop.metrics import informative_group
+from grpo_flyte.models.base import resolve_dtype
 from grpo_flyte.reward import score
 from grpo_flyte.types import RolloutGroup, ScoredGroup, StepStats
 

@@ -32,12 +32,14 @@ from pathlib import Path
 import _common
 from flyte.io import Dir
 
-from grpo_flyte import engines, policy, rollout
-from grpo_flyte.config import RunConfig
+from grpo_flyte import rollout
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.data import arithmetic_split
-from grpo_flyte.models import embedded_model_dir, resolve_dtype
-from grpo_flyte.prompts import tokenize_prompt
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.engine import engines
+from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.learning import policy
+from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.runtime.torch_thread import on_torch_thread
 from grpo_flyte.types import AdapterRef
 
 TARGET_S = 1.0
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Adapter dirs as init_adapter writes them (fresh seeded LoRA weights; the generator reads
         # only the weights, never the trainer's AdamW state).
-        # Every torch call goes through the thread the generate task uses (grpo_flyte.torch_thread):
+        # Every torch call goes through the thread the generate task uses (grpo_flyte.runtime.torch_thread):
         # torch driven from two threads is slower on both.
         def make_adapter(k: int) -> str:
             train_model = policy.peft_model(config.base, config.lora, model_path)

@@ -14,7 +14,7 @@ matmuls, its decode loop and its log-probs are those of the real shape.
 
 Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adapters (random,
 distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names` with
-`grpo_flyte.mixed_lora`'s two matmuls a layer, what `HFGenerator.generate_mixed` runs; and PEFT's
+`grpo_flyte.engine.mixed_lora`'s two matmuls a layer, what `HFGenerator.generate_mixed` runs; and PEFT's
 own mixed batch, each LoRA layer once per adapter): tokens/s of each, and how many rows kept their
 tokens. It decides `engines.mixed_batches_pay` on a GPU.
 """
@@ -30,10 +30,12 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import grpo, mixed_lora, policy, policy_update
-from grpo_flyte.config import RunConfig
-from grpo_flyte.decoding import Sampling, decode
-from grpo_flyte.models import best_device, resolve_dtype, torch_dtype
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.engine import mixed_lora
+from grpo_flyte.engine.decoding import Sampling, decode
+from grpo_flyte.learning import grpo, policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.models.base import best_device, resolve_dtype, torch_dtype
 
 
 def random_smollm2(out: Path, layers: int = 30) -> Path:

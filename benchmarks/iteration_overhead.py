@@ -30,10 +30,10 @@ from pathlib import Path
 import _common
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
-from grpo_flyte import policy_update
-from grpo_flyte.config import RunConfig
-from grpo_flyte.models import embedded_model_dir, resolve_dtype
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 TARGET = 1.05
 
@@ -42,7 +42,7 @@ def record_grpo_steps() -> list[dict]:
     """Wrap policy_update.grpo_step (both sides call it) to record each call's seconds and the process's
     minor page faults during it: the gap between the sides was in this step, ~590,000 faults a step
     inside the Flyte task until the torch thread kept its memory (docs/measurements.md, "Iteration
-    overhead"; grpo_flyte/allocator.py); both sides now fault about equally."""
+    overhead"; grpo_flyte/runtime/allocator.py); both sides now fault about equally."""
     calls: list[dict] = []
     original = policy_update.grpo_step
 

@@ -43,11 +43,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config_files import flatten
-from grpo_flyte.metrics import mean_ci95
-from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
-from grpo_flyte.sweep_folder import OUTCOMES_FILE, SWEEP_FILE, is_sweep_dir
+from grpo_flyte.config.files import flatten
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
+from grpo_flyte.launch.sweep_folder import OUTCOMES_FILE, SWEEP_FILE, is_sweep_dir
+from grpo_flyte.loop.metrics import mean_ci95
 
 ITERATIONS = 20
 EVAL_EVERY = 5

@@ -59,7 +59,8 @@ def _status(field: str) -> int:
 
 def _before() -> None:
     """main's behaviour before issue 40: eager-style attention everywhere, one-pass prefill, no automatic checkpointing."""
-    from grpo_flyte import decoding, policy_update
+    from grpo_flyte.engine import decoding
+    from grpo_flyte.learning import update as policy_update
 
     decoding.GROUPED_SCORES_LIMIT = float("inf")
     decoding.PREFILL_CHUNK_TOKENS = 2**40
@@ -68,9 +69,11 @@ def _before() -> None:
 
 def measure(case: str, side: str, num: int) -> dict:
     """One case in this process: the peak bytes above the loaded model's resident memory."""
-    from grpo_flyte import engines, grpo, policy, policy_update
-    from grpo_flyte.config import RunConfig
-    from grpo_flyte.models import embedded_model_dir
+    from grpo_flyte.config.schema import RunConfig
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import grpo, policy
+    from grpo_flyte.learning import update as policy_update
+    from grpo_flyte.models.base import embedded_model_dir
 
     if side == "before":
         _before()

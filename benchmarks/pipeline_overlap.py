@@ -30,8 +30,8 @@ from pathlib import Path
 import _common
 from _stand_ins import StandIns, run_loop
 
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.launch.cli import main as cli_main
 
 TARGET = 1.6
 

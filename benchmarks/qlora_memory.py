@@ -35,9 +35,10 @@ import time
 
 import _common
 
-from grpo_flyte import grpo, policy, policy_update
-from grpo_flyte.config import RunConfig
-from grpo_flyte.models import embedded_model_dir, resolve_dtype
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.learning import grpo, policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
 
 TARGET = 3.0
 EMBEDDINGS = "4-bit+embeddings"  # --load-in-4bit --embeddings-in-4bit
@@ -73,7 +74,7 @@ def base_mismatch(models: dict, config: RunConfig, model_path: str, num: int) ->
     from transformers import AutoTokenizer
 
     from grpo_flyte.data import train_eval_split
-    from grpo_flyte.prompts import tokenize_prompt
+    from grpo_flyte.engine.prompts import tokenize_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     _, held_out = train_eval_split(config.model_copy(update={"evaluation": config.evaluation.model_copy(update={"eval_size": num})}))

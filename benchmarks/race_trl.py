@@ -52,11 +52,11 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_args, trl_reward, trl_rows
 
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.data import train_eval_split
-from grpo_flyte.metrics import mean_ci95
-from grpo_flyte.models import embedded_model_dir, fast_bfloat16, resolve_dtype
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.loop.metrics import mean_ci95
+from grpo_flyte.models.base import embedded_model_dir, fast_bfloat16, resolve_dtype
+from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 POLL_S = 0.5
 EVAL_SIZE = 200
@@ -182,8 +182,8 @@ def trl_side(config: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
 
 def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tuple[float, bool]]]:
     """(reward, correct) per held-out question for each adapter, greedily, by one evaluator."""
-    from grpo_flyte import engines
-    from grpo_flyte.prompts import tokenize_prompt
+    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.prompts import tokenize_prompt
     from grpo_flyte.reward_fns import Group, score_completions
 
     _, held_out = train_eval_split(config)
@@ -213,7 +213,7 @@ def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tupl
 
 def untrained_adapter(config: RunConfig, out: Path) -> str:
     """The adapter both sides start from in effect (LoRA B = 0: the base model's answers)."""
-    from grpo_flyte import policy
+    from grpo_flyte.learning import policy
 
     model = policy.peft_model(config.base, config.lora, str(embedded_model_dir()))
     policy.reset_lora(model, config.seed)

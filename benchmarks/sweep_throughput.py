@@ -48,8 +48,8 @@ TIMINGS = ("_s", "per_s")
 
 def child(batches_file: str, cli_args: list[str]) -> int:
     """One side's process: the command line, with every batcher flush and engine batch recorded."""
-    from grpo_flyte import engines
-    from grpo_flyte.cli import main
+    from grpo_flyte.engine import engines
+    from grpo_flyte.launch.cli import main
 
     process, decode, decode_mixed = engines._process, engines._decode, engines._decode_mixed
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from learning_curve import read_jsonl, summarize, timing_line
 
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.metrics import mean_ci95
-from grpo_flyte.run_folder import EVAL_DIR, METRICS_FILE
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
+from grpo_flyte.loop.metrics import mean_ci95
 
 # The budget: fits the 30 minutes on this 2-core CPU with room to spare (see the JSON).
 ITERATIONS = 6

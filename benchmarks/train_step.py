@@ -31,12 +31,14 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte import engines, grpo, policy, policy_update
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
-from grpo_flyte.decoding import sub_seed as rollout_seed
-from grpo_flyte.models import embedded_model_dir, resolve_dtype
-from grpo_flyte.prompts import tokenize_prompt
+from grpo_flyte.engine import engines
+from grpo_flyte.engine.decoding import sub_seed as rollout_seed
+from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.learning import grpo, policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
 
 TARGET = 0.9
 

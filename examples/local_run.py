@@ -12,9 +12,9 @@ from pathlib import Path
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.driver import train_rl
-from grpo_flyte.models import embedded_model_dir
+from grpo_flyte.models.base import embedded_model_dir
 
 if __name__ == "__main__":
     raw = Path("runs/example").resolve()
@@ -26,6 +26,6 @@ if __name__ == "__main__":
     for row in result.history:
         print(row.flat())
     print(f"final adapter v{result.adapter.version}: {result.adapter.dir.path}")
-    if result.best is not None:  # the best by the held-out evaluations (grpo_flyte.guard)
+    if result.best is not None:  # the best by the held-out evaluations (grpo_flyte.loop.guard)
         print(f"best adapter v{result.best.version}: {result.best.dir.path}")
     print(f"report: {Path(result.report.path) / 'report.html'}")

@@ -17,7 +17,10 @@ import os
 import signal
 import sys
 
-from grpo_flyte import cli, engines, policy, policy_update
+from grpo_flyte.engine import engines
+from grpo_flyte.launch import cli
+from grpo_flyte.learning import policy
+from grpo_flyte.learning import update as policy_update
 
 point, nth, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 seen = 0

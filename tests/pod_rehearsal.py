@@ -3,7 +3,7 @@
 Three parts, each done by Flyte's own code (flyte 2.12.1):
 
 1. **The submission** (`submit`, run as a script in a fresh process): the CLI's cluster path
-   (`grpo_flyte.cli.main`, `grpo_flyte.submit`) runs as an offline remote dry run. Only what needs a cluster is replaced:
+   (`grpo_flyte.launch.cli.main`, `grpo_flyte.launch.submit`) runs as an offline remote dry run. Only what needs a cluster is replaced:
    the config check (`require_cluster`), the connection (`flyte.init_from_config` becomes
    `flyte.init` with the CLI's own `root_dir`), the base model upload, and the submission itself
    (`flyte.with_runcontext(mode="remote", dry_run=True, ...)` with the CLI's `copy_style`). Flyte's
@@ -117,7 +117,8 @@ def submit(out: Path, model: str, rewards: str) -> None:
     from flyte.io import Dir
     from flyte.models import SerializationContext
 
-    from grpo_flyte import cli, envs, submit
+    from grpo_flyte import envs
+    from grpo_flyte.launch import cli, submit
 
     roots: list[Path] = []
     submitted: list[Any] = []
@@ -415,7 +416,9 @@ def serve_replica(tgz: str, version: str, dest: str) -> None:
 async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
     """What the replica's process holds between actions: the models its engine cache and trainer
     built, its batcher's counts, and every cache with its bound."""
-    from grpo_flyte import engines, policy, rollout, trainer
+    from grpo_flyte import rollout, trainer
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import policy
 
     def cache(c: Any) -> dict[str, int]:
         on_disk = sum(1 for p in c.root.iterdir() if p.is_dir()) if c.root.exists() else 0

@@ -1,4 +1,4 @@
-"""grpo_flyte.allocator: the torch thread keeps the memory its steps reuse.
+"""grpo_flyte.runtime.allocator: the torch thread keeps the memory its steps reuse.
 
 What it changes is seen here by its mechanism (where upb's malloc_trim calls land, which settings are
 made); its effect, minor page faults per train step, is a measurement (docs/measurements.md,
@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from grpo_flyte import allocator
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.runtime import allocator
+from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 libc = allocator._libc()
 needs_glibc = pytest.mark.skipif(libc is None, reason="glibc's malloc only")
@@ -87,8 +87,8 @@ def test_a_fresh_process_with_the_torch_thread_never_calls_glibcs_malloc_trim(tm
             """
             import ctypes
             from google.protobuf import struct_pb2
-            from grpo_flyte import allocator
-            from grpo_flyte.torch_thread import on_torch_thread
+            from grpo_flyte.runtime import allocator
+            from grpo_flyte.runtime.torch_thread import on_torch_thread
 
             libc = ctypes.CDLL(None)
             for _ in range(12_000):  # one trim: the lazily bound slot now holds glibc's malloc_trim

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
 from grpo_flyte import reward
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 
 # A random tiny model never answers right; this reward still differs within groups.
 LENGTH_REWARD = "def by_length(completions, **kwargs):\n    return [(len(c) % 3) / 2 for c in completions]\n"
@@ -125,7 +125,8 @@ def test_learning_curve_runs_its_seeds_as_one_sweep_and_reads_each_seeds_figures
     again reads the finished sweep and runs nothing; another set of seeds there is refused."""
     import learning_curve
 
-    from grpo_flyte import engines, policy
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import policy
 
     engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
     policy.release_models()

@@ -13,11 +13,11 @@ import pytest
 import warm_python
 
 import grpo_flyte
-from grpo_flyte.cli import parse_args, user_message
-from grpo_flyte.config import RunConfig, leaf_fields
-from grpo_flyte.config_errors import make_config
+from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.schema import RunConfig, leaf_fields
+from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.errors import ConfigError, UserError
-from grpo_flyte.prompts import tokenize_prompt
+from grpo_flyte.launch.cli import parse_args, user_message
 
 # --------------------------------------------------------------------------- parse_args
 
@@ -485,7 +485,7 @@ def test_bad_input_exits_2_with_one_line(bad_input_results, case_id, argv, setup
 
 
 def _main_in(tmp_path, monkeypatch, capsys, argv, setup):
-    from grpo_flyte.cli import main
+    from grpo_flyte.launch.cli import main
 
     if setup:
         setup(tmp_path)
@@ -530,9 +530,9 @@ def test_resume_with_invalid_saved_config_is_a_user_error(tmp_path, monkeypatch,
 
 def test_library_error_names_the_field_and_the_cli_names_the_flag(tmp_path, monkeypatch, capsys):
     # The library speaks in config fields (a Python API user sets `dataset`), the CLI in flags.
-    from grpo_flyte.cli import user_message
     from grpo_flyte.data import load_file
     from grpo_flyte.errors import DatasetError, GrpoFlyteError
+    from grpo_flyte.launch.cli import user_message
 
     with pytest.raises(DatasetError) as info:
         load_file(tmp_path / "missing.jsonl")
@@ -555,7 +555,7 @@ def test_library_error_names_the_field_and_the_cli_names_the_flag(tmp_path, monk
 def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_training_here(tmp_path, monkeypatch, capsys):
     import flyte
 
-    from grpo_flyte import cli
+    from grpo_flyte.launch import cli
 
     for var in ("FLYTECTL_CONFIG", "UCTL_CONFIG"):
         monkeypatch.delenv(var, raising=False)
@@ -572,7 +572,7 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
     (tmp_path / ".flyte").mkdir()
     (tmp_path / ".flyte" / "config.yaml").write_text("admin:\n  endpoint: dns:///example.union.ai\n")
     check = subprocess.run(
-        [sys.executable, "-c", "from grpo_flyte.submit import require_cluster; require_cluster()"],
+        [sys.executable, "-c", "from grpo_flyte.launch.submit import require_cluster; require_cluster()"],
         cwd=tmp_path,
         env={**os.environ, "HOME": str(tmp_path)},
         capture_output=True,
@@ -584,7 +584,9 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
 
 @pytest.mark.parametrize("case", ["run_dir_under_a_file", "read_only_run_dir", "cache_is_a_file"])
 def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, case):
-    from grpo_flyte import cli, files, models
+    from grpo_flyte.launch import cli
+    from grpo_flyte.models import base as models
+    from grpo_flyte.runtime import files
 
     monkeypatch.setattr(models, "resolve_local_model", lambda model: pytest.fail("no work may start"))
     args = ["--local", "--iterations", "1", "--eval-size", "2"]
@@ -621,7 +623,7 @@ def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, ca
     ],
 )
 def test_resume_run_refuses_what_it_cannot_honour(args, expected, monkeypatch, capsys):
-    from grpo_flyte import cli, submit
+    from grpo_flyte.launch import cli, submit
 
     monkeypatch.setattr(submit, "_connect", lambda: pytest.fail("nothing may be submitted"))
     assert cli.main(args) == 2
@@ -640,7 +642,7 @@ class _Runner:
 
 
 def test_resume_run_reruns_the_named_run_with_recovery(monkeypatch, capsys):
-    from grpo_flyte import cli, submit
+    from grpo_flyte.launch import cli, submit
 
     runner = _Runner()
     monkeypatch.setattr(submit, "_connect", lambda: runner)
@@ -657,7 +659,7 @@ def test_resume_run_reruns_the_named_run_with_recovery(monkeypatch, capsys):
 def test_ctrl_c_before_a_run_starts_or_during_a_submission_is_one_line_and_130(monkeypatch, capsys):
     """A started local run says what it kept (tests/test_run_folder.py); before that, and while a
     cluster run is submitted, Ctrl-C is one line too, not a traceback."""
-    from grpo_flyte import cli
+    from grpo_flyte.launch import cli
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -675,8 +677,10 @@ def test_a_large_file_dataset_reaches_the_driver_as_a_folder(tmp_path, tiny_mode
     import flyte
     from flyte.io import Dir
 
-    from grpo_flyte import driver, storage, submit
-    from grpo_flyte.storage import payload_key
+    from grpo_flyte import driver
+    from grpo_flyte.launch import submit
+    from grpo_flyte.runtime import storage
+    from grpo_flyte.runtime.storage import payload_key
     from grpo_flyte.types import Example
 
     rows = [Example(question=f"What is {i} + 1?", answer=str(i + 1)) for i in range(12)]
@@ -715,7 +719,7 @@ def test_flags_take_underscores_and_trl_names():
 
 @pytest.mark.parametrize("arg", ["--num-iterations", "--num_iterations"])
 def test_num_iterations_is_refused_with_both_meanings(arg, capsys):
-    from grpo_flyte import cli
+    from grpo_flyte.launch import cli
 
     assert cli.main([arg, "2", "--local"]) == 2
     err = capsys.readouterr().err
@@ -723,7 +727,7 @@ def test_num_iterations_is_refused_with_both_meanings(arg, capsys):
 
 
 def test_a_run_folder_saved_before_the_rename_resumes_with_its_length():
-    from grpo_flyte.run_folder import saved_run_config
+    from grpo_flyte.launch.run_folder import saved_run_config
 
     old = RunConfig(iterations=7).model_dump(mode="json")
     old["num_iterations"] = old.pop("iterations")
@@ -749,7 +753,8 @@ def test_help_speaks_in_words_with_one_default_per_flag():
 
 
 def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from grpo_flyte import cli, models, run_folder
+    from grpo_flyte.launch import cli, run_folder
+    from grpo_flyte.models import base as models
 
     args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
     monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
@@ -765,7 +770,7 @@ def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_
 
 
 def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_dir):
-    from grpo_flyte import policy
+    from grpo_flyte.learning import policy
 
     config = RunConfig(model=str(tiny_model_dir), dtype="float32", lora_target_modules=("all-linear",))
     model = policy.peft_model(config.base, config.lora, str(tiny_model_dir))
@@ -775,7 +780,7 @@ def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_di
 
 
 def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
-    from grpo_flyte import cli, run_folder
+    from grpo_flyte.launch import cli, run_folder
 
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
@@ -814,7 +819,7 @@ import json, sys
 from pathlib import Path
 import flyte
 from flyte.io import Dir
-from grpo_flyte import cli, submit
+from grpo_flyte.launch import cli, submit
 
 flyte.init(root_dir=Path(sys.argv[1]))
 submitted = []
@@ -867,7 +872,7 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
 
 
 def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, capsys):
-    from grpo_flyte import cli, preflight, submit
+    from grpo_flyte.launch import cli, preflight, submit
 
     monkeypatch.setattr(preflight, "_installed", lambda module: module != "flyteplugins.wandb")
     monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
@@ -938,7 +943,8 @@ def test_train_gpus_or_nodes_the_plugin_cannot_run_are_one_line_before_submittin
     ],
 )
 def test_cluster_train_processes_are_checked_before_submitting(monkeypatch, capsys, argv, gpu, words):
-    from grpo_flyte import cli, envs, submit
+    from grpo_flyte import envs
+    from grpo_flyte.launch import cli, submit
 
     monkeypatch.setattr(envs.settings, "train_gpu", gpu)
     monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))

@@ -10,9 +10,9 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from grpo_flyte.config import RunConfig, leaf_fields
-from grpo_flyte.config_errors import make_config
-from grpo_flyte.config_files import flatten, load_config_file
+from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.files import flatten, load_config_file
+from grpo_flyte.config.schema import RunConfig, leaf_fields
 from grpo_flyte.errors import ConfigError, flag
 
 
@@ -30,7 +30,7 @@ def test_defaults_are_valid():
 def test_auto_dtype_is_bfloat16_only_where_bfloat16_matmuls_are_fast(monkeypatch):
     import torch
 
-    from grpo_flyte import models
+    from grpo_flyte.models import base as models
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # e.g. an AVX2-only CPU
@@ -297,7 +297,7 @@ def test_flat_and_nested_construction_give_equal_configs():
 
 
 def test_flat_yaml_nested_yaml_and_flags_set_the_same_nested_field(tmp_path):
-    from grpo_flyte.cli import parse_args
+    from grpo_flyte.launch.cli import parse_args
 
     flat_file = tmp_path / "flat.yaml"
     flat_file.write_text("group_size: 4\nlearning_rate: 0.01\n")
@@ -341,7 +341,7 @@ def test_validation_error_inside_a_part_names_the_flag():
 
 
 def test_validation_error_in_a_nested_config_file_names_the_flag(tmp_path):
-    from grpo_flyte.cli import parse_args
+    from grpo_flyte.launch.cli import parse_args
 
     p = tmp_path / "nested.yaml"
     p.write_text("sampling:\n  group_size: 1\n")
@@ -374,7 +374,7 @@ def _scored_group(rewards: list[float]):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
 def test_scale_rewards_is_independent_of_loss_type(loss_type):
-    from grpo_flyte.policy_update import build_sequences
+    from grpo_flyte.learning.update import build_sequences
 
     scored = [_scored_group([0.0, 1.0, 1.0, 3.0])]
     # by hand: mean = 5/4 = 1.25; centred = -1.25, -0.25, -0.25, 1.75;
@@ -420,7 +420,7 @@ def test_an_unrelated_field_leaves_the_other_parts_unchanged():
 def test_the_bigger_model_flags_leave_generates_inputs_unchanged(change):
     """--load-in-4bit and --train-processes are the train pool's: generate's parts (and so its
     Flyte cache key) stay the same; the generate pool keeps the 16-bit base."""
-    from grpo_flyte.batches import generate_parts
+    from grpo_flyte.loop.batches import generate_parts
 
     before, after = make_config(), make_config(**change)
     old, new = generate_parts(before), generate_parts(after)

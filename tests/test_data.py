@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.config import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
+from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
 from grpo_flyte.data import (
     ARITHMETIC_EVAL_SIZE,
     DatasetError,
@@ -29,7 +29,7 @@ from grpo_flyte.data import (
     topup_prompts,
     train_eval_split,
 )
-from grpo_flyte.prompts import PLAIN_TEMPLATE, render_prompt
+from grpo_flyte.engine.prompts import PLAIN_TEMPLATE, render_prompt
 
 _QUESTION = re.compile(r"What is (\d+) ([+\-*]) (\d+)\?")
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_flyte.decoding import PrefixCache, Sampling, choose_tokens, decode, kv_bytes, row_stream
+from grpo_flyte.engine.decoding import PrefixCache, Sampling, choose_tokens, decode, kv_bytes, row_stream
 
 P = [0.1, 0.2, 0.7]
 
@@ -234,7 +234,7 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
 def test_grouped_attention_is_eager_attention_without_the_repeated_cache():
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from grpo_flyte.decoding import grouped_attention
+    from grpo_flyte.engine.decoding import grouped_attention
 
     class Module:
         num_key_value_groups, training = 3, False
@@ -258,7 +258,7 @@ def test_grouped_attention_takes_sdpas_masks_and_hands_long_calls_to_the_fused_k
     through torch's fused kernel, which never holds them. Eager attention's numbers either way."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from grpo_flyte import decoding
+    from grpo_flyte.engine import decoding
 
     class Module:
         num_key_value_groups, training, is_causal = 3, False, True
@@ -287,7 +287,7 @@ def test_grouped_attention_takes_sdpas_masks_and_hands_long_calls_to_the_fused_k
 def _grouped(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.decoding import register_grouped_attention
+    from grpo_flyte.engine.decoding import register_grouped_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
     model.set_attn_implementation(register_grouped_attention())
@@ -297,7 +297,7 @@ def _grouped(tiny_model_dir):
 def test_a_long_context_is_prefilled_in_chunks_with_the_rows_of_one_pass(tiny_model_dir, monkeypatch):
     """A prefill's activations and mask are a chunk's, whatever the context's length; the rows
     are those of one pass."""
-    from grpo_flyte import decoding
+    from grpo_flyte.engine import decoding
 
     model = _grouped(tiny_model_dir)
     sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=5)
@@ -317,7 +317,7 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
     GROUPED_SCORES_LIMIT a row, and every mask torch's fused kernel is given is at most a prefill
     chunk's queries by the context's keys; the one-pass prefill's would be 4 x 2,400 x 2,400 (a
     7,000-token reply on the embedded model: 9 x 7,000 x 7,000 a layer, ~3.5 GB with its float32 softmax)."""
-    from grpo_flyte import decoding
+    from grpo_flyte.engine import decoding
 
     model = _grouped(tiny_model_dir)
     context = [1 + (7 * i) % 500 for i in range(2400)]
@@ -343,7 +343,7 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
 def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.decoding import register_grouped_attention
+    from grpo_flyte.engine.decoding import register_grouped_attention
 
     sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=6)
     group = [PROMPTS[0]] * 2 + PROMPTS[1:]  # rows of three lengths, two sharing a context
@@ -361,8 +361,9 @@ def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
 
 
 def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
-    from grpo_flyte import engines, models
-    from grpo_flyte.decoding import GROUPED_ATTENTION
+    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.decoding import GROUPED_ATTENTION
+    from grpo_flyte.models import base as models
 
     assert models.attention_for("cpu", plain=True) == GROUPED_ATTENTION
     assert models.attention_for("cuda", plain=True) == models.attention_for("cpu", plain=False) == "sdpa"
@@ -377,8 +378,8 @@ def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
     ends there, and a row without a matcher in the same batch samples as it would alone."""
     import re
 
-    from grpo_flyte.decoding import grammar_tokenizer, regex_matcher
-    from grpo_flyte.judging import parse_scores, scores_regex
+    from grpo_flyte.engine.decoding import grammar_tokenizer, regex_matcher
+    from grpo_flyte.scoring.judging import parse_scores, scores_regex
 
     model, tokenizer = tiny
     eos = {tokenizer.eos_token_id}
@@ -406,7 +407,7 @@ def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
 
 
 def test_a_regex_the_matcher_cannot_use_is_a_clear_error(tiny):
-    from grpo_flyte.decoding import grammar_tokenizer, regex_matcher
+    from grpo_flyte.engine.decoding import grammar_tokenizer, regex_matcher
 
     model, tokenizer = tiny
     grammar = grammar_tokenizer(tokenizer, model.get_output_embeddings().weight.shape[0], {tokenizer.eos_token_id})

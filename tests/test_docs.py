@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from grpo_flyte.config_table import config_table_markdown
+from grpo_flyte.config.table import config_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -88,7 +88,7 @@ def test_the_documented_custom_environment_is_complete_short_and_plays(tmp_path,
 
     from transformers import AutoTokenizer
 
-    from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
+    from grpo_flyte.engine.episodes import Budgets, Splicer, new_environment, run_episode
     from grpo_flyte.multiturn import load_environment
     from grpo_flyte.types import Example, Rollout
 

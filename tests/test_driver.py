@@ -7,9 +7,9 @@ import math
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config import RunConfig, eval_due
-from grpo_flyte.metrics import iteration_metrics, mean_ci95, reward_means
-from grpo_flyte.progress import progress_line
+from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.loop.metrics import iteration_metrics, mean_ci95, reward_means
+from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
     EvalMetrics,
@@ -198,7 +198,7 @@ def test_a_metrics_row_flattens_to_the_metrics_file_keys():
 
 
 def test_the_eta_counts_iterations_and_evaluations_still_due():
-    from grpo_flyte.progress import eta_seconds
+    from grpo_flyte.reporting.progress import eta_seconds
 
     config = RunConfig(iterations=10, eval_every=5)
     held_out = EvalMetrics(eval_reward=0.2, eval_reward_ci95=0.1, eval_accuracy=0.2, eval_accuracy_ci95=0.1,
@@ -223,7 +223,7 @@ def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(mo
     import asyncio
     import types
 
-    from grpo_flyte import batches
+    from grpo_flyte.loop import batches
 
     calls = []
 

@@ -18,10 +18,11 @@ from console import failed_run_lines
 from flyte.io import Dir
 from tiny_model import scored_pair
 
-from grpo_flyte import reward, reward_fns, sandbox
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
-from grpo_flyte.policy import peft_model
+from grpo_flyte import reward, reward_fns
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning.policy import peft_model
+from grpo_flyte.runtime import sandbox
 from grpo_flyte.trainer import init_adapter, train_step
 from grpo_flyte.types import AdapterRef, Example, RewardParts, Rollout, RolloutGroup, ScoredGroup, TrainStepResult
 
@@ -351,7 +352,7 @@ def test_merge_into_base_applies_a_trained_adapter(tmp_path, tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.merge import merge_into_base
+    from grpo_flyte.learning.merge import merge_into_base
 
     torch.manual_seed(0)
     peft = get_peft_model(
@@ -383,10 +384,10 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_flyte import engines
-    from grpo_flyte.grpo import pad_batch
-    from grpo_flyte.policy_update import build_sequences
-    from grpo_flyte.prompts import render_prompt
+    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.prompts import render_prompt
+    from grpo_flyte.learning.grpo import pad_batch
+    from grpo_flyte.learning.update import build_sequences
 
     get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir),
@@ -771,7 +772,8 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     """The test injects one transient failure into generate and one into train_step; Flyte's task
     retries (retries=2) finish the run. The failing train_step had already written its new adapter
     (half-published): nothing of it is left."""
-    from grpo_flyte import engines, policy
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import policy
 
     generate_failures: list[str] = []
     original_generate_groups = engines.generate_groups

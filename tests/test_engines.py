@@ -1,4 +1,4 @@
-"""grpo_flyte.engines: EOS cutting, vLLM output conversion, backend choice, the engine cache, and the
+"""grpo_flyte.engine.engines: EOS cutting, vLLM output conversion, backend choice, the engine cache, and the
 replica batcher (flyte.extras.DynamicBatcher) in front of the engine."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo_flyte import engines
-from grpo_flyte.engines import (
+from grpo_flyte.engine import engines
+from grpo_flyte.engine.engines import (
     EngineCache,
     EngineKey,
     SamplingRequest,
@@ -22,9 +22,9 @@ from grpo_flyte.engines import (
     vllm_completion_to_rollout,
     vllm_max_lora_rank,
 )
+from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.prompts import tokenize_prompt
-from grpo_flyte.torch_thread import run_on_torch_thread
+from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Rollout
 
 # --------------------------------------------------------------------------- cut_at_eos
@@ -187,7 +187,7 @@ def fake_vllm(monkeypatch):
 
 
 def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
-    from grpo_flyte.engines import VLLMGenerator
+    from grpo_flyte.engine.engines import VLLMGenerator
 
     gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
     llm = fake_vllm.instances[0]
@@ -218,7 +218,7 @@ def test_a_mixed_vllm_batch_gives_each_prompt_its_adapter_and_evicts_none_of_its
     """A sweep's configs on vLLM: one `LLM.generate`, each prompt with its adapter's LoRARequest,
     up to `adapter_cache_size` adapters computed in one step (`max_loras`); making room for a
     batch's new adapter evicts the least recently used adapter the batch does not use."""
-    from grpo_flyte.engines import VLLMGenerator
+    from grpo_flyte.engine.engines import VLLMGenerator
 
     gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
     llm = fake_vllm.instances[0]
@@ -252,7 +252,7 @@ def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vl
     sampling_params = types.ModuleType("vllm.sampling_params")
     sampling_params.StructuredOutputsParams = lambda **kw: SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_params)
-    from grpo_flyte.engines import VLLMGenerator
+    from grpo_flyte.engine.engines import VLLMGenerator
 
     monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
     key = engines.judge_engine_key("/judge", "bfloat16", "vllm", max_model_len=4096)
@@ -630,7 +630,7 @@ def test_trl_prompts_tokenize_as_trl_would(embedded_dir):
     the chat template with the assistant turn opened, and the run's system prompt is not added."""
     from transformers import AutoTokenizer
 
-    from grpo_flyte.config import PromptConfig
+    from grpo_flyte.config.schema import PromptConfig
     from grpo_flyte.types import Example, Message
 
     tok = AutoTokenizer.from_pretrained(str(embedded_dir))
@@ -650,7 +650,7 @@ def test_rows_past_the_cache_bound_decode_in_batches_within_it_with_the_same_rol
     """The key/value cache a decode batch holds is bounded (64 episodes of long contexts would
     not fit): rows past it decode in further batches of similar lengths, each within the bound,
     and every row is what one batch gives (float64; a row does not depend on its batch mates)."""
-    from grpo_flyte import decoding
+    from grpo_flyte.engine import decoding
 
     gen = engines.HFGenerator(str(tiny_model_dir), "float32", 1)
     gen.base.double()

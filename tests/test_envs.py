@@ -181,7 +181,7 @@ _PROBE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    import grpo_flyte.driver, grpo_flyte.cli
+    import grpo_flyte.driver, grpo_flyte.launch.cli
     heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm", "datasets", "math_verify", "sympy", "wandb") if m in sys.modules)
     import flyte.extras
     from flyte.models import SerializationContext
@@ -233,7 +233,7 @@ def test_remote_dry_run_resolves_and_bundles_the_package(tmp_path):
 from pathlib import Path
 import flyte
 from flyte.io import Dir
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.types import Example
 from grpo_flyte.driver import train_rl
 flyte.init(root_dir=Path({src!r}))

@@ -1,4 +1,4 @@
-"""Unit tests for the GRPO math in grpo_flyte.grpo (CPU torch, hand-computed expectations)."""
+"""Unit tests for the GRPO math in grpo_flyte.learning.grpo (CPU torch, hand-computed expectations)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from grpo_flyte import grpo
-from grpo_flyte.grpo import (
+from grpo_flyte.learning import grpo
+from grpo_flyte.learning.grpo import (
     LossNormalizer,
     TrainSequence,
     aggregate_loss,
@@ -388,7 +388,7 @@ def test_token_logprobs_and_entropy_hand_computed():
 def test_token_logprobs_and_entropy_chunks_match_the_whole_matrix(monkeypatch, temperature):
     # 7 rows of 5 logits, 2 rows per chunk (the last chunk short): the values, the entropy and the
     # gradient equal log_softmax over the whole matrix, in float64.
-    import grpo_flyte.grpo as grpo_module
+    import grpo_flyte.learning.grpo as grpo_module
 
     monkeypatch.setattr(grpo_module, "VOCAB_CHUNK_ELEMENTS", 10)
     gen = torch.Generator().manual_seed(0)
@@ -501,8 +501,8 @@ def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
 
 
 def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept_mass():
-    from grpo_flyte.decoding import Sampling, choose_tokens
-    from grpo_flyte.grpo import nucleus_log_mass
+    from grpo_flyte.engine.decoding import Sampling, choose_tokens
+    from grpo_flyte.learning.grpo import nucleus_log_mass
 
     # p = 0.1, 0.2, 0.7 and top_p 0.8: the nucleus is {2, 1}, kept mass 0.9
     logits = torch.tensor([[0.1, 0.2, 0.7]] * 4).log()
@@ -536,7 +536,7 @@ def test_log_ratios_are_clamped_so_nothing_overflows():
 
 
 def test_training_rewards_reject_a_bad_policy_and_mismatched_lengths():
-    from grpo_flyte.grpo import training_rewards
+    from grpo_flyte.learning.grpo import training_rewards
 
     with pytest.raises(ValueError, match="'min_reward', 'mask' or 'keep'"):
         training_rewards([1.0], [True], "zero")

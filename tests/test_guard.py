@@ -15,10 +15,10 @@ import pytest
 import warm_python
 from flyte.io import Dir
 
-from grpo_flyte import policy_update
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import GuardConfig, RunConfig
-from grpo_flyte.guard import (
+from grpo_flyte.config.schema import GuardConfig, RunConfig
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.loop.guard import (
     COLLAPSE_Z,
     SIGNAL_RUN,
     GuardState,
@@ -30,7 +30,7 @@ from grpo_flyte.guard import (
     resolve_metric,
     restore_from,
 )
-from grpo_flyte.loop_state import LoopState
+from grpo_flyte.loop.state import LoopState
 from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, MetricsRow, TrainMetrics
 
 LR = RunConfig().train.learning_rate  # the runs below keep the default learning rate
@@ -253,7 +253,7 @@ def test_the_summary_names_the_best_iteration_and_the_difference_with_its_interv
 
 
 def test_the_guard_state_survives_the_checkpoint_with_portable_paths(tmp_path):
-    from grpo_flyte.loop_state import checkpoint_payload
+    from grpo_flyte.loop.state import checkpoint_payload
 
     g = Replay()
     g.step([1.0, 0.0])

@@ -13,14 +13,14 @@ import shutil
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte import engines
 from grpo_flyte import judge as judge_module
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.cli import parse_args
-from grpo_flyte.config import JudgeConfig, RewardConfig
-from grpo_flyte.config_errors import make_config
+from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.schema import JudgeConfig, RewardConfig
 from grpo_flyte.data import train_eval_split
+from grpo_flyte.engine import engines
 from grpo_flyte.errors import ConfigError, RewardError
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.launch.cli import parse_args
 from grpo_flyte.types import Example, Rollout, RolloutGroup
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
@@ -165,7 +165,7 @@ def test_a_model_folder_without_its_weights_or_tokenizer_is_one_line_before_star
 def test_what_the_judge_is_told_must_leave_room_for_a_completion_before_start(tmp_path, tiny_model_dir, capsys):
     """A rubric (inline or a file) that, with the judge's instructions and the longest question, leaves
     no room in --judge-context-tokens for a whole completion is refused before start, with the numbers."""
-    from grpo_flyte.preflight import check_judge_fits
+    from grpo_flyte.launch.preflight import check_judge_fits
 
     run_dir = tmp_path / "run"
     models = ["--model", str(tiny_model_dir), "--judge-model", str(tiny_model_dir), "--rewards", "judge=1.0"]

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from grpo_flyte.judging import (
+from grpo_flyte.scoring.judging import (
     HEADER_TOKENS,
     REPLY_PREFIX,
     REPLY_TOKENS_PER_SCORE,

@@ -101,6 +101,6 @@ def test_the_import_checker_sees_lazy_and_package_imports(tmp_path):
     source.write_text(
         "from grpo_flyte import grpo, engines\n"
         "def f():\n    from grpo_flyte.rollout import generate\n    import grpo_flyte.trainer\n"
-        "if __name__ == '__main__':\n    from grpo_flyte.cli import main\n"
+        "if __name__ == '__main__':\n    from grpo_flyte.launch.cli import main\n"
     )
     assert _imports(source) == {"grpo", "engines", "rollout", "trainer"}

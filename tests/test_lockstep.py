@@ -1,5 +1,5 @@
-"""A local sweep's meeting point before each iteration's rollouts (grpo_flyte.lockstep), and the
-torch thread's idle signals it and the batcher rely on (grpo_flyte.torch_thread)."""
+"""A local sweep's meeting point before each iteration's rollouts (grpo_flyte.loop.lockstep), and the
+torch thread's idle signals it and the batcher rely on (grpo_flyte.runtime.torch_thread)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from grpo_flyte import lockstep
-from grpo_flyte.torch_thread import is_idle, run_on_torch_thread, until_idle
+from grpo_flyte.loop import lockstep
+from grpo_flyte.runtime.torch_thread import is_idle, run_on_torch_thread, until_idle
 
 
 @pytest.fixture

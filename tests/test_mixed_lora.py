@@ -1,4 +1,4 @@
-"""Mixed adapter batches in two matmuls a layer (grpo_flyte.mixed_lora): the math by hand, every
+"""Mixed adapter batches in two matmuls a layer (grpo_flyte.engine.mixed_lora): the math by hand, every
 row's output equal to its adapter's alone and to PEFT's own mixed batch, PEFT's path kept where
 the stacked one does not apply, bounded caches, and the transformers engine using it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_flyte import mixed_lora
-from grpo_flyte.engines import HFGenerator, SamplingRequest
+from grpo_flyte.engine import mixed_lora
+from grpo_flyte.engine.engines import HFGenerator, SamplingRequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -16,13 +16,14 @@ import pytest
 import warm_python
 from console import failed_run_lines
 
-from grpo_flyte import grpo
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
-from grpo_flyte.config_errors import make_config
-from grpo_flyte.decoding import sub_seed as turn_seed
-from grpo_flyte.episodes import Budgets, Splicer, new_environment, run_episode
+from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.engine.decoding import sub_seed as turn_seed
+from grpo_flyte.engine.episodes import Budgets, Splicer, new_environment, run_episode
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning import grpo
+from grpo_flyte.learning.update import build_sequences
 from grpo_flyte.multiturn import (
     Calculator,
     GuessNumber,
@@ -31,7 +32,6 @@ from grpo_flyte.multiturn import (
     evaluate,
     load_environment,
 )
-from grpo_flyte.policy_update import build_sequences
 from grpo_flyte.reward_fns import is_correct
 from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
@@ -480,7 +480,7 @@ class _SlowFirstEpisode:
 def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer, monkeypatch):
     """Three episodes of one group: their first turns decode in one engine batch; while the first
     episode's tool is busy, the other two play their next turns together without it."""
-    from grpo_flyte import engines
+    from grpo_flyte.engine import engines
 
     class Engine:
         def __init__(self):
@@ -547,7 +547,7 @@ def test_a_tool_that_never_returns_holds_neither_the_episode_nor_the_process(tok
     assert replies == ["error: the tool took longer than 0.2 s", "error: the tool is still busy with an earlier call (over 0.2 s)"]
     assert rollout.episode.tool_errors == 3
     probe = subprocess.run(
-        [sys.executable, "-c", "import asyncio, time\nfrom grpo_flyte.episodes import _Stepper\n"
+        [sys.executable, "-c", "import asyncio, time\nfrom grpo_flyte.engine.episodes import _Stepper\n"
          "class E:\n    def step(self, t): time.sleep(3600)\n"
          "print(asyncio.run(_Stepper(E(), 0.1).step('x')))"],
         capture_output=True, text=True, timeout=60, check=False,
@@ -592,7 +592,9 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     replies spliced in): the trainer's log-probs of the model's tokens are the sampler's."""
     import torch
 
-    from grpo_flyte import engines, policy, policy_update
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import policy
+    from grpo_flyte.learning import update as policy_update
     from grpo_flyte.types import RewardParts as Parts
 
     monkeypatch.syspath_prepend(str(TESTS))
@@ -631,7 +633,8 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
     and sampling log-probs (in float64; lower precisions round differently with the shape of the
     computation, as they do with a row's batch mates), and later turns compute only their new tokens."""
 
-    from grpo_flyte import engines, policy
+    from grpo_flyte.engine import engines
+    from grpo_flyte.learning import policy
 
     monkeypatch.syspath_prepend(str(TESTS))
     config = make_config(model=str(tiny_model_dir), dtype="float32", lora_rank=4, env="chatty_env:Chatty", max_turns=3,

@@ -14,12 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from _stand_ins import StandIns, run_loop
 
-from grpo_flyte import driver, pipeline
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
-from grpo_flyte.config_errors import make_config
+from grpo_flyte import driver
+from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.errors import ConfigError
-from grpo_flyte.pipeline import fresh_groups, generation_version
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.loop import pipeline
+from grpo_flyte.loop.pipeline import fresh_groups, generation_version
 from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 
 LOOP = {"eval_size": 0, "prompts_per_iter": 3, "group_size": 2, "min_informative_groups": 0}
@@ -103,7 +104,7 @@ def test_each_batch_is_generated_in_the_group_of_the_iteration_it_trains(tmp_pat
     names their actions, so a retried driver reuses them), not in the group open when it started."""
     import flyte
 
-    from grpo_flyte.decoding import sub_seed
+    from grpo_flyte.engine.decoding import sub_seed
 
     groups: dict[int, str | None] = {}  # the generate call's seed -> the group it ran in
 
@@ -167,7 +168,7 @@ def test_a_generate_replica_keeps_every_adapter_a_pipelined_run_has_in_flight():
     """The cluster path: the pool's engine keeps adapter_cache_size adapters loaded (the generate
     task's EngineConfig input, which follows K) and its download cache as many folders, at any K."""
     from grpo_flyte import rollout
-    from grpo_flyte.config import MAX_STALENESS
+    from grpo_flyte.config.schema import MAX_STALENESS
 
     for k in range(MAX_STALENESS + 1):
         config = RunConfig(max_staleness=k)

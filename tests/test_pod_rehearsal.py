@@ -32,7 +32,7 @@ from flyteidl2.core import execution_pb2
 from pod_rehearsal import RAW_SCHEMES, Call, Rehearsal, Replica, image_python, local_path, run_submission
 from tiny_model import scored_pair
 
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.judge import judge_group
 from grpo_flyte.reward import score_group, start_reward_workers
 from grpo_flyte.rollout import generate
@@ -214,7 +214,7 @@ def test_init_adapter_then_two_train_step_pods_hand_the_adapter_on(rehearsal, ba
 def test_generate_pod_samples_a_group_on_the_tiny_model(rehearsal, base_model, adapter_v0):
     from transformers import AutoTokenizer
 
-    from grpo_flyte.prompts import tokenize_prompt
+    from grpo_flyte.engine.prompts import tokenize_prompt
 
     example = Example(question="What is 1 + 2?", answer="3")
     pod = rehearsal.run(

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from grpo_flyte import progress
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig, eval_due
-from grpo_flyte.progress import RunProgress
+from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.reporting import progress
+from grpo_flyte.reporting.progress import RunProgress
 from grpo_flyte.types import EvalMetrics, MetricsRow
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]

@@ -9,9 +9,9 @@ from html.parser import HTMLParser
 
 import pytest
 
-from grpo_flyte import files
-from grpo_flyte.files import write_text_atomic as write_report_atomic
 from grpo_flyte.report_helpers import METRIC_CHARTS, nice_ticks, render_report, render_report_fragment
+from grpo_flyte.runtime import files
+from grpo_flyte.runtime.files import write_text_atomic as write_report_atomic
 
 MINUS = "\u2212"
 
@@ -351,7 +351,7 @@ def test_the_report_tab_gets_a_fragment_and_the_run_folder_a_document(tmp_path, 
 
     import flyte.report
 
-    from grpo_flyte.cli import main as cli_main
+    from grpo_flyte.launch.cli import main as cli_main
 
     sent: list[str] = []
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from grpo_flyte import reward_fns as rewards
-from grpo_flyte.config_errors import make_config
+from grpo_flyte.config.errors import make_config
 from grpo_flyte.errors import ConfigError
 from grpo_flyte.reward_fns import (
     DEFAULT_REWARDS,

@@ -7,12 +7,12 @@ import asyncio
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte import engines
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.engine import engines
 from grpo_flyte.envs import rollout_env
-from grpo_flyte.policy import peft_model, reset_lora, save_adapter
+from grpo_flyte.learning.policy import peft_model, reset_lora, save_adapter
 from grpo_flyte.rollout import generate
-from grpo_flyte.torch_thread import on_torch_thread
+from grpo_flyte.runtime.torch_thread import on_torch_thread
 from grpo_flyte.trainer import init_adapter
 from grpo_flyte.types import Example, RolloutGroup
 
@@ -82,9 +82,9 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     import flyte.errors
     import pytest
 
-    from grpo_flyte import policy
     from grpo_flyte.errors import DeviceError
-    from grpo_flyte.models import best_device
+    from grpo_flyte.learning import policy
+    from grpo_flyte.models.base import best_device
 
     assert best_device() == "cpu"  # this machine: no GPU, none required
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")

@@ -18,9 +18,9 @@ import pytest
 import warm_python
 from flyte.io import Dir
 
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.config import RunConfig
-from grpo_flyte.loop_state import LoopState
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.loop.state import LoopState
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 DRILL = Path(__file__).with_name("kill_drill.py")
@@ -65,7 +65,7 @@ def _copy(run_dir: Path, to: Path) -> Path:
 def test_a_second_writer_is_refused_naming_the_live_run_and_a_dead_ones_lock_does_not_block(tmp_path, tiny_model_dir, finished, capsys):
     run_dir = _copy(finished, tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo_flyte.run_folder import run_dir_lock\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo_flyte.launch.run_folder import run_dir_lock\n"
          "with run_dir_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(120)", str(run_dir)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -200,7 +200,7 @@ def _interrupt(tmp_path: Path, args: list[str], ready, sig: signal.Signals, to_g
 
 def _train_processes(tag: str) -> list[str]:
     """The run's child processes that are not reward workers: its train processes."""
-    return [c for c in _tagged(tag).values() if "grpo_flyte.sandbox" not in c and " grpo_flyte.driver " not in c]
+    return [c for c in _tagged(tag).values() if "grpo_flyte.runtime.sandbox" not in c and " grpo_flyte.driver " not in c]
 
 
 def test_a_signal_during_a_data_parallel_step_stops_the_run_in_one_line_and_ends_its_processes(tmp_path, tiny_model_dir):
@@ -233,7 +233,7 @@ def test_ctrl_c_while_a_pipelined_run_scores_its_next_batch_prints_no_reward_wor
     args = [*_args(tiny_model_dir, run_dir, 30), "--max-staleness", "1"]
 
     def scoring(tag: str, console: str) -> bool:  # iteration 1 is recorded, the next batch is in flight
-        return " iter 1/30 " in console and any("grpo_flyte.sandbox" in c for c in _tagged(tag).values())
+        return " iter 1/30 " in console and any("grpo_flyte.runtime.sandbox" in c for c in _tagged(tag).values())
 
     code, after, console = _interrupt(tmp_path, args, scoring, signal.SIGINT, True)
     assert code == 130, console[-3000:]
@@ -439,7 +439,8 @@ def test_a_dataset_changed_under_a_resume_is_refused(tmp_path, tiny_model_dir, c
 def test_a_batch_too_large_to_inline_travels_as_a_file_with_the_same_result(tmp_path, tiny_model_dir, monkeypatch):
     from safetensors.torch import load_file
 
-    from grpo_flyte import storage, trainer
+    from grpo_flyte import trainer
+    from grpo_flyte.runtime import storage
 
     received = []
     train_step = trainer.train_step.func
@@ -513,7 +514,7 @@ def test_bad_input_inside_the_driver_is_not_retried(tmp_path, tiny_model_dir, mo
         raise DatasetError("'gsm8k' could not be read (offline)")
 
     monkeypatch.setattr(driver, "train_eval_split", bad_split)
-    monkeypatch.setattr("grpo_flyte.run_folder.data_fingerprint", lambda config, examples: {"sha256": "x"})
+    monkeypatch.setattr("grpo_flyte.launch.run_folder.data_fingerprint", lambda config, examples: {"sha256": "x"})
     assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
     assert attempts == [1]
     assert "could not be read (offline)" in caplog.text
@@ -561,8 +562,8 @@ def test_a_recovered_rerun_reuses_every_finished_task(tmp_path, tiny_model_dir, 
     here (inline limit 0), so their content hash must keep the names stable too."""
     from flyte._internal.controllers import _local_controller
 
-    from grpo_flyte import storage
     from grpo_flyte.driver import train_rl
+    from grpo_flyte.runtime import storage
 
     monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)
     recovering = RecoveringDispatch(_local_controller.direct_dispatch, fail_on=("train_step", 2))

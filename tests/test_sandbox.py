@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flyte import child_processes
 from grpo_flyte.errors import RewardError, RewardTimeout
-from grpo_flyte.sandbox import Worker, WorkerPool, WorkerRaised
+from grpo_flyte.runtime import child_processes
+from grpo_flyte.runtime.sandbox import Worker, WorkerPool, WorkerRaised
 
 NOISY = """
 import os, subprocess, sys

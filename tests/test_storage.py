@@ -1,4 +1,4 @@
-"""grpo_flyte.storage: local paths used in place, remote folders downloaded once per replica and evicted."""
+"""grpo_flyte.runtime.storage: local paths used in place, remote folders downloaded once per replica and evicted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from flyte.io import Dir
 
-from grpo_flyte.storage import LocalDirCache, is_remote
+from grpo_flyte.runtime.storage import LocalDirCache, is_remote
 
 
 def test_is_remote():
@@ -80,7 +80,7 @@ def test_the_processes_of_a_node_download_a_folder_once_and_share_it(tmp_path):
     import threading
     import time
 
-    from grpo_flyte.storage import NodeDirCache
+    from grpo_flyte.runtime.storage import NodeDirCache
 
     class SlowRemoteDir(FakeRemoteDir):
         async def download(self, local_path: str) -> str:

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte import cli, storage, submit
-from grpo_flyte.config import RunConfig
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.launch import cli, submit
+from grpo_flyte.runtime import storage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,8 +130,8 @@ import json, sys
 import flyte
 from flyte.io import Dir
 import grpo_flyte
-from grpo_flyte import submit
-from grpo_flyte.config import RunConfig
+from grpo_flyte.launch import submit
+from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.driver import train_rl
 
 flyte.init()

@@ -9,8 +9,8 @@ import pytest
 from flyte.io import Dir
 
 from grpo_flyte import sweep
+from grpo_flyte.config.grid import expand_sweep
 from grpo_flyte.sweep import train_sweep
-from grpo_flyte.sweep_grid import expand_sweep
 
 TINY = {"max_new_tokens": 8, "prompts_per_iter": 2, "group_size": 3, "eval_size": 2, "min_informative_groups": 0, "iterations": 1}
 

@@ -16,8 +16,11 @@ import pytest
 import warm_python
 from test_run_folder import DRILL, _check_whole_files, _interrupt, _iterations, _temp_names
 
-from grpo_flyte import engines, policy, progress, sweep_folder
-from grpo_flyte.cli import main as cli_main
+from grpo_flyte.engine import engines
+from grpo_flyte.launch import sweep_folder
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning import policy
+from grpo_flyte.reporting import progress
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 TIMINGS = ("_s", "per_s")
@@ -190,10 +193,11 @@ def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_onc
 def test_a_sweeps_configs_ask_for_each_iterations_rollouts_and_evaluations_together(tmp_path, tiny_model_dir, monkeypatch):
     """One config's bookkeeping is slow (1.5 s more after its train step, 0.3 s more after its
     report: each longer than the batcher's window): the configs still meet before every iteration's rollouts and every held-out
-    evaluation (grpo_flyte.lockstep), so each is one batcher flush holding both configs' groups."""
+    evaluation (grpo_flyte.loop.lockstep), so each is one batcher flush holding both configs' groups."""
     import asyncio
 
-    from grpo_flyte import driver, lockstep
+    from grpo_flyte import driver
+    from grpo_flyte.loop import lockstep
 
     monkeypatch.setattr(lockstep, "IDLE_GRACE_S", 30.0)  # what is tested here is the meeting, not the grace
     publish = driver.publish_report
@@ -322,7 +326,7 @@ def test_ctrl_c_stops_a_sweep_in_one_line_ending_its_processes_and_the_resume_fi
         tmp_path, _args(tiny_model_dir, sweep_dir, *SEEDS, iterations=6), lambda _, text: "] iter 1/6 " in text, signal.SIGINT, True
     )
     assert code == 130, console[-3000:]
-    # the configs run in step (grpo_flyte.lockstep): the other's iteration line may land beside the
+    # the configs run in step (grpo_flyte.loop.lockstep): the other's iteration line may land beside the
     # one the signal followed; past those, the stop is one line
     stop = [line for line in after if not re.search(r"\] iter \d+/6 ", line)]
     assert len(stop) == 1 and after[-1] == stop[0], console[-3000:]

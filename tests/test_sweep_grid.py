@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_flyte.cli import parse_args, user_message
+from grpo_flyte.config.grid import expand_sweep, member_name, sweep_grid
 from grpo_flyte.errors import ConfigError, UserError
-from grpo_flyte.sweep_grid import expand_sweep, member_name, sweep_grid
+from grpo_flyte.launch.cli import parse_args, user_message
 
 
 def test_a_grid_is_every_combination_in_flag_order_each_config_whole():

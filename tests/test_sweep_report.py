@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_flyte.sweep_report import ConfigOutcome, comparison_lines, figures, render_sweep_report, seed_summary
+from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, render_sweep_report, seed_summary
 
 
 def _outcome(lr: float, seed: int, accuracies: list[float], status: str = "complete", error: str | None = None) -> ConfigOutcome:

@@ -1,4 +1,4 @@
-"""grpo_flyte.torch_thread: every torch computation of a process runs on one thread."""
+"""grpo_flyte.runtime.torch_thread: every torch computation of a process runs on one thread."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flyte import engines, merge, policy
-from grpo_flyte.cli import main as cli_main
-from grpo_flyte.torch_thread import (
+from grpo_flyte.engine import engines
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning import merge, policy
+from grpo_flyte.runtime.torch_thread import (
     THREAD_NAME,
     is_torch_thread,
     on_torch_thread,

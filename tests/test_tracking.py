@@ -7,8 +7,8 @@ import flyte
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config import RunConfig
-from grpo_flyte.tracking import WandbRun
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.reporting.tracking import WandbRun
 
 LINK_ARGS = {"run_name": "r1", "project": "p", "domain": "development", "parent_action_name": "a0", "action_name": "a0", "pod_name": "pod"}
 
@@ -76,6 +76,6 @@ def test_importing_the_package_leaves_wandb_and_the_plugin_out(module):
     import subprocess
     import sys
 
-    code = f"import grpo_flyte.cli, grpo_flyte.driver, grpo_flyte.tracking, sys; print({module!r} in sys.modules)"
+    code = f"import grpo_flyte.launch.cli, grpo_flyte.driver, grpo_flyte.reporting.tracking, sys; print({module!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

@@ -10,9 +10,11 @@ import pytest
 import torch
 from flyte.io import Dir
 
-from grpo_flyte import data_parallel, grpo, merge, policy, policy_update, trainer
-from grpo_flyte.config import RunConfig
-from grpo_flyte.grpo import TrainSequence
+from grpo_flyte import trainer
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.learning import data_parallel, grpo, merge, policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.learning.grpo import TrainSequence
 
 A = TrainSequence(prompt_ids=[1, 5, 6], completion_ids=[11, 12, 2], advantage=1.0)
 B = TrainSequence(prompt_ids=[1, 5, 6], completion_ids=[13, 2], advantage=-1.0)
@@ -166,8 +168,8 @@ def test_on_a_cpu_the_trainer_attends_with_grouped_attention_and_differentiates_
     # lengths its log-probs and LoRA gradients are those of transformers' fused attention.
     from peft import LoraConfig, get_peft_model
 
-    from grpo_flyte import models
-    from grpo_flyte.decoding import GROUPED_ATTENTION
+    from grpo_flyte.engine.decoding import GROUPED_ATTENTION
+    from grpo_flyte.models import base as models
 
     base = models.load_base(str(llama_dir), "float32")
     expected = GROUPED_ATTENTION if models.best_device() == "cpu" else "sdpa"
@@ -451,7 +453,7 @@ def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still
     import bitsandbytes as bnb
     import transformers
 
-    from grpo_flyte.models import load_base
+    from grpo_flyte.models.base import load_base
 
     path = tmp_path / "llama"
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -486,7 +488,7 @@ def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still
 def test_the_kl_reference_of_a_4bit_run_is_the_4bit_base(llama32_dir):
     """The reference log-probs are the same NF4 weights with the adapter disabled (no 16-bit copy):
     equal to a 4-bit base loaded alone, and not to the 16-bit base."""
-    from grpo_flyte.models import load_base
+    from grpo_flyte.models.base import load_base
 
     llama_dir = llama32_dir
     model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, beta=0.1)
@@ -533,7 +535,7 @@ def test_the_base_loads_straight_onto_the_device_not_whole_into_cpu_memory_first
     pod's memory)."""
     import transformers
 
-    from grpo_flyte.models import best_device, load_base
+    from grpo_flyte.models.base import best_device, load_base
 
     asked = []
     real = transformers.AutoModelForCausalLM.from_pretrained
@@ -574,7 +576,7 @@ def test_the_merge_loads_the_base_in_its_own_dtype_onto_the_device(tmp_path, lla
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     merge.merge_into_base(str(half), str(tmp_path / "adapter"), tmp_path / "merged")
-    from grpo_flyte.models import load_device
+    from grpo_flyte.models.base import load_device
 
     assert loads == [(torch.bfloat16, {"": load_device()})]
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
@@ -663,7 +665,7 @@ def test_the_train_side_keeps_a_loaded_base_per_base_model_and_drops_the_least_r
     bases before), and coming back to it loads it again."""
     import shutil
 
-    from grpo_flyte.config import MAX_BASES
+    from grpo_flyte.config.schema import MAX_BASES
 
     bases = [str(shutil.copytree(llama_dir, tmp_path / f"base-{i}")) for i in range(MAX_BASES + 1)]
     config = RunConfig(dtype="float32")
@@ -675,7 +677,7 @@ def test_the_train_side_keeps_a_loaded_base_per_base_model_and_drops_the_least_r
     def loads() -> list[str]:
         return [r.getMessage().split(" from ")[1].split(" ")[0] for r in caplog.records if "loading the base model" in r.getMessage()]
 
-    with caplog.at_level("INFO", logger="grpo_flyte.policy"):
+    with caplog.at_level("INFO", logger="grpo_flyte.learning.policy"):
         first = [load(i) for i in range(MAX_BASES)]
         assert all(load(i) is first[i] for i in (*range(MAX_BASES), *range(MAX_BASES)))  # interleaved: all warm
         assert loads() == bases[:MAX_BASES]

@@ -14,7 +14,7 @@ PROBE = """\
 import json, os, sys, threading, time
 mode = sys.argv[1]
 if mode == "cli":  # what grpo_flyte's CLI does first, then the libraries' settings read at their import
-    from grpo_flyte.cli import quiet_libraries
+    from grpo_flyte.launch.cli import quiet_libraries
     quiet_libraries()
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging

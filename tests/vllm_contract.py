@@ -19,9 +19,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 
-from grpo_flyte import engines, grpo, policy, policy_update
-from grpo_flyte.config import RunConfig
-from grpo_flyte.engines import SamplingRequest
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.engine import engines
+from grpo_flyte.engine.engines import SamplingRequest
+from grpo_flyte.learning import grpo, policy
+from grpo_flyte.learning import update as policy_update
 
 
 def adapter(model, config: RunConfig, out: Path, scale: float) -> str:

@@ -71,7 +71,7 @@ def close() -> None:
 
 def _cli_settings(env: dict[str, str]) -> dict[str, str]:
     """`env` as grpo_flyte's CLI leaves it before it imports those libraries (`quiet_libraries`)."""
-    from grpo_flyte.cli import quiet_libraries
+    from grpo_flyte.launch.cli import quiet_libraries
 
     saved = dict(os.environ)
     os.environ.clear()

@@ -1,6 +1,6 @@
-"""`python -m grpo_flyte` (and `python -m grpo_flyte.driver`): the command line in `grpo_flyte.cli`."""
+"""`python -m grpo_flyte` (and `python -m grpo_flyte.driver`): the command line in `grpo_flyte.launch.cli`."""
 
-from grpo_flyte.cli import main
+from grpo_flyte.launch.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

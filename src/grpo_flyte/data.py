@@ -13,7 +13,7 @@ import math
 import random
 from pathlib import Path
 
-from grpo_flyte.config import (
+from grpo_flyte.config.schema import (
     ARITHMETIC_DATASET,
     DATASET_FILE_TYPES,
     GSM8K_DATASET,

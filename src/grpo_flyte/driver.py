@@ -6,7 +6,7 @@ Per iteration, inside `flyte.group(f"iter-{i}")`:
     -> GRPO step(s) -> (held-out evaluation every `eval_every`) -> the guard's verdict
     -> checkpoint -> metrics and report.
 The held-out evaluation also runs before the first iteration and after the last. The guard
-(grpo_flyte.guard) keeps the best adapter; on a collapse it warns, stops the run, or rolls back to
+(grpo_flyte.loop.guard) keeps the best adapter; on a collapse it warns, stops the run, or rolls back to
 the best adapter at a lower learning rate; it stops a run whose evaluations stall.
 
 The task returns a `RunResult` (final and best adapters, metrics history, report, merged model) as Flyte
@@ -28,22 +28,22 @@ import logging
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte import lockstep, observers
-from grpo_flyte.batches import run_iteration
-from grpo_flyte.config import RunConfig, eval_due
+from grpo_flyte.config.schema import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
-from grpo_flyte.evaluation import EVAL_CHUNK, run_eval
-from grpo_flyte.guard import GuardState, best_summary, judge, question_values, resolve_metric, restore_from
-from grpo_flyte.loop_state import LoopState, checkpoint_payload, restore_state
-from grpo_flyte.metrics import best_completion, iteration_metrics
-from grpo_flyte.pipeline import BatchesAhead
-from grpo_flyte.progress import eta_seconds, progress_line
-from grpo_flyte.publishing import exported, publish_report, push_to_hub, report_dir
+from grpo_flyte.loop import lockstep, observers
+from grpo_flyte.loop.batches import run_iteration
+from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
+from grpo_flyte.loop.guard import GuardState, best_summary, judge, question_values, resolve_metric, restore_from
+from grpo_flyte.loop.metrics import best_completion, iteration_metrics
+from grpo_flyte.loop.pipeline import BatchesAhead
+from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
+from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
+from grpo_flyte.reporting.progress import eta_seconds, progress_line
+from grpo_flyte.reporting.tracking import Tracker, WandbRun, new_run_id
 from grpo_flyte.reward import start_reward_workers
-from grpo_flyte.storage import from_payload, replica_cache, save_checkpoint
-from grpo_flyte.tracking import Tracker, WandbRun, new_run_id
+from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
 from grpo_flyte.types import AdapterRef, EvalAnswer, Example, MetricsRow, RunResult
 
@@ -162,7 +162,7 @@ async def _train_rl(
         recent = [*state.recent_adapters, state.adapter]
         ahead = BatchesAhead(guarded(config, state.guard), base_model, dataset, recent, state.in_flight, judge_model)
         ahead.launch(state.iterations_done)  # generation starts now, beside the evaluation before training
-    run = observers.current_run()  # a local sweep's configs meet before each iteration's rollouts (grpo_flyte.lockstep)
+    run = observers.current_run()  # a local sweep's configs meet before each iteration's rollouts (grpo_flyte.loop.lockstep)
     try:
         if eval_due(config, 0) and not any(row.iteration == 0 for row in state.history):
             await lockstep.meet(run)

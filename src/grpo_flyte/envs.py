@@ -266,7 +266,7 @@ _gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
 def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[int, int], concurrency: int) -> flyte.TaskEnvironment:
     """A warm pool of generators: vLLM (GPU) or transformers (CPU), the engine built once per replica.
     concurrency > 1: several calls run on one replica at once; the replica's batcher
-    (grpo_flyte.engines) hands them to its one engine as one batch, and only the batcher's consumer
+    (grpo_flyte.engine.engines) hands them to its one engine as one batch, and only the batcher's consumer
     ever drives the engine. Each run its own pool (`DeploySettings.pool_id`): a warm engine holds one
     run's model and settings."""
     return flyte.TaskEnvironment(
@@ -298,7 +298,7 @@ reward_env = flyte.TaskEnvironment(
     resources=flyte.Resources(cpu=settings.reward_cpu, memory="2Gi"),
     env_vars=_settings_env,
     # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
-    # Each replica keeps its reward worker processes (grpo_flyte.sandbox) between groups.
+    # Each replica keeps its reward worker processes (grpo_flyte.runtime.sandbox) between groups.
     reusable=flyte.ReusePolicy(
         replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=settings.pool_idle_ttl, scope="run"
     ),

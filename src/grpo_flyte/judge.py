@@ -1,11 +1,11 @@
 """The `judge_group` task: an LLM judge scores one group of completions, on a warm, reusable pool.
 
-One judge prompt per group (RULER-style, see grpo_flyte.judging): the question once, every
+One judge prompt per group (RULER-style, see grpo_flyte.scoring.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
-model once (its own engine cache, grpo_flyte.engines) and its batcher puts concurrent judge calls in
+model once (its own engine cache, grpo_flyte.engine.engines) and its batcher puts concurrent judge calls in
 one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
 (`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
-grpo_flyte.decoding), so it parses. A reply that still does not (an engine without the constraint,
+grpo_flyte.engine.decoding), so it parses. A reply that still does not (an engine without the constraint,
 or a reply cut at its token budget) is sampled once more, and a chunk still unparsable fails the task
 (on_reward_error='fail') or scores 0 and is counted ('zero').
 
@@ -20,11 +20,14 @@ import time
 
 from flyte.io import Dir
 
-from grpo_flyte import engines
-from grpo_flyte.config import EngineConfig, JudgeConfig, RewardConfig
+from grpo_flyte.config.schema import EngineConfig, JudgeConfig, RewardConfig
+from grpo_flyte.engine import engines
 from grpo_flyte.envs import judge_env
 from grpo_flyte.errors import RewardError, input_errors_not_retried
-from grpo_flyte.judging import (
+from grpo_flyte.models.base import resolve_dtype
+from grpo_flyte.runtime.storage import replica_cache
+from grpo_flyte.runtime.torch_thread import run_on_torch_thread
+from grpo_flyte.scoring.judging import (
     REPLY_END,
     chunk_indices,
     completion_room,
@@ -35,9 +38,6 @@ from grpo_flyte.judging import (
     scores_regex,
     token_count,
 )
-from grpo_flyte.models import resolve_dtype
-from grpo_flyte.storage import replica_cache
-from grpo_flyte.torch_thread import run_on_torch_thread
 from grpo_flyte.types import JudgeVerdict, RolloutGroup
 
 _judge_dirs = replica_cache("judge-models", capacity=1)

@@ -5,7 +5,7 @@ with their datasets, and the registry that turns an `env` name into a class.
 
 An environment is a class with `step(text) -> Reply` (and optionally `reset(example)` and `stop`).
 One instance plays one episode, so its attributes are the episode's state: no globals. The episode
-loop (`grpo_flyte.episodes`):
+loop (`grpo_flyte.engine.episodes`):
 
     context = prompt ids
     repeat: the model samples a turn (up to max_new_tokens, or until EOS or one of `stop`)

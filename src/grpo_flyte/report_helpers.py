@@ -44,7 +44,7 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.
 _BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95", "eval_tool_call_rate": "eval_tool_call_rate_ci95"}
 
-# The guard's events (grpo_flyte.guard) marked on every chart: a dashed vertical line at the
+# The guard's events (grpo_flyte.loop.guard) marked on every chart: a dashed vertical line at the
 # iteration, labelled, the reason as its tooltip; the best adapter's iteration on the held-out chart.
 # The marker colours are no series colour (a series is found by its colour in the browser test).
 _GUARD_MARKERS = {"collapse": "collapse", "rollback": "rollback", "stop": "stop", "early_stop": "early stop"}

@@ -40,7 +40,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute, quoted
-from grpo_flyte.sandbox import WorkerPool, WorkerRaised
+from grpo_flyte.runtime.sandbox import WorkerPool, WorkerRaised
 
 if TYPE_CHECKING:
     from grpo_flyte.types import RewardParts
@@ -274,7 +274,7 @@ def resolve_reward(name: str) -> RewardFn:
 
 # --------------------------------------------------------------------------- calls in the sandbox
 
-# Groups one process scores at once, each in a worker of its own (grpo_flyte.sandbox); workers
+# Groups one process scores at once, each in a worker of its own (grpo_flyte.runtime.sandbox); workers
 # start as needed, and math-verify loads before a worker's first timed call.
 MAX_WORKERS = 8
 _workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))

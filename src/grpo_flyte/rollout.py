@@ -1,7 +1,7 @@
 """The `generate` and `generate_eval` tasks, on a warm, reusable pool of replicas.
 
 A task body fetches its inputs (the base model and adapter folders, cached per replica), hands its
-groups to the replica's engine through the batcher in `grpo_flyte.engines`, and returns them as
+groups to the replica's engine through the batcher in `grpo_flyte.engine.engines`, and returns them as
 `RolloutGroup`s. Warm state is only a cache: the same inputs give the same rollouts on any replica
 (the sampling seed is an input). Each rollout carries the prompt and completion token ids and the
 per-token sampling log-probs, so the trainer never re-tokenizes text.
@@ -13,12 +13,12 @@ import time
 
 from flyte.io import Dir
 
-from grpo_flyte import engines
-from grpo_flyte.config import MAX_BASES, MAX_STALENESS, EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config.schema import MAX_BASES, MAX_STALENESS, EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.engine import engines
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.models import resolve_dtype
-from grpo_flyte.storage import replica_cache
+from grpo_flyte.models.base import resolve_dtype
+from grpo_flyte.runtime.storage import replica_cache
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 
 # One base model folder per base a sweep trains (a run: one).

@@ -6,10 +6,10 @@ folder among the task's `base_models`).
 
 Each config is a whole run: its own adapter lineage, checkpoint, metrics, held-out evaluations
 and report (its `train_rl` action's). A failing config ends alone: the others go on, and the
-parent's report (the comparison, `grpo_flyte.sweep_report`) says which failed and why.
+parent's report (the comparison, `grpo_flyte.reporting.sweep_report`) says which failed and why.
 
 In Flyte local mode every task of a run shares one raw data folder and one checkpoint, so a local
-sweep runs a Flyte run per config instead (`grpo_flyte.sweep_folder`, `--local --sweep`).
+sweep runs a Flyte run per config instead (`grpo_flyte.launch.sweep_folder`, `--local --sweep`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import flyte.report
 from flyte.io import Dir
 from pydantic import BaseModel
 
+from grpo_flyte.config.grid import SweepMember
 from grpo_flyte.driver import train_rl
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
-from grpo_flyte.storage import is_remote
-from grpo_flyte.sweep_grid import SweepMember
-from grpo_flyte.sweep_report import ConfigOutcome, render_sweep_fragment
+from grpo_flyte.reporting.sweep_report import ConfigOutcome, render_sweep_fragment
+from grpo_flyte.runtime.storage import is_remote
 from grpo_flyte.types import Example, RunResult
 
 
@@ -70,7 +70,7 @@ async def train_sweep(
         if len(members) > 1 and raw and not is_remote(raw):
             raise ConfigError(
                 "train_sweep shares one raw data folder and checkpoint between its configs in Flyte local mode; "
-                "expected a cluster run, or a local sweep: python -m grpo_flyte --local --sweep ... (grpo_flyte.sweep_folder)"
+                "expected a cluster run, or a local sweep: python -m grpo_flyte --local --sweep ... (grpo_flyte.launch.sweep_folder)"
             )
 
     async def one(member: SweepMember) -> RunResult:

@@ -3,9 +3,9 @@
 The base model loads once per warm train replica (cached); everything that defines the result,
 the adapter weights and the AdamW state, comes in through the task's inputs and goes out in the
 new adapter directory. Token ids come from `generate`; nothing is re-tokenized. The work is done by
-plain functions: the policy and its adapter folder (`grpo_flyte.policy`), the GRPO step
-(`grpo_flyte.policy_update`), several processes (`grpo_flyte.data_parallel`) and the merge
-(`grpo_flyte.merge`).
+plain functions: the policy and its adapter folder (`grpo_flyte.learning.policy`), the GRPO step
+(`grpo_flyte.learning.update`), several processes (`grpo_flyte.learning.data_parallel`) and the merge
+(`grpo_flyte.learning.merge`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 
 from flyte.io import Dir
 
-from grpo_flyte import data_parallel, merge, policy, policy_update
-from grpo_flyte.config import MAX_BASES, LoraConfig, ModelConfig, SamplingConfig, TrainConfig
+from grpo_flyte.config.schema import MAX_BASES, LoraConfig, ModelConfig, SamplingConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.storage import from_payload, is_remote, publish_dir, replica_cache
+from grpo_flyte.learning import data_parallel, merge, policy
+from grpo_flyte.learning import update as policy_update
+from grpo_flyte.runtime.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
 _warm = policy.WarmOptimizer()

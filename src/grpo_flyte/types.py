@@ -354,7 +354,7 @@ GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]
 
 
 class GuardRecord(BaseModel):
-    """What the run's guard (grpo_flyte.guard) made of one iteration.
+    """What the run's guard (grpo_flyte.loop.guard) made of one iteration.
 
     On a row with a held-out evaluation: `select_by` (the metric that picks the best adapter),
     `best_iteration` (the best evaluation's iteration, this one included) and, from the second

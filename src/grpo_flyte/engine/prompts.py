@@ -1,0 +1,109 @@
+"""Prompts: a dataset row rendered as the text the model sees, and as its token ids.
+
+A row without a TRL `prompt` gets the run's prompt around its question (`prompt_format` 'chat':
+the system prompt and the question with the answer instruction through the chat template; 'plain':
+a question/answer frame). A TRL row's prompt is used as given: text as it is, chat messages through
+the chat template. The generator tokenizes here, once; the trainer reuses those ids.
+"""
+
+from __future__ import annotations
+
+from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, PromptConfig
+from grpo_flyte.types import Example, Message
+
+# The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
+PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
+
+
+def render_prompt(
+    question: str,
+    prompt_format: str,
+    tokenizer,
+    enable_thinking: str = "auto",
+    system_prompt: str = SYSTEM_PROMPT,
+    instruction: str = ANSWER_INSTRUCTION,
+) -> str:
+    """The prompt text for one question; token ids come from the generator's tokenizer.
+
+    The instruction follows the question; enable_thinking 'on'/'off' is passed to the chat template
+    (Qwen3's switch), 'auto' passes nothing. An empty system prompt or instruction is left out.
+    """
+    user = f"{question} {instruction}".strip()
+    if prompt_format == "plain":
+        return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("prompt_format='chat' but the model's tokenizer has no chat template: use prompt_format='plain'")
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": user})
+    return _chat(tokenizer, messages, enable_thinking)
+
+
+def _chat(tokenizer, messages: list[dict[str, str]], enable_thinking: str) -> str:
+    """The chat template applied with the assistant's turn opened; enable_thinking 'on'/'off' is
+    passed to it (Qwen3's switch), 'auto' passes nothing."""
+    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+
+def render_trl_prompt(prompt: str | list[Message], tokenizer, enable_thinking: str = "auto") -> str:
+    """A prompt in TRL's format: text is used as it is; chat messages go through the chat template
+    with the assistant's turn opened (the run's system prompt and instruction are not added)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the dataset's prompts are chat messages but the model's tokenizer has no chat template")
+    return _chat(tokenizer, [m.model_dump() for m in prompt], enable_thinking)
+
+
+def is_chat(example: Example, prompt: PromptConfig) -> bool:
+    """Whether the example's prompt went through the chat template (so replies are chat turns)."""
+    return prompt.prompt_format == "chat" if example.prompt is None else not isinstance(example.prompt, str)
+
+
+def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
+    if example.prompt is None:
+        text = render_prompt(
+            example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+        )
+    else:  # TRL's format: text as it is, chat messages through the chat template
+        text = render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking)
+    # The chat template already wrote the special tokens; other text gets the tokenizer's.
+    ids = tokenizer(text, add_special_tokens=not is_chat(example, prompt))["input_ids"]
+    if len(ids) > prompt.max_prompt_tokens:
+        if prompt.overlong_prompts == "truncate":
+            return list(ids[-prompt.max_prompt_tokens :])  # the end holds the question and the turn's start
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={prompt.max_prompt_tokens}: {example.question[:80]!r}")
+    return list(ids)
+
+
+# A token covers at least one byte of the text it was cut from (byte-level BPE, SentencePiece
+# with byte fallback); the slack covers tokens added outside the text (BOS, a leading-space marker).
+_TOKEN_SLACK = 4
+
+
+def overlong_prompts(tokenizer, examples: list[Example], prompt: PromptConfig) -> dict[int, int]:
+    """{index: length in tokens} of the examples whose prompt is longer than max_prompt_tokens.
+
+    Tokenizing every prompt of a large dataset takes seconds, so a prompt is tokenized only when
+    its UTF-8 size (which no token count exceeds, plus a little slack) is over the limit; for a
+    question that size is that of the prompt rendered around an empty question plus the question's.
+    """
+    limit = prompt.max_prompt_tokens
+    untruncated = prompt.model_copy(update={"max_prompt_tokens": 1 << 30})
+    frame: int | None = None
+    found = {}
+    for i, example in enumerate(examples):
+        if example.prompt is None:
+            if frame is None:
+                empty = render_prompt(
+                    "", prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+                )
+                frame = len(empty.encode()) + 1  # the space between question and instruction
+            bound = frame + len(example.question.encode())
+        else:
+            bound = len(render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking).encode())
+        if bound + _TOKEN_SLACK > limit:
+            length = len(tokenize_prompt(tokenizer, example, untruncated))
+            if length > limit:
+                found[i] = length
+    return found

@@ -1,0 +1,136 @@
+"""Checks before start: everything a run's config asks of its data, rewards, environment, packages
+and models (the base and the judge), checked on the submitting machine before any task starts (a
+user's error is never a failed, retried task). Used by local and cluster runs alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from grpo_flyte.config.schema import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig
+from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
+from grpo_flyte.errors import ConfigError, UserError, flag, given
+from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
+from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward
+from grpo_flyte.types import Example
+
+logger = logging.getLogger("grpo_flyte")
+
+
+def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, tuple[list[Example], list[Example]] | None]:
+    """Check the dataset and the rewards before any work starts; returns a file dataset's rows and
+    the (training, held-out) split when it was made here.
+
+    Every row must have a usable answer (when the 'correct' reward is weighted) and --eval-size must
+    fit. The rows of a file or a local dataset folder travel to the driver as an input; 'gsm8k' and
+    Hub ids are loaded where the driver runs (here too, in a local run, to check them first). Custom
+    rewards must import, and --wandb-project needs wandb.
+    """
+    examples = split = None
+    data = config.data
+    if data.dataset not in (ARITHMETIC_DATASET, GSM8K_DATASET, *BUILTIN_DATASETS) and (
+        is_file_dataset(data.dataset) or Path(data.dataset).exists() or local
+    ):
+        examples = load_rows(config)
+    if examples is not None or local:
+        split = train_eval_split(config, examples)
+    for name in config.scoring.rewards:
+        if name != JUDGE_REWARD:  # the judge is a model, checked with the base model
+            resolve_reward(name)
+    if config.guard.select_by == "eval_accuracy" and split is not None:
+        unanswered = sum(not ex.answer.strip() for ex in split[1])
+        if unanswered:
+            raise UserError(
+                f"--select-by eval_accuracy: {unanswered} of the {len(split[1])} held-out questions have no gold answer, so "
+                "their accuracy is not measured; expected --select-by eval_reward (or auto), or answers in --answer-column"
+            )
+    if config.episode.multi_turn:
+        load_environment(config.episode.env)
+    if config.wandb_project and not _installed("wandb"):
+        raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
+    if config.wandb_project and not local and not _installed("flyteplugins.wandb"):
+        raise UserError(
+            f"--wandb-project {config.wandb_project!r} on a cluster needs flyteplugins-wandb (the run's W&B link in the "
+            "Flyte UI): pip install 'grpo-flyte[wandb]'"
+        )
+    if config.lora.load_in_4bit and local:
+        check_bitsandbytes()
+    return examples, split
+
+
+def check_bitsandbytes() -> None:
+    """--load-in-4bit loads the train pool's base with bitsandbytes: it must import here (a local
+    run trains here; the cluster's image installs it)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 -- missing, or installed but broken (a wrong CUDA build): either way unusable
+        raise UserError(
+            f"--load-in-4bit needs bitsandbytes, which does not import here ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
+            "pip install 'grpo-flyte[local]'"
+        ) from None
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it (a missing parent package too)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What the config asks of the model, checked before any task starts: a usable folder (weights,
+    a tokenizer that loads), the LoRA target layers and, when the rows are known here, every
+    prompt's length in the model's tokens."""
+    from grpo_flyte.models.base import check_model_folder, lora_target_problem
+
+    tokenizer = check_model_folder(model_dir, field="model")
+    problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
+    if problem:
+        raise ConfigError(problem, field="lora_target_modules")
+    if split is not None:
+        check_prompt_lengths(config, tokenizer, [*split[0], *split[1]])
+
+
+def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What the config asks of the judge model, checked as the base model is: a usable folder, and
+    a judge prompt (its instructions, the rubric and the longest training question; no question
+    when the rows are not known here) that leaves room in judge_context_tokens for one whole
+    completion (a group then fits in as many judge calls as it needs)."""
+    from grpo_flyte.models.base import check_model_folder
+    from grpo_flyte.scoring.judging import completion_room, fixed_tokens, token_count
+
+    tokenizer = check_model_folder(judge_dir, field="judge_model")
+    questions = [e.question for e in split[0]] if split is not None else []  # the held-out evaluation is not judged
+    lengths = [len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"]] if questions else [0]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    judging = config.judge
+    fixed = fixed_tokens(tokenizer, judging.judge_rubric, questions[longest] if questions else "")
+    room = completion_room(fixed, judging.judge_context_tokens)
+    name = "max_episode_tokens" if config.episode.multi_turn else "max_new_tokens"
+    completion = getattr(config.episode if config.episode.multi_turn else config.sampling, name)
+    if room < completion:
+        raise ConfigError(
+            f"of {token_count(tokenizer, judging.judge_rubric)} tokens, with the judge's instructions and the longest question "
+            f"({lengths[longest]} tokens), leaves {room} of {given('judge_context_tokens', judging.judge_context_tokens)} for a "
+            f"completion; expected room for a whole one ({given(name, completion)}): a shorter rubric, or "
+            f"{flag('judge_context_tokens')} {judging.judge_context_tokens - room + completion} or more",
+            field="judge_rubric",
+        )
+
+
+def check_prompt_lengths(config: RunConfig, tokenizer, rows: list[Example]) -> None:
+    from grpo_flyte.engine.prompts import overlong_prompts
+
+    limit = config.prompt.max_prompt_tokens
+    over = overlong_prompts(tokenizer, rows, config.prompt)
+    if not over:
+        return
+    longest = max(over, key=over.__getitem__)
+    what = f"{len(over)} of {len(rows)} prompts are longer than {limit} tokens (the longest, {over[longest]} tokens: {rows[longest].question[:60]!r})"
+    if config.prompt.overlong_prompts == "truncate":
+        logger.warning("%s; each keeps its last %d tokens (--overlong-prompts truncate)", what, limit)
+        return
+    raise ConfigError(f"{limit}: {what}; expected at most {limit}: raise it, or add --overlong-prompts truncate", field="max_prompt_tokens")

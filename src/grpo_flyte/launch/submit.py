@@ -1,0 +1,246 @@
+"""Submitting to a Flyte cluster: the checks only a cluster run needs, the base model and a file
+dataset as remote inputs, the code bundle (or, for an installed wheel, a version naming the code),
+the W&B run's link, and `--resume-run` (a rerun with recovery).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpo_flyte
+from grpo_flyte.config.schema import EMBEDDED_MODEL, RunConfig
+from grpo_flyte.errors import ModelError, UserError, is_user_attribute
+from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
+from grpo_flyte.runtime.storage import payload_key, payload_text, write_payload
+from grpo_flyte.types import Example
+
+if TYPE_CHECKING:
+    from grpo_flyte.config.grid import SweepMember
+
+logger = logging.getLogger("grpo_flyte")
+
+# The folder whose modules travel in a checkout's code bundle (flyte.init's root_dir): src/, so the
+# package resolves as grpo_flyte.* on the cluster.
+PACKAGE_DIR = Path(grpo_flyte.__file__).resolve().parent
+BUNDLE_ROOT = PACKAGE_DIR.parent
+
+
+def resolve_remote_model(model: str, field: str = "model"):
+    """A model (the base, or the judge's: `field`) as a Dir in remote storage: prefetched from the
+    Hub or uploaded from here."""
+    import flyte
+    import flyte.prefetch
+    from flyte.io import Dir
+
+    from grpo_flyte.envs import settings
+    from grpo_flyte.models.base import resolve_local_model
+
+    if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
+        return Dir.from_local_sync(str(resolve_local_model(model, field)))
+    if model.count("/") != 1:
+        raise ModelError(
+            f"{model!r}: expected 'embedded', a local model directory or a Hugging Face repo id like 'Qwen/Qwen3-0.6B'", field=field
+        )
+    logger.info("prefetching %s into the cluster's storage (cached after the first time)", model)
+    prefetch = flyte.prefetch.hf_model(repo=model, hf_token_key=settings.hf_token_secret)
+    prefetch.wait()
+    return prefetch.outputs()[0]
+
+
+def check_submission(config: RunConfig) -> None:
+    """What only a cluster run needs, checked before anything is submitted: the W&B key as a
+    Flyte secret, a LoRA rank vLLM serves, and custom rewards and environments the pods can import."""
+    from grpo_flyte.engine.engines import VLLM_LORA_RANKS
+    from grpo_flyte.envs import from_source_checkout, settings, train_problem, train_world_size
+
+    if train_problem is not None:
+        raise UserError(train_problem)
+    if config.train.train_processes > 1:
+        raise UserError(
+            f"--train-processes {config.train.train_processes} is for local runs; on a cluster the train GPUs set the "
+            f"processes: GRPO_FLYTE_TRAIN_GPU={settings.train_gpu.rpartition(':')[0] or 'L4'}:{config.train.train_processes}"
+        )
+    if train_world_size(settings) > config.rollouts_per_step:
+        raise UserError(
+            f"{train_world_size(settings)} train processes (GRPO_FLYTE_TRAIN_GPU={settings.train_gpu} x GRPO_FLYTE_TRAIN_NODES="
+            f"{settings.train_nodes}) with {config.rollouts_per_step_given()}: expected at most {config.rollouts_per_step} processes"
+        )
+
+    if config.wandb_project and not settings.wandb_secret:
+        raise UserError(
+            f"--wandb-project {config.wandb_project!r} on a cluster needs your W&B API key as a Flyte secret: create it "
+            "(flyte create secret wandb-api-key) and name it in GRPO_FLYTE_WANDB_SECRET=wandb-api-key"
+        )
+    if config.engine.backend != "hf" and config.lora.lora_rank > max(VLLM_LORA_RANKS):
+        raise UserError(
+            f"--lora-rank {config.lora.lora_rank}: vLLM, which generates on a cluster's GPUs, serves LoRA ranks up to "
+            f"{max(VLLM_LORA_RANKS)}; expected at most {max(VLLM_LORA_RANKS)} (or --backend hf)"
+        )
+    names = [name for name in config.scoring.rewards if is_user_attribute(name)]
+    if is_user_attribute(config.episode.env):
+        names.append(config.episode.env)
+    for name in names:
+        problem = _not_shipped(name.split(":")[0], BUNDLE_ROOT if from_source_checkout() else None)
+        if problem:
+            raise UserError(f"{name!r}: {problem}")
+
+
+def _not_shipped(module: str, bundle_root: Path | None) -> str | None:
+    """Why `module` would not import in a pod (None when it would): only files under the bundle
+    root travel with a run (none for an installed wheel), and the task image holds grpo_flyte's
+    own dependencies, not the modules of this machine."""
+    spec = importlib.util.find_spec(module)  # it imported in check_inputs, so it is found
+    origin = Path(spec.origin).resolve() if spec and spec.origin else None
+    if origin is not None and bundle_root is not None and origin.is_relative_to(bundle_root):
+        return None
+    where = f"{str(origin)!r}" if origin else "this machine"
+    if bundle_root is None:
+        return (
+            f"module {module!r} is at {where}, which a run submitted from an installed grpo_flyte does not ship (the code is "
+            "the image's); submit from a source checkout with the module under its src/, or add it to the task image"
+        )
+    return (
+        f"module {module!r} is at {where}, outside the code bundle (only modules under {str(bundle_root)!r} travel with a "
+        f"run): move it there, e.g. {str(bundle_root / (module.replace('.', '/') + '.py'))!r}"
+    )
+
+
+def code_version() -> str:
+    """What names the code of a run submitted from an installed wheel (no bundle to hash): the
+    package version and a hash of its modules, so that changed code gets a new version."""
+    package = PACKAGE_DIR
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"{importlib.metadata.version('grpo-flyte')}-{digest.hexdigest()[:12]}"
+
+
+def run_context_options(custom_context: dict[str, str] | None = None) -> dict[str, Any]:
+    """`flyte.with_runcontext` options of a submission: a checkout's code travels in the code
+    bundle; an installed wheel is in the image already (envs._with_package), and bundling
+    site-packages would ship every loaded library, so it names its code with `code_version`."""
+    from grpo_flyte.envs import from_source_checkout
+
+    if from_source_checkout():
+        return {"copy_style": "loaded_modules", "custom_context": custom_context}
+    return {"copy_style": "none", "version": code_version(), "custom_context": custom_context}
+
+
+def require_cluster() -> None:
+    """Stop unless a Flyte cluster is configured: without an endpoint, flyte.run would quietly run
+    the whole loop on this machine instead of submitting it."""
+    import flyte.config
+
+    if not flyte.config.auto().platform.endpoint:
+        raise UserError(
+            "no Flyte cluster is configured (no admin endpoint in ./.flyte/config.yaml, ~/.flyte/config.yaml, "
+            "~/.union/config.yaml, $FLYTECTL_CONFIG or $UCTL_CONFIG); create one with "
+            "'flyte create config --endpoint <your-cluster> --project <p> --domain <d>', or add --local to run on this machine"
+        )
+
+
+def examples_inputs(examples: list[Example] | None, staging: Path, upload: Callable[[str, str], Any]) -> dict[str, Any]:
+    """A file dataset's rows as driver inputs: inline, or, past Flyte's inline limit, a folder
+    written under `staging` and given to `upload(local folder, content hash)`. Outside a task
+    `Dir.from_local_sync` uploads when the run is submitted: `staging` must outlive that."""
+    text = payload_text(examples) if examples else None
+    if text is None:
+        return {"examples": examples}
+    folder = staging / "examples"
+    folder.mkdir()
+    write_payload(folder, text)
+    return {"examples": [], "examples_file": [upload(str(folder), payload_key(text))]}
+
+
+def _connect(custom_context: dict[str, str] | None = None):
+    """flyte.init for this package's code; returns the run context to submit with."""
+    import flyte
+
+    require_cluster()
+    flyte.init_from_config(root_dir=BUNDLE_ROOT)
+    return flyte.with_runcontext(**run_context_options(custom_context))
+
+
+def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
+    """For --wandb-project on a cluster: the run context naming a new W&B run, and the W&B link
+    (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B.
+
+    The run is chosen here, before submitting, because the link is made when the task is
+    submitted; the driver then logs to the run the context names. The link needs the W&B entity
+    (user or team), from WANDB_ENTITY; wandb itself picks the key's default entity without it,
+    which the link cannot know."""
+    from grpo_flyte.reporting.tracking import WandbRun, new_run_id
+
+    if not project:
+        return {}, ()
+    chosen = WandbRun(project=project, id=new_run_id(), entity=os.environ.get("WANDB_ENTITY") or None)
+    if chosen.entity is None:
+        logger.warning(
+            "W&B: set WANDB_ENTITY (your W&B user or team) for the Flyte UI's W&B link to open run %s; without it, it opens wandb.ai",
+            chosen.id,
+        )
+    logger.info("W&B run %s in project %s, linked from the driver task in the Flyte UI", chosen.id, project)
+    return chosen.context(), (WandbRun.link(),)
+
+
+def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int:
+    """Submit `train_rl` for `config`, or with a `sweep` (`sweep_grid.expand_sweep`), `train_sweep`
+    for its configs (which share the data and the judge: the grid refuses keys that change them,
+    but the dataset, whose rows each config must then check; each base model is uploaded or
+    prefetched once, a folder for every config of it)."""
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.models.base import is_repo_id, resolve_local_model
+    from grpo_flyte.sweep import train_sweep
+
+    configs = [m.config for m in sweep] if sweep else [config]
+    checked = [check_inputs(c, local=False) for c in configs]
+    if sweep and len({repr(examples) for examples, _ in checked}) > 1:
+        raise UserError("--sweep dataset=...: a cluster sweep sends one dataset to its configs; expected one sweep per dataset")
+    examples = checked[0][0]
+    for c in configs:
+        check_submission(c)
+    context, links = wandb_submission(config.wandb_project)
+    runner = _connect(context)
+    for c, (_, c_split) in zip(configs, checked, strict=True):
+        if not is_repo_id(c.base.model):  # a Hub model is checked where it is fetched, by the trainer
+            check_model_fits(c, resolve_local_model(c.base.model), c_split)
+        if c.judging and not is_repo_id(c.judge.judge_model):  # a Hub judge: by the judge task
+            check_judge_fits(c, resolve_local_model(c.judge.judge_model, field="judge_model"), c_split)
+    base_models = {model: resolve_remote_model(model) for model in dict.fromkeys(c.base.model for c in configs)}
+    judging = configs[0].judging
+    inputs_judge = {"judge_model": resolve_remote_model(configs[0].judge.judge_model, field="judge_model")} if judging else {}
+    # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
+    task = train_sweep if sweep else train_rl
+    task = task.override(links=links) if links else task
+    what = {"members": sweep, "base_models": base_models} if sweep else {"config": config, "base_model": base_models[config.base.model]}
+    with tempfile.TemporaryDirectory() as staging:  # uploaded by runner.run, so kept until it returns
+        inputs = examples_inputs(examples, Path(staging), lambda folder, key: Dir.from_local_sync(folder, dir_cache_key=key))
+        run = runner.run(task, **what, **inputs, **inputs_judge)
+    print(run.url)
+    return 0
+
+
+def resume_remote(run_name: str) -> int:
+    """Rerun a cluster run with recovery. The driver starts again from the same inputs; every task
+    it submits gets the action name it had in the first run (names hash the inputs, and payload
+    folders carry a content hash), so each finished generate, score and train step is reused and
+    the loop is back where it stopped after a replay of its decisions."""
+    runner = _connect()
+    try:
+        run = runner.rerun(run_name, recover=True)
+    except NotImplementedError as exc:
+        raise UserError(f"--resume-run {run_name!r}: this cluster cannot recover runs ({exc}); start a new run") from None
+    except Exception as exc:  # noqa: BLE001 (a run not found, no access, ...: one line naming the run)
+        raise UserError(f"--resume-run {run_name!r}: {type(exc).__name__}: {exc}") from None
+    print(run.url)
+    return 0

@@ -1,0 +1,351 @@
+"""A local sweep (`--local --sweep KEY=V1,V2 ...`): every config trained at once in this process,
+in one folder.
+
+The sweep folder holds each config's run folder (exactly what a lone run of that config writes, so
+every tool that reads a run folder reads it), `sweep.json` (the configs), `sweep.jsonl` (each
+config's outcome and held-out figures) and `report.html` (the comparison, `grpo_flyte.reporting.sweep_report`).
+The configs run as concurrent Flyte local runs on Flyte's one event loop, so their `generate` calls
+meet in the replica's batcher and engine, and their train steps share the loaded base (both are
+per-process caches). They meet before each iteration's rollouts and each evaluation
+(`grpo_flyte.loop.lockstep`), so that those of every config are one engine batch; configs of another base model (`--sweep model=A,B`) get that base's own
+engine and loaded base, each built once. A failing config ends alone and the sweep says why; `--resume --run-dir SWEEP`
+continues every config that did not finish, each from its own checkpoint.
+
+On the console each line of a config starts with its name, a terminal shows a progress bar per
+config (`progress.RunProgress` on the sweep's shared bars), and the sweep ends with the comparison
+(`sweep_report.comparison_lines`). Ctrl-C and SIGTERM stop it as they stop a lone run: one line,
+what each config kept, the resume command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import datetime as dt
+import json
+import logging
+import shutil
+import signal
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grpo_flyte.config.grid import SweepMember
+from grpo_flyte.config.schema import PROG, RunConfig
+from grpo_flyte.errors import UserError
+from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
+from grpo_flyte.launch.run_folder import (
+    CONFIG_FILE,
+    DATA_FILE,
+    FLYTE_DATA,
+    LOG_FILE,
+    LocalRunFiles,
+    Terminated,
+    check_same_data,
+    check_writable,
+    data_fingerprint,
+    exit_now,
+    finish_local_run,
+    finished_iterations,
+    flyte_log_in,
+    one_line,
+    prepare_local_run,
+    remove_leftovers,
+    run_dir_lock,
+    sigterm_stops_like_ctrl_c,
+)
+from grpo_flyte.loop import observers
+from grpo_flyte.loop.lockstep import leave, lockstep
+from grpo_flyte.loop.state import LoopState
+from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
+from grpo_flyte.runtime.files import leftovers, write_text_atomic
+from grpo_flyte.types import REPORT_FILE, EvalAnswer, Example, MetricsRow
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+logger = logging.getLogger("grpo_flyte")
+
+SWEEP_FILE = "sweep.json"  # the sweep's configs: each one's name, what it changes, its whole config
+OUTCOMES_FILE = "sweep.jsonl"  # a line per config: its outcome and held-out figures
+
+
+def is_sweep_dir(path: Path | None) -> bool:
+    return path is not None and (path / SWEEP_FILE).is_file()
+
+
+class SweepBoard:
+    """Where each config stands; `sweep.jsonl` and the comparison report rewritten whole on every change."""
+
+    def __init__(self, root: Path, members: list[SweepMember]):
+        self.root = root
+        self.outcomes = {
+            m.name: ConfigOutcome(name=m.name, overrides=m.overrides, seed=m.config.seed, model=m.config.base.model) for m in members
+        }
+
+    def update(self, name: str, **changes: Any) -> None:
+        self.outcomes[name] = self.outcomes[name].model_copy(update=changes)
+        self.write()
+
+    def write(self, status: str = "running") -> None:
+        outcomes = list(self.outcomes.values())
+        key = held_out_key(outcomes)
+        write_text_atomic(self.root / OUTCOMES_FILE, "".join(json.dumps(figures(o, key)) + "\n" for o in outcomes))
+        write_text_atomic(self.root / REPORT_FILE, render_sweep_report(outcomes, status))
+
+
+class _ConfigProgress:
+    """A run observer that keeps one config's rows on the board."""
+
+    def __init__(self, board: SweepBoard, name: str):
+        self.board, self.name = board, name
+
+    def recorded(self, state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:
+        self.board.update(self.name, status="running", history=[r.flat() for r in state.history])
+
+    def report(self, html: str) -> None:
+        """Each config's own report is its run folder's; the board renders the comparison."""
+
+    def evaluating(self, iteration: int, answered: int, total: int) -> None:
+        """The comparison changes when an evaluation is recorded, not while it runs."""
+
+
+# The config whose work this is, outside its Flyte run (its folder's last files, its failure):
+# each config runs as an asyncio task of its own, which holds its own value.
+_config_name: contextvars.ContextVar[str | None] = contextvars.ContextVar("sweep_config", default=None)
+
+
+class _NamedLines(logging.Filter):
+    """The console's lines of a config's run start with its name: `[learning_rate=1e-4] iter 1/5 ...`."""
+
+    def __init__(self, names: dict[str, str]):
+        super().__init__()
+        self.names = names  # Flyte run name -> config name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = self.names.get(observers.current_run() or "") or _config_name.get()
+        if name and not getattr(record, "sweep_named", False):
+            record.msg, record.sweep_named = f"[{name}] {record.msg}", True
+        return True
+
+
+def _saved_members(sweep_dir: Path) -> list[SweepMember]:
+    try:
+        return [SweepMember.model_validate(m) for m in json.loads((sweep_dir / SWEEP_FILE).read_text())["configs"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"--resume: {str(sweep_dir / SWEEP_FILE)!r} is not a sweep's saved configs ({one_line(exc)[:200]})") from None
+
+
+def _finished(sweep_dir: Path) -> set[str]:
+    path = sweep_dir / OUTCOMES_FILE
+    if not path.is_file():
+        return set()
+    done = set()
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            if (entry := json.loads(line))["status"] == "complete":
+                done.add(entry["name"])
+    return done
+
+
+def prepare_sweep(
+    options: dict[str, Any], members: list[SweepMember], explicit: set[str]
+) -> tuple[Path, list[SweepMember], dict[str, tuple[RunConfig, str | None]]]:
+    """Check a sweep before writing anything: (sweep folder, its configs, for each config still to
+    run: its config and the checkpoint it resumes from)."""
+    sweep_dir: Path | None = options["run_dir"]
+    if options["resume"]:
+        if sweep_dir is None:
+            raise UserError("--resume needs --run-dir DIR: the folder of the run or sweep to continue")
+        if members or explicit:
+            raise UserError("--resume continues the sweep's saved configs; drop --sweep and the other options")
+        check_writable(sweep_dir)
+        members, done = _saved_members(sweep_dir), _finished(sweep_dir)
+        todo = {}
+        for m in members:
+            if m.name in done:
+                continue
+            run_dir = sweep_dir / m.name
+            if (run_dir / CONFIG_FILE).is_file():
+                _, config, checkpoint = prepare_local_run({"run_dir": run_dir, "resume": True}, m.config, set())
+                todo[m.name] = (config, checkpoint)
+            else:
+                todo[m.name] = (m.config, None)
+        return sweep_dir, members, todo
+    if sweep_dir is None:
+        sweep_dir = Path("runs") / f"sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    if (sweep_dir / SWEEP_FILE).exists() or (sweep_dir / CONFIG_FILE).exists():
+        raise UserError(f"--run-dir {str(sweep_dir)!r} already holds a run or sweep: add --resume to continue it, or pick another folder")
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise UserError(f"--run-dir {str(sweep_dir)!r} is a file; expected a folder")
+    check_writable(sweep_dir)
+    return sweep_dir, members, {m.name: (m.config, None) for m in members}
+
+
+def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explicit: set[str]) -> int:
+    """The local sweep: every check first (each config's data and model, nothing written until
+    they pass), then the sweep folder and its configs' folders, each locked, then all configs at once."""
+    from grpo_flyte.models.base import check_cache_writable, resolve_local_model
+
+    sweep_dir, members, todo = prepare_sweep(options, members, explicit)
+    inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}
+    bases = {model: resolve_local_model(model) for model in dict.fromkeys(todo[name][0].base.model for name in todo)}
+    model_dirs = {name: bases[config.base.model] for name, (config, _) in todo.items()}
+    judge_dir = None
+    check_cache_writable()
+    for m in members:
+        if m.name not in todo:
+            continue
+        config = todo[m.name][0]
+        examples, split = check_inputs(config, local=True)
+        inputs[m.name] = (examples, data_fingerprint(config, split))
+        if todo[m.name][1] is not None:
+            check_same_data(sweep_dir / m.name, inputs[m.name][1])
+        check_model_fits(config, model_dirs[m.name], split)
+        if config.judging:
+            judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model")
+            check_judge_fits(config, judge_dir, split)
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--run-dir {str(sweep_dir)!r} cannot be created ({exc.strerror}); expected a folder this user can write") from None
+    with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
+        if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
+            raise UserError(f"--run-dir {str(sweep_dir)!r} already holds a sweep: add --resume to continue it, or pick another folder")
+        for path in leftovers(sweep_dir):  # the sweep's own files (each config's folder is cleaned as it starts)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("removed %s, left half-written by a run that was killed", path)
+        configs = {"configs": [m.model_dump(mode="json") for m in members]}
+        write_text_atomic(sweep_dir / SWEEP_FILE, json.dumps(configs, indent=2) + "\n")
+        for name in todo:
+            (sweep_dir / name).mkdir(exist_ok=True)
+            locks.enter_context(run_dir_lock(sweep_dir / name))
+            write_text_atomic(sweep_dir / name / DATA_FILE, json.dumps(inputs[name][1], indent=2) + "\n")
+        board = SweepBoard(sweep_dir, members)
+        for m in members:  # a resumed sweep shows what each config did before: finished, or its iterations so far
+            done = {} if m.name in todo else {"status": "complete"}
+            board.outcomes[m.name] = board.outcomes[m.name].model_copy(update={**done, "history": _history(sweep_dir / m.name)})
+        board.write()
+        return _run_all(sweep_dir, members, todo, inputs, model_dirs, judge_dir, board)
+
+
+def _history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _run_all(
+    sweep_dir: Path,
+    members: list[SweepMember],
+    todo: dict[str, tuple[RunConfig, str | None]],
+    inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]],
+    model_dirs: dict[str, Path],
+    judge_dir: Path | None,
+    board: SweepBoard,
+) -> int:
+    from rich.console import Console
+
+    from grpo_flyte.reporting.progress import bars_shown, new_bars
+
+    runs = {name: f"grpo-{uuid.uuid4().hex[:10]}" for name in todo}
+    named = _NamedLines({run: name for name, run in runs.items()})
+    handlers = logging.getLogger().handlers
+    models = ", ".join(map(str, dict.fromkeys(model_dirs.values())))
+    logger.info("grpo_flyte local sweep in %s: %d configs (%d to run), model %s", sweep_dir, len(members), len(todo), models)
+    for handler in handlers:
+        handler.addFilter(named)
+    bars = new_bars(Console(stderr=True))  # a bar per config on a terminal, as a lone run has its own
+
+    async def all_configs() -> list[BaseException | None]:
+        jobs = [
+            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], judge_dir, board, bars)
+            for name, (config, resume_from) in todo.items()
+        ]
+        return await asyncio.gather(*jobs, return_exceptions=True)
+
+    try:
+        # the bars stop (and the terminal is whole again) before any message below
+        with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()):
+            errors = asyncio.run(all_configs())
+    except KeyboardInterrupt as exc:
+        for stopping in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stopping, signal.SIG_IGN)
+        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        kept = ", ".join(f"{name} {_kept(sweep_dir / name, config.iterations)}" for name, (config, _) in todo.items())
+        logger.error("%s: iterations kept: %s; continue with: %s --local --resume --run-dir %s", how, kept, PROG, sweep_dir)
+        exit_now(143 if isinstance(exc, Terminated) else 130)
+    finally:
+        for handler in handlers:
+            handler.removeFilter(named)
+    for name, error in zip(todo, errors, strict=True):
+        if isinstance(error, BaseException):
+            board.outcomes[name] = board.outcomes[name].model_copy(update={"status": "failed", "error": one_line(error)})
+    failed = [o for o in board.outcomes.values() if o.status == "failed"]
+    board.write("failed" if failed else "complete")
+    logger.info("%s", "\n  ".join(comparison_lines(list(board.outcomes.values()), {m.name: m.config.iterations for m in members})))
+    logger.info("sweep done: report %s, figures %s", sweep_dir / REPORT_FILE, sweep_dir / OUTCOMES_FILE)
+    for outcome in failed:
+        logger.error("config %s failed: %s", outcome.name, outcome.error)
+    if failed:
+        logger.error("%d of %d configs failed; the others finished. Continue the failed ones with: %s --local --resume --run-dir %s",
+                     len(failed), len(members), PROG, sweep_dir)  # fmt: skip
+        return 1
+    return 0
+
+
+def _kept(run_dir: Path, iterations: int) -> str:
+    done = [i for i in finished_iterations(run_dir) if i > 0]
+    return f"1-{max(done)} of {iterations}" if done else f"none of {iterations}"
+
+
+async def _run_config(
+    run_dir: Path,
+    name: str,
+    run: str,
+    config: RunConfig,
+    resume_from: str | None,
+    examples: list[Example] | None,
+    model_dir: Path,
+    judge_dir: Path | None,
+    board: SweepBoard,
+    bars: Progress,
+) -> None:
+    """One config's run, as a lone local run of it would go (its folder, its files, its bars), beside the others."""
+    import flyte
+    from flyte.io import Dir
+
+    from grpo_flyte.driver import train_rl
+    from grpo_flyte.reporting.progress import RunProgress, eta_seconds
+
+    _config_name.set(name)  # this task's own context: its lines outside the Flyte run are named too
+    for path in remove_leftovers(run_dir):
+        logger.info("removed %s, left half-written by a run that was killed", path)
+    write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
+    runner = flyte.with_runcontext(mode="local", name=run, raw_data_path=str(run_dir.resolve() / FLYTE_DATA))
+    files = LocalRunFiles(run_dir.resolve(), config.adapters_to_keep)
+    done = max([i for i in finished_iterations(run_dir) if i > 0], default=0)
+    progress = RunProgress(
+        config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished), bars=bars, name=name
+    )
+    board.update(name, status="running")
+    try:
+        with (
+            flyte_log_in(run_dir / LOG_FILE, run),
+            observers.observe(files, run),
+            observers.observe(_ConfigProgress(board, name), run),
+            observers.observe(progress, run),
+        ):
+            judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None and config.judging else {}
+            result = (
+                await runner.run.aio(
+                    train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from, **judge
+                )
+            ).outputs()[0]
+    except Exception as exc:
+        leave(run)  # a run that failed before its loop began: the others stop waiting for it
+        board.update(name, status="failed", error=one_line(exc))
+        logger.error("failed: %s; the traceback is in %s; the other configs go on", one_line(exc), run_dir / LOG_FILE)
+        raise
+    finish_local_run(files, config, result)
+    board.update(name, status="complete", history=[row.flat() for row in result.history])

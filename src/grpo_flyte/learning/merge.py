@@ -1,0 +1,36 @@
+"""The adapter merged into its base: one plain transformers model folder, for serving without PEFT."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The merged model's largest file: saving copies one file's tensors to the CPU at a time.
+MERGE_SHARD_SIZE = "2GB"
+
+
+def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
+    """Save base + LoRA as one plain transformers model folder (weights in the base's own dtype).
+
+    The base loads in its own dtype straight onto this process's device (the train pool's GPU), so
+    the merge needs one copy of the 16-bit base in GPU memory and none in the pod's memory (a
+    float32 copy on the CPU, 12 GB for a 3B base, did not fit the train pod). PEFT adds each
+    layer's update B @ A (computed from its float32 LoRA weights) to the weight in that dtype; the
+    folder is written in shards of at most `MERGE_SHARD_SIZE`, each copied to the CPU on its own.
+    The tokenizer is saved alongside.
+    """
+    import torch
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_flyte.models.base import load_device
+
+    saved = AutoConfig.from_pretrained(model_path)
+    dtype = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch.float32
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map={"": load_device()})
+    merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
+    merged.save_pretrained(str(out), max_shard_size=MERGE_SHARD_SIZE)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))

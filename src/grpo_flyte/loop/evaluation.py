@@ -1,0 +1,51 @@
+"""The held-out evaluation: greedy answers to the held-out questions, in chunks spread over the
+generate pool, scored as each chunk lands; its metrics and per-question answers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from flyte.io import Dir
+
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.loop import observers
+from grpo_flyte.loop.batches import generate_and_score, generate_parts
+from grpo_flyte.loop.metrics import eval_results
+from grpo_flyte.reward import score_groups
+from grpo_flyte.rollout import generate_eval
+from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, ScoredGroup
+
+# Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
+EVAL_CHUNK = 64
+
+
+async def run_eval(
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example], iteration: int
+) -> tuple[EvalMetrics, list[EvalAnswer]]:
+    """Greedy answers to the held-out questions on the generate pool: metrics and per-question
+    answers. Observers hear how many are answered as each chunk is scored (`iteration`: the
+    iterations trained before it)."""
+    started = time.perf_counter()
+    answered = 0
+
+    async def score_chunk(groups: list[Any]) -> list[ScoredGroup]:
+        nonlocal answered
+        chunk = await score_groups(config.scoring, config.sampling, groups)
+        answered += len(groups)
+        observers.evaluating(iteration, answered, len(questions))
+        return chunk
+
+    observers.evaluating(iteration, 0, len(questions))
+    generating = [
+        asyncio.create_task(
+            generate_eval(
+                **generate_parts(config), base_model=base_model, adapter=adapter, examples=questions[i : i + EVAL_CHUNK], first_index=i
+            )
+        )
+        for i in range(0, len(questions), EVAL_CHUNK)
+    ]
+    landed, _, _ = await generate_and_score(generating, score_chunk)
+    scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)
+    return eval_results(config, scored, time.perf_counter() - started)

@@ -1,0 +1,181 @@
+"""What an iteration and a held-out evaluation measured: the metrics rows' numbers, computed from
+the scored groups and the train step's result (pure: no Flyte, no torch).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from typing import Any
+
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.learning import grpo
+from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
+from grpo_flyte.types import BestCompletion, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """The mean and the half-width of its normal-approximation 95% interval (1.96 standard errors);
+    None when one value gives no interval (an infinite one would not survive JSON)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return mean, None
+    return mean, 1.96 * statistics.stdev(values) / math.sqrt(n)
+
+
+def _per_second(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
+def reward_means(config: RunConfig, scored: list[ScoredGroup]) -> tuple[dict[str, float], int]:
+    """Each weighted reward's mean (unweighted) score over the completions it applies to (a reward
+    that returned None for all of them has none), and how many (completion, reward) scores failed
+    and counted as 0 (on_reward_error='zero')."""
+    parts = [p for sg in scored for p in sg.rewards]
+    applied = {name: [p.scores[name] for p in parts if name in p.scores] for name in config.scoring.rewards}
+    means = {name: statistics.fmean(values) for name, values in applied.items() if values}
+    return means, sum(len(p.errors) for p in parts)
+
+
+def informative_group(sg: ScoredGroup, truncated: str) -> bool:
+    """Whether the group's training rewards (after the truncation policy) differ."""
+    return grpo.informative(grpo.training_rewards(sg.reward_values, sg.truncated, truncated))
+
+
+def iteration_metrics(
+    config: RunConfig, scored: list[ScoredGroup], result: TrainStepResult, timings: dict[str, float], stale_dropped: int = 0
+) -> TrainMetrics:
+    """`timings`: the stage seconds (TrainMetrics' `*_s` fields); `stale_dropped`: groups left out as
+    staler than max_staleness. A group's staleness counts the versions between the adapter that
+    generated it and the one the step started from."""
+    parts = [p for sg in scored for p in sg.rewards]
+    staleness = [result.adapter.version - 1 - sg.group.adapter_version for sg in scored]
+    rollouts = [r for sg in scored for r in sg.group.rollouts]
+    lengths = [len(r.completion_ids) for r in rollouts]
+    stats = result.stats
+    means, errors = reward_means(config, scored)
+    return TrainMetrics(
+        mean_reward=statistics.fmean(p.reward for p in parts),
+        accuracy=statistics.fmean(p.correct for p in parts),
+        format_rate=statistics.fmean(p.format for p in parts),
+        reward_means=means,
+        reward_errors=errors,
+        loss=stats.loss,
+        num_rollouts=len(parts),
+        num_groups=len(scored),
+        topup_groups=len(scored) - config.prompts_per_iter,
+        num_contributing=result.num_contributing,
+        frac_zero_std_groups=sum(not informative_group(sg, config.train.truncated) for sg in scored) / len(scored),
+        num_updates=stats.num_updates,
+        num_tokens=stats.num_tokens,
+        kl=stats.kl,
+        clip_fraction=stats.clip_fraction,
+        is_ratio_mean=stats.is_ratio_mean,
+        is_ratio_max=stats.is_ratio_max,
+        is_ess=stats.is_ess,
+        is_clipped_fraction=stats.is_clipped_fraction,
+        entropy=stats.entropy,
+        grad_norm=stats.grad_norm,
+        lr=stats.lr,
+        train_world_size=stats.world_size,
+        train_restore_s=stats.restore_s,
+        completion_len_mean=statistics.fmean(lengths),
+        completion_len_max=max(lengths),
+        truncated_fraction=statistics.fmean(r.finish_reason == "length" for r in rollouts),
+        **{stage: seconds for stage, seconds in timings.items() if stage != "judge_s"},
+        **judge_metrics(scored, timings.get("judge_s", 0.0)),
+        generate_tokens_per_s=_per_second(sum(r.num_model_tokens for r in rollouts), timings["generate_s"]),
+        score_tokens_per_s=_per_second(sum(lengths), sum(sg.score_s for sg in scored)),
+        train_tokens_per_s=_per_second(stats.num_tokens, timings["train_s"]),
+        **episode_metrics(rollouts),
+        staleness_mean=statistics.fmean(staleness),
+        staleness_max=max(staleness),
+        stale_dropped=stale_dropped,
+    )
+
+
+def episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
+    """The multi-turn metrics of a batch of episodes ({} for single-turn completions)."""
+    episodes = [(r, r.episode) for r in rollouts if r.episode is not None]
+    if not episodes:
+        return {}
+    return {
+        "turns_mean": statistics.fmean(e.model_turns for _, e in episodes),
+        "tool_calls_mean": statistics.fmean(e.tool_calls for _, e in episodes),
+        "tool_call_rate": statistics.fmean(e.tool_calls > 0 for _, e in episodes),
+        "tool_errors": sum(e.tool_errors for _, e in episodes),
+        "model_tokens_mean": statistics.fmean(r.num_model_tokens for r, _ in episodes),
+        "env_tokens_mean": statistics.fmean(len(r.completion_ids) - r.num_model_tokens for r, _ in episodes),
+        "episode_ends": dict(collections.Counter(e.end for _, e in episodes)),
+    }
+
+
+def _episode_fields(rollout: Rollout) -> dict[str, Any]:
+    episode = rollout.episode
+    return {} if episode is None else {"tool_calls": episode.tool_calls, "turns": episode.turns}
+
+
+def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
+    """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval),
+    the mean number of model turns and the environment steps that failed ({} for single-turn answers)."""
+    episodes = [r.episode for r in rollouts if r.episode is not None]
+    if not episodes:
+        return {}
+    rate, ci = mean_ci95([float(e.tool_calls > 0) for e in episodes])
+    return {
+        "eval_tool_call_rate": rate,
+        "eval_tool_call_rate_ci95": ci,
+        "eval_turns_mean": statistics.fmean(e.model_turns for e in episodes),
+        "eval_tool_errors": sum(e.tool_errors for e in episodes),
+    }
+
+
+def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
+    sg, i = max(((sg, i) for sg in scored for i in range(len(sg.rewards))), key=lambda x: x[0].rewards[x[1]].reward)
+    rollout = sg.group.rollouts[i]
+    judged = sg.judge is not None
+    return BestCompletion(
+        question=sg.group.example.question,
+        answer=sg.group.example.answer,
+        completion=rollout.text,
+        reward=sg.rewards[i].reward,
+        turns=rollout.episode.turns if rollout.episode else None,
+        judge_scores=list(sg.judge.scores) if judged else None,
+        group_texts=[r.text[:SHOWN_CHARS] for r in sg.group.rollouts] if judged else None,
+        index=i if judged else None,
+    )
+
+
+def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) -> tuple[EvalMetrics, list[EvalAnswer]]:
+    """A held-out evaluation's metrics and its answers, one per question (single-completion groups)."""
+    answers = [
+        EvalAnswer(
+            question=sg.group.example.question,
+            answer=sg.group.example.answer,
+            completion=sg.group.rollouts[0].text,
+            reward=sg.rewards[0].reward,
+            correct=sg.rewards[0].correct,
+            format=sg.rewards[0].format,
+            scores=sg.rewards[0].scores,
+            **_episode_fields(sg.group.rollouts[0]),
+        )
+        for sg in scored
+    ]
+    reward, reward_ci = mean_ci95([a.reward for a in answers])
+    accuracy, accuracy_ci = mean_ci95([float(a.correct) for a in answers])
+    means, errors = reward_means(config, scored)
+    metrics = EvalMetrics(
+        eval_reward=reward,
+        eval_reward_ci95=reward_ci,
+        eval_accuracy=accuracy,
+        eval_accuracy_ci95=accuracy_ci,
+        eval_format_rate=statistics.fmean(a.format for a in answers),
+        eval_reward_means=means,
+        eval_reward_errors=errors,
+        eval_size=len(answers),
+        eval_s=eval_s,
+        **eval_episode_metrics([sg.group.rollouts[0] for sg in scored]),
+    )
+    return metrics, answers

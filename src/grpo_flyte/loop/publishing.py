@@ -1,0 +1,70 @@
+"""What a run shows and hands out: the report (re-rendered into the task's report tab after every
+iteration, and shown to observers), the final report folder, and the exported adapter (or merged
+model) pushed to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+import asyncio
+
+import flyte
+import flyte.report
+from flyte.io import Dir
+
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.loop import observers
+from grpo_flyte.loop.state import LoopState
+from grpo_flyte.report_helpers import render_report, render_report_fragment
+from grpo_flyte.reporting import hub
+from grpo_flyte.runtime.storage import LocalDirCache, publish_dir
+from grpo_flyte.types import REPORT_FILE, AdapterRef
+
+REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
+
+
+async def publish_report(config: RunConfig, state: LoopState, status: str, message: str | None = None) -> str:
+    """Render the report, put it in the task's report tab (a fragment: the tab is a page of its
+    own), show the whole document to observers; returns the document."""
+    parts = {
+        "title": REPORT_TITLE,
+        "status": status,
+        "config": config.flat(),
+        "history": [row.flat() for row in state.history],
+        "best_completion": state.best_completion.model_dump() if state.best_completion else None,
+        "held_out_answers": [answer.model_dump() for answer in state.held_out_sample],
+        "message": message,
+    }
+    html = render_report(**parts)
+    observers.report(html)
+    if flyte.ctx():
+        await flyte.report.replace.aio(render_report_fragment(**parts), do_flush=True)
+    return html
+
+
+def exported(config: RunConfig, state: LoopState) -> tuple[AdapterRef, int]:
+    """The adapter --push-to-hub and --export-merged take (--export-adapter), and its iteration:
+    the best one (the final one when nothing was evaluated), or the final one."""
+    best = state.guard.best
+    if config.guard.export_adapter == "best" and best is not None:
+        return best.adapter, best.iteration
+    return state.adapter, state.iterations_done
+
+
+async def push_to_hub(config: RunConfig, state: LoopState, merged: Dir | None, folders: LocalDirCache) -> str:
+    """Upload the exported adapter (`exported`), or the merged model, with its model card
+    (`hub.push_folder`), read through `folders` (the driver's download cache). A failure fails the run after its last checkpoint: a resume (or the
+    driver's retry) goes straight to the export and tries again."""
+    adapter, iteration = exported(config, state)
+    folder = await folders.get(merged if merged is not None else adapter.dir)
+    card = hub.model_card(config, state.history, merged=merged is not None, iteration=iteration)
+    return await asyncio.to_thread(hub.push_folder, folder, config.push_to_hub, card)
+
+
+async def report_dir(html: str, version: int) -> Dir:
+    """The final report as a task output: a folder holding `report.html`, published like an adapter
+    (locally it stays under the run's raw data; a temp folder would be gone once this returns).
+
+    A Dir rather than a File: `File.from_local` requires `flyte.init()`, which a local run started
+    with `flyte.with_runcontext(mode="local")` need not have called.
+    """
+    folder, _ = await publish_dir(lambda out: (out / REPORT_FILE).write_text(html, encoding="utf-8"), f"v{version:04d}", folder="reports")
+    return folder

