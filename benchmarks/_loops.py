@@ -23,8 +23,8 @@ from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.learning import policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.loop.metrics import informative_group
-from grpo_flyte.models.base import resolve_dtype
 from grpo_flyte.reward import score
+from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.types import RolloutGroup, ScoredGroup, StepStats
 
 

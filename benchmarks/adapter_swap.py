@@ -38,7 +38,8 @@ from grpo_flyte.data import arithmetic_split
 from grpo_flyte.engine import engines
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.learning import policy
-from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.torch_thread import on_torch_thread
 from grpo_flyte.types import AdapterRef
 

@@ -35,7 +35,7 @@ from grpo_flyte.engine import mixed_lora
 from grpo_flyte.engine.decoding import Sampling, decode
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
-from grpo_flyte.models.base import best_device, resolve_dtype, torch_dtype
+from grpo_flyte.runtime.device import best_device, resolve_dtype, torch_dtype
 
 
 def random_smollm2(out: Path, layers: int = 30) -> Path:

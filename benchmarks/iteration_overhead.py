@@ -32,7 +32,8 @@ from _loops import bare_iteration, flyte_iteration, same_adapter
 
 from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.learning import update as policy_update
-from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 TARGET = 1.05

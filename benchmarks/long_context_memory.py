@@ -10,7 +10,7 @@ loaded model's (the process's high-water mark, reset once the model is loaded) o
   an episode of N tokens: a 32-token prompt, the page, 16 of the model's tokens (the trained ones).
 
 "after" is this checkout; "before" sets the knobs back to main's code before issue 40: every
-attention call through `decoding.grouped_attention`'s own arithmetic (a queries x keys scores
+attention call through `attention.grouped_attention`'s own arithmetic (a queries x keys scores
 matrix per head), the context prefilled in one pass, no checkpointing past --micro-batch-tokens.
 Each case runs in a fresh process (--quick: each side's cases in one); the ratio before / after is
 taken at the same N, in one run.
@@ -61,8 +61,9 @@ def _before() -> None:
     """main's behaviour before issue 40: eager-style attention everywhere, one-pass prefill, no automatic checkpointing."""
     from grpo_flyte.engine import decoding
     from grpo_flyte.learning import update as policy_update
+    from grpo_flyte.models import attention
 
-    decoding.GROUPED_SCORES_LIMIT = float("inf")
+    attention.GROUPED_SCORES_LIMIT = float("inf")
     decoding.PREFILL_CHUNK_TOKENS = 2**40
     policy_update.checkpointed = lambda train, lengths: train.gradient_checkpointing
 
@@ -73,7 +74,7 @@ def measure(case: str, side: str, num: int) -> dict:
     from grpo_flyte.engine import engines
     from grpo_flyte.learning import grpo, policy
     from grpo_flyte.learning import update as policy_update
-    from grpo_flyte.models.base import embedded_model_dir
+    from grpo_flyte.models.embedded import embedded_model_dir
 
     if side == "before":
         _before()

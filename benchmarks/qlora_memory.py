@@ -38,7 +38,8 @@ import _common
 from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
-from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.runtime.device import resolve_dtype
 
 TARGET = 3.0
 EMBEDDINGS = "4-bit+embeddings"  # --load-in-4bit --embeddings-in-4bit

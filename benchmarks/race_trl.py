@@ -55,7 +55,8 @@ from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_args, trl_reward, trl_rows
 from grpo_flyte.config.schema import RunConfig
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.loop.metrics import mean_ci95
-from grpo_flyte.models.base import embedded_model_dir, fast_bfloat16, resolve_dtype
+from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.runtime.device import fast_bfloat16, resolve_dtype
 from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 POLL_S = 0.5

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_flyte.models.base import embedded_model_dir
+from grpo_flyte.models.embedded import embedded_model_dir
 
 # The tiny random model the tests use lives with them (test scaffolding stays out of the package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

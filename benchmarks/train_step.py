@@ -38,7 +38,8 @@ from grpo_flyte.engine.decoding import sub_seed as rollout_seed
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
-from grpo_flyte.models.base import embedded_model_dir, resolve_dtype
+from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.runtime.device import resolve_dtype
 
 TARGET = 0.9
 

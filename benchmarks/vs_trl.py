@@ -44,7 +44,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
-from grpo_flyte.models.base import embedded_model_dir
+from grpo_flyte.models.embedded import embedded_model_dir
 from grpo_flyte.runtime.torch_thread import on_torch_thread
 
 TARGET = 0.55
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip TRL's defaults (bfloat16 autocast: many minutes a step on a CPU without fast bfloat16)",
     )
     args = p.parse_args(argv)
-    from grpo_flyte.models.base import fast_bfloat16
+    from grpo_flyte.runtime.device import fast_bfloat16
 
     trl_fast_settings = TRL_FAST_BF16 if fast_bfloat16() else TRL_FAST_FP32
     _common.quiet_logs()

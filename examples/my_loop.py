@@ -57,7 +57,7 @@ async def curriculum(base_model: Dir, config: RunConfig | None = None) -> Adapte
 
 
 if __name__ == "__main__":
-    from grpo_flyte.models.base import embedded_model_dir
+    from grpo_flyte.models.embedded import embedded_model_dir
 
     run = flyte.with_runcontext(mode="local").run(curriculum, base_model=Dir(path=str(embedded_model_dir())))
     print(run.outputs()[0])

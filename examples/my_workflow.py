@@ -32,7 +32,7 @@ async def finetune_and_report(base_model: Dir, iterations: int = 2) -> AdapterRe
 
 
 if __name__ == "__main__":
-    from grpo_flyte.models.base import embedded_model_dir
+    from grpo_flyte.models.embedded import embedded_model_dir
 
     run = flyte.with_runcontext(mode="local").run(finetune_and_report, base_model=Dir(path=str(embedded_model_dir())))
     print(run.outputs()[0])

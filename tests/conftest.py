@@ -28,7 +28,7 @@ import warm_python  # noqa: E402 (imports no torch, but after the setting all th
 
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
-    from grpo_flyte.models.base import embedded_model_dir
+    from grpo_flyte.models.embedded import embedded_model_dir
 
     return embedded_model_dir()
 

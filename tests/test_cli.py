@@ -585,10 +585,10 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
 @pytest.mark.parametrize("case", ["run_dir_under_a_file", "read_only_run_dir", "cache_is_a_file"])
 def test_unusable_folders_are_one_line_before_any_work(tmp_path, monkeypatch, capsys, case):
     from grpo_flyte.launch import cli
-    from grpo_flyte.models import base as models
+    from grpo_flyte.models import folders
     from grpo_flyte.runtime import files
 
-    monkeypatch.setattr(models, "resolve_local_model", lambda model: pytest.fail("no work may start"))
+    monkeypatch.setattr(folders, "resolve_local_model", lambda model: pytest.fail("no work may start"))
     args = ["--local", "--iterations", "1", "--eval-size", "2"]
     if case == "run_dir_under_a_file":
         (tmp_path / "file").write_text("x")
@@ -754,7 +754,7 @@ def test_help_speaks_in_words_with_one_default_per_flag():
 
 def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
     from grpo_flyte.launch import cli, run_folder
-    from grpo_flyte.models import base as models
+    from grpo_flyte.models import folders
 
     args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
     monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
@@ -763,8 +763,8 @@ def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_
     assert err.startswith("error: --lora-target-modules 'query_key_value' names no linear layer of")
     assert "expected some of down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj, or 'all-linear'" in err
     assert not (tmp_path / "run").exists()
-    assert models.lora_target_problem(tiny_model_dir, ("all-linear",)) is None
-    assert models.lora_target_problem(tiny_model_dir, ("q_proj", "down_proj")) is None
+    assert folders.lora_target_problem(tiny_model_dir, ("all-linear",)) is None
+    assert folders.lora_target_problem(tiny_model_dir, ("q_proj", "down_proj")) is None
     with pytest.raises(ConfigError, match="'all-linear' already names every linear layer"):
         make_config(lora_target_modules=("all-linear", "q_proj"))
 

@@ -30,18 +30,18 @@ def test_defaults_are_valid():
 def test_auto_dtype_is_bfloat16_only_where_bfloat16_matmuls_are_fast(monkeypatch):
     import torch
 
-    from grpo_flyte.models import base as models
+    from grpo_flyte.runtime import device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # e.g. an AVX2-only CPU
-    assert models.resolve_dtype("auto") == "float32"
-    assert models.torch_dtype("auto") is torch.float32
+    assert device.resolve_dtype("auto") == "float32"
+    assert device.torch_dtype("auto") is torch.float32
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # AVX-512 / AMX
-    assert models.resolve_dtype("auto") == "bfloat16"
+    assert device.resolve_dtype("auto") == "bfloat16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)  # e.g. a T4
-    assert models.resolve_dtype("auto") == "float32"
-    assert (models.resolve_dtype("float32"), models.resolve_dtype("bfloat16")) == ("float32", "bfloat16")
+    assert device.resolve_dtype("auto") == "float32"
+    assert (device.resolve_dtype("float32"), device.resolve_dtype("bfloat16")) == ("float32", "bfloat16")
 
 
 def test_make_config_sets_fields():

@@ -228,13 +228,13 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
     assert not cache.entries and cache.num_bytes == 0
 
 
-# The attention the generator decodes with (models.attention_for) changes the work, not the rows.
+# The attention the generator decodes with (attention.attention_for) changes the work, not the rows.
 
 
 def test_grouped_attention_is_eager_attention_without_the_repeated_cache():
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from grpo_flyte.engine.decoding import grouped_attention
+    from grpo_flyte.models.attention import grouped_attention
 
     class Module:
         num_key_value_groups, training = 3, False
@@ -258,7 +258,7 @@ def test_grouped_attention_takes_sdpas_masks_and_hands_long_calls_to_the_fused_k
     through torch's fused kernel, which never holds them. Eager attention's numbers either way."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from grpo_flyte.engine import decoding
+    from grpo_flyte.models import attention
 
     class Module:
         num_key_value_groups, training, is_causal = 3, False, True
@@ -275,19 +275,19 @@ def test_grouped_attention_takes_sdpas_masks_and_hands_long_calls_to_the_fused_k
 
     padded = eager_attention_forward(Module(), query, key, value, additive(mask), scaling=0.4)[0]
     plain = eager_attention_forward(Module(), query, key, value, additive(causal.expand(2, 1, 5, 5)), scaling=0.4)[0]
-    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, mask, scaling=0.4)[0], padded, atol=1e-12)
-    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-12)
-    monkeypatch.setattr(decoding, "GROUPED_SCORES_LIMIT", 0)
-    fused, weights = decoding.grouped_attention(Module(), query, key, value, mask, scaling=0.4)
+    assert torch.allclose(attention.grouped_attention(Module(), query, key, value, mask, scaling=0.4)[0], padded, atol=1e-12)
+    assert torch.allclose(attention.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-12)
+    monkeypatch.setattr(attention, "GROUPED_SCORES_LIMIT", 0)
+    fused, weights = attention.grouped_attention(Module(), query, key, value, mask, scaling=0.4)
     # the fused CPU kernel sums in float32 whatever the type
     assert weights is None and torch.allclose(fused, padded, atol=1e-6)
-    assert torch.allclose(decoding.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-6)
+    assert torch.allclose(attention.grouped_attention(Module(), query, key, value, None, scaling=0.4)[0], plain, atol=1e-6)
 
 
 def _grouped(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.engine.decoding import register_grouped_attention
+    from grpo_flyte.models.attention import register_grouped_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
     model.set_attn_implementation(register_grouped_attention())
@@ -318,6 +318,7 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
     chunk's queries by the context's keys; the one-pass prefill's would be 4 x 2,400 x 2,400 (a
     7,000-token reply on the embedded model: 9 x 7,000 x 7,000 a layer, ~3.5 GB with its float32 softmax)."""
     from grpo_flyte.engine import decoding
+    from grpo_flyte.models import attention
 
     model = _grouped(tiny_model_dir)
     context = [1 + (7 * i) % 500 for i in range(2400)]
@@ -336,14 +337,14 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded_fused)
     rows = run(model, [context, context], Sampling(temperature=1.0, top_p=1.0, max_new_tokens=3), prefixes=PrefixCache(2**30))
     assert [len(ids) for ids, _ in rows] == [3, 3]
-    assert scores and max(scores) <= decoding.GROUPED_SCORES_LIMIT
+    assert scores and max(scores) <= attention.GROUPED_SCORES_LIMIT
     assert masks and max(masks) <= decoding.PREFILL_CHUNK_TOKENS * len(context)
 
 
 def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo_flyte.engine.decoding import register_grouped_attention
+    from grpo_flyte.models.attention import register_grouped_attention
 
     sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=6)
     group = [PROMPTS[0]] * 2 + PROMPTS[1:]  # rows of three lengths, two sharing a context
@@ -362,11 +363,11 @@ def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
 
 def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
     from grpo_flyte.engine import engines
-    from grpo_flyte.engine.decoding import GROUPED_ATTENTION
-    from grpo_flyte.models import base as models
+    from grpo_flyte.models import attention
+    from grpo_flyte.models.attention import GROUPED_ATTENTION
 
-    assert models.attention_for("cpu", plain=True) == GROUPED_ATTENTION
-    assert models.attention_for("cuda", plain=True) == models.attention_for("cpu", plain=False) == "sdpa"
+    assert attention.attention_for("cpu", plain=True) == GROUPED_ATTENTION
+    assert attention.attention_for("cuda", plain=True) == attention.attention_for("cpu", plain=False) == "sdpa"
     for dtype in ("bfloat16", "float32"):
         engine = engines.HFGenerator(str(tiny_model_dir), dtype, 1)
         assert engine.base.config._attn_implementation == GROUPED_ATTENTION and str(engine.base.dtype) == f"torch.{dtype}"

@@ -84,7 +84,7 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
 
     from grpo_flyte.errors import DeviceError
     from grpo_flyte.learning import policy
-    from grpo_flyte.models.base import best_device
+    from grpo_flyte.runtime.device import best_device
 
     assert best_device() == "cpu"  # this machine: no GPU, none required
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")

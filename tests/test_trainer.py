@@ -164,15 +164,16 @@ def test_the_trainer_differentiates_the_models_own_logits(kind):
 
 
 def test_on_a_cpu_the_trainer_attends_with_grouped_attention_and_differentiates_as_sdpa(llama_dir):
-    # models.load_base gives the trainer grouped attention on a CPU; on right-padded rows of four
+    # loading.load_base gives the trainer grouped attention on a CPU; on right-padded rows of four
     # lengths its log-probs and LoRA gradients are those of transformers' fused attention.
     from peft import LoraConfig, get_peft_model
 
-    from grpo_flyte.engine.decoding import GROUPED_ATTENTION
-    from grpo_flyte.models import base as models
+    from grpo_flyte.models import loading
+    from grpo_flyte.models.attention import GROUPED_ATTENTION
+    from grpo_flyte.runtime import device
 
-    base = models.load_base(str(llama_dir), "float32")
-    expected = GROUPED_ATTENTION if models.best_device() == "cpu" else "sdpa"
+    base = loading.load_base(str(llama_dir), "float32")
+    expected = GROUPED_ATTENTION if device.best_device() == "cpu" else "sdpa"
     assert base.config._attn_implementation == expected
     model = get_peft_model(base.double(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     sequences, sampling = [A, B, C, D], RunConfig(temperature=0.7).sampling
@@ -453,7 +454,7 @@ def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still
     import bitsandbytes as bnb
     import transformers
 
-    from grpo_flyte.models.base import load_base
+    from grpo_flyte.models.loading import load_base
 
     path = tmp_path / "llama"
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
@@ -488,7 +489,7 @@ def test_embeddings_in_4bit_hold_the_embedding_and_output_layer_in_nf4_and_still
 def test_the_kl_reference_of_a_4bit_run_is_the_4bit_base(llama32_dir):
     """The reference log-probs are the same NF4 weights with the adapter disabled (no 16-bit copy):
     equal to a 4-bit base loaded alone, and not to the 16-bit base."""
-    from grpo_flyte.models.base import load_base
+    from grpo_flyte.models.loading import load_base
 
     llama_dir = llama32_dir
     model, optimizer, config = _four_bit(llama_dir, learning_rate=5e-2, beta=0.1)
@@ -535,7 +536,8 @@ def test_the_base_loads_straight_onto_the_device_not_whole_into_cpu_memory_first
     pod's memory)."""
     import transformers
 
-    from grpo_flyte.models.base import best_device, load_base
+    from grpo_flyte.models.loading import load_base
+    from grpo_flyte.runtime.device import best_device
 
     asked = []
     real = transformers.AutoModelForCausalLM.from_pretrained
@@ -576,7 +578,7 @@ def test_the_merge_loads_the_base_in_its_own_dtype_onto_the_device(tmp_path, lla
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     merge.merge_into_base(str(half), str(tmp_path / "adapter"), tmp_path / "merged")
-    from grpo_flyte.models.base import load_device
+    from grpo_flyte.runtime.device import load_device
 
     assert loads == [(torch.bfloat16, {"": load_device()})]
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))

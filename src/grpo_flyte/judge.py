@@ -24,7 +24,7 @@ from grpo_flyte.config.schema import EngineConfig, JudgeConfig, RewardConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.envs import judge_env
 from grpo_flyte.errors import RewardError, input_errors_not_retried
-from grpo_flyte.models.base import resolve_dtype
+from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.storage import replica_cache
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.scoring.judging import (

@@ -17,7 +17,7 @@ from grpo_flyte.config.schema import MAX_BASES, MAX_STALENESS, EngineConfig, Epi
 from grpo_flyte.engine import engines
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.models.base import resolve_dtype
+from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.storage import replica_cache
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 

@@ -159,7 +159,7 @@ def _may_use_vllm(config: RunConfig, local: bool) -> bool:
         return backend == "vllm"
     if not local:
         return True
-    from grpo_flyte.models.base import cuda_available
+    from grpo_flyte.runtime.device import cuda_available
 
     return importlib.util.find_spec("vllm") is not None and cuda_available()
 

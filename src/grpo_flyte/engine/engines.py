@@ -48,7 +48,8 @@ from grpo_flyte.engine import episodes, mixed_lora
 from grpo_flyte.engine.decoding import Sampling, sub_seed
 from grpo_flyte.engine.prompts import is_chat, tokenize_prompt
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.models.base import best_device, cuda_available, set_attention, torch_dtype
+from grpo_flyte.models.attention import set_attention
+from grpo_flyte.runtime.device import best_device, cuda_available, torch_dtype
 from grpo_flyte.runtime.files import files_of
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread, until_idle
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Example, Rollout

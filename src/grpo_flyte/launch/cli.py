@@ -33,7 +33,7 @@ from grpo_flyte.errors import GrpoFlyteError, UserError, flag
 from grpo_flyte.launch.run_folder import run_local
 from grpo_flyte.launch.submit import resume_remote, run_remote
 from grpo_flyte.launch.sweep_folder import is_sweep_dir, run_sweep_local
-from grpo_flyte.models.base import quiet_bitsandbytes
+from grpo_flyte.models.loading import quiet_bitsandbytes
 
 logger = logging.getLogger("grpo_flyte")
 

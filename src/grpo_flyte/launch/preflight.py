@@ -84,7 +84,7 @@ def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Examp
     """What the config asks of the model, checked before any task starts: a usable folder (weights,
     a tokenizer that loads), the LoRA target layers and, when the rows are known here, every
     prompt's length in the model's tokens."""
-    from grpo_flyte.models.base import check_model_folder, lora_target_problem
+    from grpo_flyte.models.folders import check_model_folder, lora_target_problem
 
     tokenizer = check_model_folder(model_dir, field="model")
     problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
@@ -99,7 +99,7 @@ def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Examp
     a judge prompt (its instructions, the rubric and the longest training question; no question
     when the rows are not known here) that leaves room in judge_context_tokens for one whole
     completion (a group then fits in as many judge calls as it needs)."""
-    from grpo_flyte.models.base import check_model_folder
+    from grpo_flyte.models.folders import check_model_folder
     from grpo_flyte.scoring.judging import completion_room, fixed_tokens, token_count
 
     tokenizer = check_model_folder(judge_dir, field="judge_model")

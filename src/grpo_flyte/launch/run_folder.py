@@ -325,7 +325,8 @@ def _wandb_dir(run_dir: Path) -> Iterator[None]:
 
 
 def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
-    from grpo_flyte.models.base import check_cache_writable, resolve_local_model
+    from grpo_flyte.models.folders import resolve_local_model
+    from grpo_flyte.runtime.cache import check_cache_writable
 
     resuming = bool(options["resume"])
     # Every check first (nothing is written until they pass), then the folder's lock, then writes.

@@ -41,7 +41,7 @@ def resolve_remote_model(model: str, field: str = "model"):
     from flyte.io import Dir
 
     from grpo_flyte.envs import settings
-    from grpo_flyte.models.base import resolve_local_model
+    from grpo_flyte.models.folders import resolve_local_model
 
     if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
         return Dir.from_local_sync(str(resolve_local_model(model, field)))
@@ -199,7 +199,7 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
-    from grpo_flyte.models.base import is_repo_id, resolve_local_model
+    from grpo_flyte.models.folders import is_repo_id, resolve_local_model
     from grpo_flyte.sweep import train_sweep
 
     configs = [m.config for m in sweep] if sweep else [config]

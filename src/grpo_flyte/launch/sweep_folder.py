@@ -186,7 +186,8 @@ def prepare_sweep(
 def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explicit: set[str]) -> int:
     """The local sweep: every check first (each config's data and model, nothing written until
     they pass), then the sweep folder and its configs' folders, each locked, then all configs at once."""
-    from grpo_flyte.models.base import check_cache_writable, resolve_local_model
+    from grpo_flyte.models.folders import resolve_local_model
+    from grpo_flyte.runtime.cache import check_cache_writable
 
     sweep_dir, members, todo = prepare_sweep(options, members, explicit)
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}

@@ -19,7 +19,7 @@ from grpo_flyte.config.schema import LoraConfig, ModelConfig, SamplingConfig, Tr
 from grpo_flyte.errors import GrpoFlyteError, failed_workers
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
-from grpo_flyte.models.base import best_device
+from grpo_flyte.runtime.device import best_device
 from grpo_flyte.runtime.storage import from_payload, node_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 

@@ -22,7 +22,7 @@ def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_flyte.models.base import load_device
+    from grpo_flyte.runtime.device import load_device
 
     saved = AutoConfig.from_pretrained(model_path)
     dtype = getattr(saved, "dtype", None) or getattr(saved, "torch_dtype", None)

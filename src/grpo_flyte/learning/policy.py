@@ -15,7 +15,9 @@ from pathlib import Path
 
 from grpo_flyte.config.schema import MAX_BASES, LoraConfig, ModelConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
-from grpo_flyte.models.base import ALL_LINEAR, best_device, load_base, quiet_bitsandbytes, resolve_dtype, shareable_base
+from grpo_flyte.models.folders import ALL_LINEAR, shareable_base
+from grpo_flyte.models.loading import load_base, quiet_bitsandbytes
+from grpo_flyte.runtime.device import best_device, resolve_dtype
 from grpo_flyte.runtime.files import files_of
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE
 

@@ -5,6 +5,6 @@
 the README and examples use it); everything else is imported from its module.
 """
 
-from grpo_flyte.models.base import embedded_model_dir
+from grpo_flyte.models.embedded import embedded_model_dir
 
 __all__ = ["embedded_model_dir"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_flyte.config.schema import RunConfig
-from grpo_flyte.models.base import shareable_base
+from grpo_flyte.models.folders import shareable_base
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow, plus_minus
 
 logger = logging.getLogger("grpo_flyte")

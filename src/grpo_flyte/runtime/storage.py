@@ -20,7 +20,7 @@ import flyte
 from flyte.io import Dir
 from pydantic import BaseModel
 
-from grpo_flyte.models.base import cache_root
+from grpo_flyte.runtime.cache import cache_root
 from grpo_flyte.runtime.files import build_dir_atomic, write_bytes_atomic
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 

@@ -1,0 +1,128 @@
+"""Loading a base model for training: in 16 bits or with its linear layers in NF4 (QLoRA), straight
+onto its device, with the attention `grpo_flyte.models.attention` chooses.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+from grpo_flyte.models.attention import set_attention
+from grpo_flyte.runtime.device import best_device, load_device, torch_dtype
+
+
+def quiet_bitsandbytes() -> None:
+    """Before anything imports bitsandbytes (peft and transformers do when it is installed): keep
+    its note at import that an optional faster CPU kernel (the `kernels` package, fetched from the
+    Hub) is missing off the console; its own CPU kernels work."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+def load_base(model_path: str, dtype: str, load_in_4bit: bool = False, embeddings_in_4bit: bool = False):
+    """The base model for training, on `best_device`: in `dtype` or, with `load_in_4bit`, with its
+    linear layers in NF4 (QLoRA: 4-bit NormalFloat, double quantization of the scales) computing in
+    `dtype`, the 16-bit type; the embeddings, norms and output layer stay in `dtype`, unless
+    `embeddings_in_4bit` (`nf4_embeddings`). Its attention is `set_attention`'s.
+
+    The weights load straight onto the device (`load_device`), never whole into CPU memory first:
+    the processes of a multi-GPU train step each load the base at once, in one pod."""
+    quiet_bitsandbytes()
+    from transformers import AutoModelForCausalLM
+
+    model = (
+        _load_4bit(model_path, dtype, embeddings_in_4bit)
+        if load_in_4bit
+        else AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype), device_map={"": load_device()})
+    )
+    set_attention(model, best_device())
+    return model
+
+
+def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch_dtype(dtype),
+    )
+    # A 4-bit model cannot be moved after loading: it is placed as it loads (on this process's GPU).
+    device = load_device()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
+    )
+    if embeddings_in_4bit:
+        nf4_embeddings(model, torch_dtype(dtype))
+    if device == "cpu":
+        _keep_nf4_differentiable(model)
+    return model
+
+
+def nf4_embeddings(model, compute_dtype) -> None:
+    """Put a 4-bit model's input embedding matrix and output layer in NF4 too (double quantization),
+    in place; a tied output layer shares the embedding's 4-bit weight, as it shared the 16-bit one.
+
+    The lookup dequantizes the matrix and indexes it (`_nf4_embedding`); the output layer is
+    bitsandbytes' Linear4bit. Both are frozen: LoRA never targets them here."""
+    import bitsandbytes as bnb
+
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+
+    def packed(weight):
+        return bnb.nn.Params4bit(weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True).to(weight.device)
+
+    weight = packed(embedding.weight)
+    model.set_input_embeddings(_nf4_embedding()(weight, embedding.padding_idx, compute_dtype))
+    if head is not None:
+        out = bnb.nn.Linear4bit(
+            head.in_features, head.out_features, bias=head.bias is not None, compute_dtype=compute_dtype, quant_type="nf4"
+        )
+        out.weight = weight if tied else packed(head.weight)
+        if head.bias is not None:
+            out.bias = head.bias
+        model.set_output_embeddings(out)
+
+
+@functools.cache
+def _nf4_embedding():
+    """The embedding module of `nf4_embeddings` (a class made on first use: torch is imported lazily)."""
+    import bitsandbytes as bnb
+    import torch
+
+    class NF4Embedding(torch.nn.Module):
+        """An embedding matrix held as a bitsandbytes NF4 parameter: each lookup dequantizes it
+        whole (a transient 16-bit copy, as bitsandbytes' 4-bit linear layers make per pass) and
+        indexes it."""
+
+        def __init__(self, weight, padding_idx: int | None, compute_dtype) -> None:
+            super().__init__()
+            self.weight, self.padding_idx, self.compute_dtype = weight, padding_idx, compute_dtype
+
+        def forward(self, ids):
+            matrix = bnb.functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(self.compute_dtype)
+            return torch.nn.functional.embedding(ids, matrix, self.padding_idx)
+
+    return NF4Embedding
+
+
+def _keep_nf4_differentiable(model) -> None:
+    """Turn off bitsandbytes' CPU inference repacking on every 4-bit layer. On a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks a layer's weights for a faster kernel the first time it
+    runs in eval mode without gradients (the trainer's reference pass does), and from then on the
+    layer passes no gradient to its input: the LoRA layers before it would silently stop learning
+    (a test checks the gradients reach them). The repacking also requires output features in
+    multiples of 32."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _require(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"{', '.join(missing)} missing: pip install 'grpo-flyte[local]'")

@@ -1,0 +1,78 @@
+"""The device and dtype this process computes with: whether CUDA is usable (and an error where a
+GPU was promised but CUDA is not), where a model loads, and what `dtype: auto` means here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from grpo_flyte.errors import DeviceError
+
+
+def fast_bfloat16() -> bool:
+    """Whether bfloat16 matmuls are fast here: on a CUDA GPU that supports them, or on a CPU whose
+    oneDNN kernels do (AVX-512 or AMX). Without those, torch falls back to a reference bfloat16
+    GEMM that measured 30-50x slower than float32 on an AVX2-only EPYC."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        return False
+
+
+def resolve_dtype(name: str) -> str:
+    """The dtype a config's `dtype` means on this machine: 'auto' is bfloat16 where it is fast
+    (`fast_bfloat16`), else float32; an explicit name is kept."""
+    if name != "auto":
+        return name
+    return "bfloat16" if fast_bfloat16() else "float32"
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[resolve_dtype(name)]
+
+
+# Set on the task environments that are given a GPU (grpo_flyte.envs): there, no usable CUDA is an
+# error, never a silent fall back to the CPU.
+REQUIRE_CUDA_ENV = "GRPO_FLYTE_REQUIRE_CUDA"
+
+
+# torch 2.13's CUDA wheels are built for CUDA 13, which needs this NVIDIA driver or newer.
+CUDA_DRIVER_NEEDED = "580"
+
+
+def cuda_available() -> bool:
+    """Whether torch can use a GPU here; DeviceError where a GPU is required (REQUIRE_CUDA_ENV) but
+    CUDA is unusable (no GPU, or a driver older than the CUDA torch was built for)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    if os.environ.get(REQUIRE_CUDA_ENV) == "1":
+        driver = Path("/proc/driver/nvidia/version")
+        found = driver.read_text().split("Kernel Module", 1)[-1].split()[0] if driver.is_file() else "none found"
+        raise DeviceError(
+            f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} "
+            f"{'is built for CUDA ' + torch.version.cuda if torch.version.cuda else 'has no CUDA (a CPU build)'}; the image's "
+            f"CUDA 13 needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); run the GPU pools on "
+            f"nodes with driver >= {CUDA_DRIVER_NEEDED}"
+        )
+    return False
+
+
+def best_device() -> str:
+    return "cuda" if cuda_available() else "cpu"
+
+
+def load_device():
+    """Where this process loads a model: its current GPU (a data-parallel process has set its own),
+    or the CPU."""
+    import torch
+
+    return torch.cuda.current_device() if best_device() == "cuda" else "cpu"
