@@ -26,7 +26,7 @@ docs/measurements.md ("The guard").
     python benchmarks/guardian.py --cases "sign flip" --jobs 2
     python benchmarks/guardian.py --run-dir runs/guardian     # reuses the runs a folder already holds
     python benchmarks/guardian.py --quick                     # the plumbing: the sign flip's two sides, tiny, at once
-    python benchmarks/guardian.py --replay runs/sweep/*/seed-*   # the guard's verdicts on recorded runs
+    python benchmarks/guardian.py --replay runs/sweep/*/seed-*   # the guard's assessments on recorded runs
 
 `--replay` runs the guard's own functions (as `--on-collapse warn`: nothing acted on) over run
 folders already recorded (metrics.jsonl and eval/iter-NNNN.jsonl), whatever their settings, and
@@ -50,7 +50,7 @@ from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, driver_args
 
 from grpo_flyte.config.schema import GuardConfig, RunConfig
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
-from grpo_flyte.loop.guard import GuardState, judge, question_values
+from grpo_flyte.loop.guard import GuardState, assess, question_values
 from grpo_flyte.types import AdapterRef, EvalAnswer, MetricsRow
 
 HERE = Path(__file__).resolve().parent
@@ -178,7 +178,7 @@ def replay(run_dir: Path) -> dict:
     for row in rows:
         values = question_values(answers[row.iteration], state.metric) if row.iteration in answers else None
         adapter = AdapterRef(version=row.adapter_version, dir=Dir(path=f"v{row.adapter_version:04d}"))
-        state, record = judge(config, state, [*history, row], values, adapter, last=False)
+        state, record = assess(config, state, [*history, row], values, adapter, last=False)
         history.append(row.model_copy(update={"guard": record}))
         if record is not None and record.guard_event == "collapse":
             events.append({"iteration": row.iteration, "signal": record.guard_signal, "reason": record.guard_reason})

@@ -22,9 +22,9 @@ from grpo_flyte.loop.guard import (
     COLLAPSE_Z,
     SIGNAL_RUN,
     GuardState,
+    assess,
     best_summary,
     degenerate,
-    judge,
     paired,
     question_values,
     resolve_metric,
@@ -110,7 +110,7 @@ class Replay:
             train=_train(**train) if i else None,
             eval=_eval(sum(values) / len(values), len(values)) if values is not None else None,
         )
-        self.state, record = judge(self.config, self.state, [*self.history, row], values, _adapter(i), last)
+        self.state, record = assess(self.config, self.state, [*self.history, row], values, _adapter(i), last)
         self.history.append(row.model_copy(update={"guard": record}))
         return record
 

@@ -3,7 +3,7 @@
 Per iteration, inside `flyte.group(f"iter-{i}")`:
     sample prompts -> generate (one task per prompt, fanned out) -> score each group as it lands
     -> (optionally top up with fresh prompts until enough groups are informative)
-    -> GRPO step(s) -> (held-out evaluation every `eval_every`) -> the guard's verdict
+    -> GRPO step(s) -> (held-out evaluation every `eval_every`) -> the guard's assessment
     -> checkpoint -> metrics and report.
 The held-out evaluation also runs before the first iteration and after the last. The guard
 (grpo_flyte.loop.guard) keeps the best adapter; on a collapse it warns, stops the run, or rolls back to
@@ -35,7 +35,7 @@ from grpo_flyte.errors import ConfigError, input_errors_not_retried
 from grpo_flyte.loop import lockstep, observers
 from grpo_flyte.loop.batches import run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
-from grpo_flyte.loop.guard import GuardState, best_summary, judge, question_values, resolve_metric, restore_from
+from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
 from grpo_flyte.loop.metrics import best_completion, iteration_metrics
 from grpo_flyte.loop.pipeline import BatchesAhead
 from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
@@ -152,10 +152,10 @@ async def _train_rl(
     def guarded_row(
         row: MetricsRow, answers: list[EvalAnswer] | None, adapter: AdapterRef, history: list[MetricsRow]
     ) -> tuple[MetricsRow, GuardState]:
-        """The row with the guard's verdict on it, and the guard's next state."""
+        """The row with the guard's record on it, and the guard's next state."""
         values = question_values(answers, state.guard.metric) if answers is not None else None
-        guard, verdict = judge(config.guard, state.guard, [*history, row], values, adapter, last=row.iteration >= config.iterations)
-        return row.model_copy(update={"guard": verdict}), guard
+        guard, record = assess(config.guard, state.guard, [*history, row], values, adapter, last=row.iteration >= config.iterations)
+        return row.model_copy(update={"guard": record}), guard
 
     ahead = None
     if config.max_staleness:

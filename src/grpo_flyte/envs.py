@@ -258,9 +258,9 @@ _wandb_key = [flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY"
 # submission pools of its own: Flyte hashes a reusable environment's variables into its pool's
 # identity (flyte/_internal/runtime/reuse.py, which hashes no run). scope="run" alone would not:
 # Union applies it to reusable Ray clusters only, and shares a container pool across runs.
-_settings_env = settings.as_env_vars()
-# The pools given a GPU: no usable CUDA there fails the task at once (models.cuda_available).
-_gpu_env = {**_settings_env, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
+_settings_vars = settings.as_env_vars()
+# The pools given a GPU: no usable CUDA there fails the task at once (runtime.device.cuda_available).
+_gpu_vars = {**_settings_vars, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
 
 
 def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[int, int], concurrency: int) -> flyte.TaskEnvironment:
@@ -275,7 +275,7 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
         image=image,
         resources=flyte.Resources(cpu=settings.rollout_cpu, memory=memory, gpu=gpu, shm="auto"),
         secrets=_hf_token,
-        env_vars={**_gpu_env, "VLLM_USE_V1": "1"},
+        env_vars={**_gpu_vars, "VLLM_USE_V1": "1"},
         reusable=flyte.ReusePolicy(
             replicas=replicas, concurrency=concurrency, idle_ttl=settings.pool_idle_ttl, scaledown_ttl=120, scope="run"
         ),
@@ -296,7 +296,7 @@ reward_env = flyte.TaskEnvironment(
     description="Scores one group of completions on CPU.",
     image=image,
     resources=flyte.Resources(cpu=settings.reward_cpu, memory="2Gi"),
-    env_vars=_settings_env,
+    env_vars=_settings_vars,
     # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
     # Each replica keeps its reward worker processes (grpo_flyte.runtime.sandbox) between groups.
     reusable=flyte.ReusePolicy(
@@ -323,7 +323,7 @@ train_env = flyte.TaskEnvironment(
         cpu=settings.train_cpu, memory=settings.train_memory, gpu=_one_of(_train_gpu), disk=settings.train_disk, shm="auto"
     ),
     secrets=_hf_token,
-    env_vars=_gpu_env,
+    env_vars=_gpu_vars,
     # Warm and single: one replica, one step at a time. The base model loads once per replica and
     # the optimizer state stays in memory between the steps of a run (still saved with every
     # adapter, so a cold replica gives the same result).
@@ -421,7 +421,7 @@ if train_problem is None and train_world_size(settings) > 1:
             shm="auto",
         ),
         secrets=_hf_token,
-        env_vars=_gpu_env,
+        env_vars=_gpu_vars,
         plugin_config=_train_step_elastic(gpu_count(_train_gpu)),
     )
 
@@ -432,7 +432,7 @@ driver_env = flyte.TaskEnvironment(
     resources=flyte.Resources(cpu=1, memory="2Gi"),
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
-    env_vars=_settings_env,
+    env_vars=_settings_vars,
     # The driver submits tasks of the other environments (four, or five with several train GPUs);
     # depends_on puts their images in the run's image cache.
     depends_on=[rollout_env, reward_env, judge_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],

@@ -2,7 +2,7 @@
 
 After each held-out evaluation the adapter is compared with the best one so far on the chosen
 metric (`--select-by`), paired over the same questions; between evaluations the training metrics
-are watched for a policy that has degenerated. `judge` turns one recorded iteration into the
+are watched for a policy that has degenerated. `assess` turns one recorded iteration into the
 guard's next state and what happened (a `GuardRecord`, part of the metrics row); the driver acts
 on it: a rollback trains on from the best adapter and its optimizer state at a lower learning
 rate, a stop ends the loop. The state is part of the loop's checkpoint, so a resumed run keeps its
@@ -212,10 +212,10 @@ def degenerate(history: list[MetricsRow], watch_from: int, metric: Metric | None
     return None
 
 
-# --------------------------------------------------------------------------- the verdict
+# --------------------------------------------------------------------------- the assessment
 
 
-def judge(
+def assess(
     config: GuardConfig, state: GuardState, history: list[MetricsRow], values: list[float] | None, adapter: AdapterRef, last: bool
 ) -> tuple[GuardState, GuardRecord | None]:
     """The guard's next state and what it made of the iteration just recorded, `history[-1]`.
