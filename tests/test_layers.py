@@ -1,54 +1,66 @@
-"""The package's import graph: one-way layers, task modules side by side, no cycle.
+"""The package's shape: named layers of rooms, an order inside each room, no cycle, small modules.
 
+A room is a package (`grpo_flyte/engine/`) or a module of the top level (`grpo_flyte/driver.py`).
 Every `grpo_flyte` import counts, module-level or inside a function (a lazy import is still a
-dependency). A new module must be given a layer here.
+dependency). A new module must be listed in its room's order here, and a new room in a layer.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import grpo_flyte
 
 PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 
-# Bottom to top: a module may import only modules of a lower layer.
-LAYERS = {
-    # 0-2: no grpo_flyte imports but errors and types (shared types, pure helpers and math, the
-    # allocator's settings); the torch thread; the reward sandbox, the reward functions and the
-    # multi-turn environments, each owning its registry of names; the config's dependent defaults
-    "errors": 0, "types": 0, "files": 0, "allocator": 0, "child_processes": 0, "decoding": 0, "grpo": 0, "tracking": 0, "mixed_lora": 0,
-    "torch_thread": 1, "sandbox": 1, "multiturn": 1, "reward_fns": 2, "episodes": 2, "config_defaults": 2, "lockstep": 2,
-    # 3: TRL's names for options; the report renderer; the LLM judge's prompt, rubric, reply parsing and chunking
-    "trl_names": 3, "report_helpers": 3, "judging": 3, "sweep_report": 4,
-    # 4: the run's config (it checks reward and environment names with their registries)
-    "config": 4,
-    # 5: beside the config, its error text and its table of options; models, prompts, data, metrics, progress text
-    "config_errors": 5, "config_table": 5, "__init__": 5,
-    "models": 5, "prompts": 5, "data": 5, "metrics": 5, "progress": 5,
-    # 6: config files; storage, engines, the task environments; the run's guard (the best adapter,
-    # collapses, early stop: pure, on the recorded metrics); the trained policy and its adapter
-    # folder; the merge
-    "config_files": 6, "sweep_grid": 6, "storage": 6, "hub": 6, "engines": 6, "envs": 6, "guard": 6, "policy": 6, "merge": 6,
-    # 7: the GRPO step on the policy; the loop's checkpointed state; the checks before start
-    "policy_update": 7, "loop_state": 7, "preflight": 7,
-    # 8: the train step over several processes
-    "data_parallel": 8,
-    # 9: the task modules, side by side
-    "rollout": 9, "reward": 9, "judge": 9, "trainer": 9,
-    # 10-11: the loop's parts: who observes a run; an iteration's batch and its train step; generation
-    # ahead of training, the held-out evaluation, the report and the push to the Hub
-    "observers": 10, "batches": 10, "pipeline": 11, "evaluation": 11, "publishing": 11,
-    # 12-16: the driver; a sweep's parent task and a local run's folder; a cluster submission and a
-    # local sweep's folder; the command line; `python -m grpo_flyte`
-    "driver": 12, "sweep": 13, "run_folder": 13, "submit": 14, "sweep_folder": 14, "cli": 15, "__main__": 16,
-}  # fmt: skip
+# Bottom to top: a room imports only rooms of lower layers (rooms of one layer never import each other).
+LAYERS = (
+    ("errors", "types"),  # the values every module shares
+    ("runtime",),  # the process's machinery: files, storage, the torch thread, child processes, the sandbox, the device
+    ("reward_fns", "multiturn"),  # what users extend: reward functions and RL environments, each with its registry
+    ("scoring",),  # composing rewards into a group's scores; the LLM judge's pure parts
+    ("config",),  # the one config object, its files, TRL's names, a sweep's grid
+    ("__init__",),  # the package's own names (RunConfig, MultiTurnEnv, Reply), imported on first use
+    ("models",),  # base models: the embedded one, folders and Hub ids, loading, attention
+    ("data", "learning"),  # datasets and prompt sampling; the GRPO math, the policy and its update
+    ("engine",),  # generation: the generators, their cache and batching, decoding, episodes, prompts
+    ("envs",),  # the image and the Flyte task environments
+    ("rollout", "reward", "judge", "trainer"),  # the task modules, side by side
+    ("reporting",),  # the console's progress, tracking, the Hub's model card, the report's HTML parts and the sweep's report
+    ("report_helpers",),  # the run report
+    ("loop",),  # the driver's parts: batches, the pipeline, evaluations, the guard, metrics, the loop state, publishing
+    ("driver",),  # train_rl
+    ("sweep",),  # train_sweep: one train_rl per config on a cluster
+    ("launch",),  # the command line, local run and sweep folders, the checks before start, cluster submission
+    ("__main__",),  # python -m grpo_flyte
+)
 TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
+
+# Inside a package, bottom to top: a module imports only modules listed before it (its `__init__`
+# may import any of them, to re-export a public path).
+INSIDE = {
+    "runtime": ("allocator", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
+    "scoring": ("judging",),
+    "config": ("trl_names", "defaults", "schema", "errors", "files", "table", "grid"),
+    "models": ("attention", "loading", "embedded", "folders"),
+    "learning": ("grpo", "policy", "update", "data_parallel", "merge"),
+    "engine": ("decoding", "mixed_lora", "prompts", "episodes", "engines"),
+    "reporting": ("tracking", "progress", "hub", "sweep_report"),
+    "loop": ("metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
+    "launch": ("preflight", "run_folder", "sweep_folder", "submit", "cli"),
+}
+MAX_TOP_LEVEL = 16
+MAX_LINES = 500
 
 
 def _imports(path: Path) -> set[str]:
-    """The grpo_flyte modules `path` imports, anywhere in it but an `if __name__ == "__main__":` block."""
+    """The grpo_flyte modules `path` imports (dotted, below `grpo_flyte.`), anywhere in it but an
+    `if __name__ == "__main__":` block; `from grpo_flyte.pkg import mod` counts as `pkg.mod`."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
 
@@ -56,51 +68,139 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
             return
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpo_flyte":
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:  # from grpo_flyte import grpo, engines
-                found.update(alias.name for alias in node.names)
+            below = node.module.split(".")[1:]
+            if below and not (PACKAGE.joinpath(*below).is_dir()):
+                found.add(".".join(below))
+            else:  # from grpo_flyte import grpo_module / from grpo_flyte.engine import engines, or a package's re-export
+                for alias in node.names:
+                    dotted = ".".join([*below, alias.name])
+                    is_module = PACKAGE.joinpath(*below, alias.name + ".py").is_file() or PACKAGE.joinpath(*below, alias.name).is_dir()
+                    found.add(dotted if is_module else ".".join(below) or "__init__")
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("grpo_flyte."))
+            found.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("grpo_flyte."))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
     visit(tree)
-    return found - {path.stem}
+    return found
+
+
+def _dotted(path: Path) -> str:
+    """'engine.engines' for grpo_flyte/engine/engines.py, 'engine' for its __init__, 'driver' for driver.py."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
 
 
 def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(p) for p in sorted(PACKAGE.glob("*.py"))}
+    return {_dotted(p): _imports(p) - {_dotted(p)} for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def test_every_module_has_a_layer():
-    assert set(_graph()) == set(LAYERS)
+def _room(dotted: str) -> str:
+    return dotted.split(".")[0]
 
 
-def test_imports_go_down_the_layers_only():
-    upward = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps if LAYERS[d] >= LAYERS[m]]
+def _layer(room: str) -> int:
+    return next(i for i, rooms in enumerate(LAYERS) if room in rooms)
+
+
+def test_every_module_has_a_room_and_every_package_an_order():
+    rooms = {r for layer in LAYERS for r in layer}
+    modules = set(_graph())
+    assert {_room(m) for m in modules} == rooms
+    for package, order in INSIDE.items():
+        inside = {m.split(".", 1)[1] for m in modules if m.startswith(package + ".")}
+        assert inside == set(order), package
+    assert {m for m in modules if "." not in m and (PACKAGE / m).is_dir()} == set(INSIDE)
+
+
+def test_rooms_import_only_lower_layers():
+    upward = [f"{m} -> {d}" for m, deps in _graph().items() for d in deps if _room(d) != _room(m) and _layer(_room(d)) >= _layer(_room(m))]
     assert upward == []
+
+
+def test_inside_a_package_modules_import_only_those_below_them():
+    upward = []
+    for m, deps in _graph().items():
+        package = _room(m)
+        if package not in INSIDE or m == package:  # a package's __init__ may re-export any of its modules
+            continue
+        order = INSIDE[package]
+        own = order.index(m.split(".", 1)[1])
+        upward += [f"{m} -> {d}" for d in deps if d.startswith(package + ".") and order.index(d.split(".", 1)[1]) >= own]
+        upward += [f"{m} -> {d} (its package's __init__)" for d in deps if d == package]
+    assert upward == []
+
+
+def test_no_cycle_between_rooms():
+    """Implied by the layers, checked on its own so that a cycle is named as one."""
+    edges = {r: set() for layer in LAYERS for r in layer}
+    for m, deps in _graph().items():
+        edges[_room(m)] |= {_room(d) for d in deps if _room(d) != _room(m)}
+    done: set[str] = set()
+
+    def cycle_from(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for nxt in sorted(edges[node]):
+            if found := cycle_from(nxt, [*path, node]):
+                return found
+        done.add(node)
+        return None
+
+    assert [c for r in sorted(edges) if (c := cycle_from(r, []))] == []
 
 
 def test_task_modules_do_not_import_each_other():
     graph = _graph()
     for module in TASK_MODULES:
-        assert graph[module] & TASK_MODULES == set(), module
+        assert {_room(d) for d in graph[module]} & TASK_MODULES == set(), module
 
 
-def test_only_the_launchers_import_the_driver_and_nothing_imports_the_cli():
+def test_only_the_launchers_import_the_driver_and_only_main_imports_the_command_line():
     graph = _graph()
-    assert {m for m, deps in graph.items() if "driver" in deps} == {"run_folder", "submit", "sweep", "sweep_folder"}
-    assert {m for m, deps in graph.items() if "cli" in deps} == {"__main__"}
+    assert {_room(m) for m, deps in graph.items() if "driver" in deps} == {"launch", "sweep"}
+    assert {m for m, deps in graph.items() if "launch.cli" in deps} == {"__main__"}
+
+
+def test_the_top_level_is_small_and_no_module_is_long():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_importing_any_module_loads_no_heavy_library():
+    """Every module, the package's and each room's __init__ included, imports in a fresh interpreter
+    without torch, transformers, peft or vLLM: they are imported inside the functions that use them."""
+    probe = textwrap.dedent(
+        """
+        import importlib, json, pkgutil, sys
+        import grpo_flyte
+        heavy = {}
+        for info in pkgutil.walk_packages(grpo_flyte.__path__, "grpo_flyte."):
+            importlib.import_module(info.name)
+            loaded = [m for m in ("torch", "transformers", "peft", "vllm") if m in sys.modules]
+            if loaded:
+                heavy[info.name] = loaded
+                break
+        print(json.dumps(heavy))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 
 def test_the_import_checker_sees_lazy_and_package_imports(tmp_path):
-    """The checker itself: an import inside a function and `from grpo_flyte import x` both count."""
+    """The checker itself: an import inside a function, `from grpo_flyte import x`, a module of a
+    room imported from its package and a name re-exported by a package all count."""
     source = tmp_path / "sample.py"
     source.write_text(
-        "from grpo_flyte import grpo, engines\n"
-        "def f():\n    from grpo_flyte.rollout import generate\n    import grpo_flyte.trainer\n"
+        "from grpo_flyte import driver, envs\n"
+        "from grpo_flyte.engine import engines\n"
+        "from grpo_flyte.config import RunConfig\n"
+        "def f():\n    from grpo_flyte.rollout import generate\n    import grpo_flyte.learning.grpo\n"
         "if __name__ == '__main__':\n    from grpo_flyte.launch.cli import main\n"
     )
-    assert _imports(source) == {"grpo", "engines", "rollout", "trainer"}
+    assert _imports(source) == {"driver", "envs", "engine.engines", "config", "rollout", "learning.grpo"}

@@ -19,15 +19,11 @@ def attention_for(device: str, plain: bool) -> str:
     prefills such contexts one at a time: left padding fed through eager-style attention gives the
     padded positions no key to attend to, and their NaNs reach every row (the fused kernel returns
     zeros there). The trainer pads on the right, so every position has a key."""
-    from grpo_flyte.models.attention import register_grouped_attention
-
     return register_grouped_attention() if device == "cpu" and plain else "sdpa"
 
 
 def set_attention(model, device: str) -> None:
     """Switch a loaded transformers model to `attention_for` its device and cache."""
-    from grpo_flyte.models.attention import plain_cache
-
     if (attention := attention_for(device, plain_cache(model))) != model.config._attn_implementation:
         model.set_attn_implementation(attention)
 

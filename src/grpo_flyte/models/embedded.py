@@ -14,7 +14,7 @@ from pathlib import Path
 
 from grpo_flyte.config.schema import EMBEDDED_MODEL
 from grpo_flyte.errors import ModelError
-from grpo_flyte.models.loading import _require
+from grpo_flyte.models.loading import require_packages
 from grpo_flyte.runtime.cache import cache_root
 from grpo_flyte.runtime.files import build_dir_atomic
 from grpo_flyte.runtime.torch_thread import on_torch_thread
@@ -49,7 +49,7 @@ def embedded_model_dir(field: str = "model") -> Path:
     if (target / "config.json").is_file():
         return target
     logger.info("converting the embedded SmolLM2-135M-Instruct (GGUF) to a HF model in %s (once)", target)
-    _require("torch", "transformers", "gguf")
+    require_packages("torch", "transformers", "gguf")
     on_torch_thread(_convert_gguf, gguf, target)
     return target
 

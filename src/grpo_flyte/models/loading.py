@@ -122,7 +122,7 @@ def _keep_nf4_differentiable(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def _require(*modules: str) -> None:
+def require_packages(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"{', '.join(missing)} missing: pip install 'grpo-flyte[local]'")
