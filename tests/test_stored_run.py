@@ -1,0 +1,52 @@
+"""A run folder and a checkpoint written by an older grpo_flyte still resume: the package's layout
+may change, what it wrote to disk may not.
+
+`tests/data/run_before_rooms/` is a 1-iteration local run of the tests' tiny model, written by
+commit 7bddd04 (the flat package, before its modules moved into rooms) with
+`--max-new-tokens 8 --prompts-per-iter 2 --group-size 3 --eval-size 2 --min-informative-groups 0`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.loop.state import LoopState
+
+STORED = Path(__file__).resolve().parent / "data" / "run_before_rooms"
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
+
+
+def _stored_copy(tmp_path: Path, model: Path) -> Path:
+    """The stored folder, its base model pointed at this session's tiny model: the same weights
+    (seed 0, the embedded tokenizer), built anew at another path."""
+    run_dir = Path(shutil.copytree(STORED, tmp_path / "run"))
+    config = json.loads((run_dir / "config.json").read_text())
+    config["base"]["model"] = str(model)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return run_dir
+
+
+def test_a_run_folder_written_before_the_move_resumes_to_the_end(tmp_path, tiny_model_dir):
+    run_dir = _stored_copy(tmp_path, tiny_model_dir)
+    before = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in before] == [0, 1]
+    assert cli_main(["--local", "--resume", "--run-dir", str(run_dir), "--iterations", "2"]) == 0
+    after = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in after] == [0, 1, 2]
+    assert after[:2] == before  # the finished iterations are kept as they were, not redone
+    state = LoopState.model_validate_json((run_dir / "flyte" / "checkpoint").read_bytes())
+    assert state.iterations_done == 2 and state.adapter.version == 2
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_checkpoint_written_before_the_move_loads_whole():
+    """A cluster driver's checkpoint is the loop state's JSON (what flyte.Checkpoint holds); the
+    stored one parses into today's LoopState and writes back the same JSON: no field was renamed
+    or dropped by the move."""
+    payload = (STORED / "flyte" / "checkpoint").read_bytes()
+    state = LoopState.model_validate_json(payload)
+    assert state.iterations_done == 1 and [row.iteration for row in state.history] == [0, 1]
+    assert json.loads(state.model_dump_json()) == json.loads(payload)
