@@ -12,9 +12,9 @@ from pathlib import Path
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config import RunConfig
 from grpo_flyte.driver import train_rl
-from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.models import embedded_model_dir
 
 if __name__ == "__main__":
     raw = Path("runs/example").resolve()

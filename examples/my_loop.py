@@ -18,7 +18,7 @@ import asyncio
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config import RunConfig
 from grpo_flyte.envs import image, reward_env, rollout_env, settings, train_env
 from grpo_flyte.reward import score_group
 from grpo_flyte.rollout import generate
@@ -57,7 +57,7 @@ async def curriculum(base_model: Dir, config: RunConfig | None = None) -> Adapte
 
 
 if __name__ == "__main__":
-    from grpo_flyte.models.embedded import embedded_model_dir
+    from grpo_flyte.models import embedded_model_dir
 
     run = flyte.with_runcontext(mode="local").run(curriculum, base_model=Dir(path=str(embedded_model_dir())))
     print(run.outputs()[0])

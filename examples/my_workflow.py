@@ -14,7 +14,7 @@ pod imports grpo_flyte again to submit `train_rl` and must see the hardware you 
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config import RunConfig
 from grpo_flyte.driver import train_rl
 from grpo_flyte.envs import driver_env, image, settings
 from grpo_flyte.types import AdapterRef
@@ -32,7 +32,7 @@ async def finetune_and_report(base_model: Dir, iterations: int = 2) -> AdapterRe
 
 
 if __name__ == "__main__":
-    from grpo_flyte.models.embedded import embedded_model_dir
+    from grpo_flyte.models import embedded_model_dir
 
     run = flyte.with_runcontext(mode="local").run(finetune_and_report, base_model=Dir(path=str(embedded_model_dir())))
     print(run.outputs()[0])
