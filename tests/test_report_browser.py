@@ -15,12 +15,8 @@ from pathlib import Path
 import pytest
 from headless_chromium import Chromium, find_chromium
 
-from grpo_flyte.report_helpers import (
-    _SERIES_COLOURS,
-    METRIC_CHARTS,
-    render_report,
-    reward_charts,
-)
+from grpo_flyte.report_helpers import METRIC_CHARTS, render_report, reward_charts
+from grpo_flyte.reporting.charts import _SERIES_COLOURS
 
 try:
     from PIL import Image

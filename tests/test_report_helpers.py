@@ -9,7 +9,8 @@ from html.parser import HTMLParser
 
 import pytest
 
-from grpo_flyte.report_helpers import METRIC_CHARTS, nice_ticks, render_report, render_report_fragment
+from grpo_flyte.report_helpers import METRIC_CHARTS, render_report, render_report_fragment
+from grpo_flyte.reporting.charts import nice_ticks
 from grpo_flyte.runtime import files
 from grpo_flyte.runtime.files import write_text_atomic as write_report_atomic
 
@@ -440,6 +441,6 @@ def test_the_guards_events_are_marked_on_the_charts_and_the_best_adapter_has_a_c
     card = html.split('class="stat stat-best"')[1].split("</div></div>")[0]
     assert "Best adapter (held-out accuracy)" in card and "35.5%" in card and "iteration 1" in card
     # the marker's colour is no series colour: the browser test finds each series by its colour
-    from grpo_flyte.report_helpers import _BEST_COLOUR, _MARKER_COLOUR, _SERIES_COLOURS
+    from grpo_flyte.reporting.charts import _BEST_COLOUR, _MARKER_COLOUR, _SERIES_COLOURS
 
     assert {_MARKER_COLOUR, _BEST_COLOUR}.isdisjoint(_SERIES_COLOURS)

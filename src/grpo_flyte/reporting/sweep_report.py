@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from grpo_flyte.report_helpers import escape, overlay_chart, render_page
+from grpo_flyte.reporting.charts import overlay_chart
+from grpo_flyte.reporting.html import escape, render_page
 
 Status = Literal["pending", "running", "complete", "failed"]
 # The curves the comparison overlays: (title, metrics key).
