@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
 from grpo_flyte.engine import engines
 from grpo_flyte.engine.decoding import sub_seed as rollout_seed

@@ -16,7 +16,7 @@ import flyte
 from flyte.io import Dir
 
 from grpo_flyte import driver
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import batches
 from grpo_flyte.types import AdapterRef, RewardParts, Rollout, RolloutGroup, RunResult, ScoredGroup, StepStats, TrainStepResult
 

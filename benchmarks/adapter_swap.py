@@ -33,7 +33,7 @@ import _common
 from flyte.io import Dir
 
 from grpo_flyte import rollout
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import arithmetic_split
 from grpo_flyte.engine import engines
 from grpo_flyte.engine.prompts import tokenize_prompt

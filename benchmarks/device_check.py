@@ -30,7 +30,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.engine import mixed_lora
 from grpo_flyte.engine.decoding import Sampling, decode
 from grpo_flyte.learning import grpo, policy

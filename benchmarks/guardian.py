@@ -48,7 +48,8 @@ import _common
 from flyte.io import Dir
 from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, driver_args, read_jsonl, run_parallel
 
-from grpo_flyte.config.schema import GuardConfig, RunConfig
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
 from grpo_flyte.loop.guard import GuardState, assess, question_values
 from grpo_flyte.types import AdapterRef, EvalAnswer, MetricsRow

@@ -30,7 +30,7 @@ from pathlib import Path
 import _common
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.models.embedded import embedded_model_dir
 from grpo_flyte.runtime.device import resolve_dtype

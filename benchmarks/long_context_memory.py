@@ -70,7 +70,7 @@ def _before() -> None:
 
 def measure(case: str, side: str, num: int) -> dict:
     """One case in this process: the peak bytes above the loaded model's resident memory."""
-    from grpo_flyte.config.schema import RunConfig
+    from grpo_flyte.config.run import RunConfig
     from grpo_flyte.engine import engines
     from grpo_flyte.learning import grpo, policy
     from grpo_flyte.learning import update as policy_update

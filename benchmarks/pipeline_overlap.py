@@ -30,7 +30,7 @@ from pathlib import Path
 import _common
 from _stand_ins import StandIns, run_loop
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.cli import main as cli_main
 
 TARGET = 1.6

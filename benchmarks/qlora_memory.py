@@ -35,7 +35,7 @@ import time
 
 import _common
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.models.embedded import embedded_model_dir

@@ -52,7 +52,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_args, trl_reward, trl_rows
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.loop.metrics import mean_ci95
 from grpo_flyte.models.embedded import embedded_model_dir

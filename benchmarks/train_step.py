@@ -31,7 +31,7 @@ from pathlib import Path
 
 import _common
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.engine import engines
 from grpo_flyte.engine.decoding import sub_seed as rollout_seed

@@ -42,7 +42,8 @@ from _loops import flyte_iteration
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
+from grpo_flyte.config.constants import ANSWER_INSTRUCTION, SYSTEM_PROMPT
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
 from grpo_flyte.models.embedded import embedded_model_dir
 from grpo_flyte.runtime.torch_thread import on_torch_thread

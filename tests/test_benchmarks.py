@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _loops import bare_iteration, flyte_iteration, same_adapter
 
 from grpo_flyte import reward
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 
 # A random tiny model never answers right; this reward still differs within groups.
 LENGTH_REWARD = "def by_length(completions, **kwargs):\n    return [(len(c) % 3) / 2 for c in completions]\n"

@@ -14,7 +14,7 @@ import warm_python
 
 import grpo_flyte
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.schema import RunConfig, leaf_fields
+from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.errors import ConfigError, UserError
 from grpo_flyte.launch.cli import parse_args, user_message

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from grpo_flyte.config.errors import make_config
 from grpo_flyte.config.files import flatten, load_config_file
-from grpo_flyte.config.schema import RunConfig, leaf_fields
+from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.errors import ConfigError, flag
 
 

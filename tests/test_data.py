@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, RunConfig
+from grpo_flyte.config.constants import ANSWER_INSTRUCTION, SYSTEM_PROMPT
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import (
     ARITHMETIC_EVAL_SIZE,
     DatasetError,

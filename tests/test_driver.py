@@ -7,7 +7,7 @@ import math
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.loop.metrics import iteration_metrics, mean_ci95, reward_means
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (

@@ -19,7 +19,7 @@ from flyte.io import Dir
 from tiny_model import scored_pair
 
 from grpo_flyte import reward, reward_fns
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning.policy import peft_model
 from grpo_flyte.runtime import sandbox

@@ -630,7 +630,7 @@ def test_trl_prompts_tokenize_as_trl_would(embedded_dir):
     the chat template with the assistant turn opened, and the run's system prompt is not added."""
     from transformers import AutoTokenizer
 
-    from grpo_flyte.config.schema import PromptConfig
+    from grpo_flyte.config.generation import PromptConfig
     from grpo_flyte.types import Example, Message
 
     tok = AutoTokenizer.from_pretrained(str(embedded_dir))

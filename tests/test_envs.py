@@ -233,7 +233,7 @@ def test_remote_dry_run_resolves_and_bundles_the_package(tmp_path):
 from pathlib import Path
 import flyte
 from flyte.io import Dir
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.types import Example
 from grpo_flyte.driver import train_rl
 flyte.init(root_dir=Path({src!r}))

@@ -15,7 +15,8 @@ import pytest
 import warm_python
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import GuardConfig, RunConfig
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.loop.guard import (

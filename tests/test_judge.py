@@ -15,7 +15,7 @@ from flyte.io import Dir
 
 from grpo_flyte import judge as judge_module
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.schema import JudgeConfig, RewardConfig
+from grpo_flyte.config.generation import JudgeConfig, RewardConfig
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.engine import engines
 from grpo_flyte.errors import ConfigError, RewardError

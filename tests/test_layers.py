@@ -46,7 +46,7 @@ TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 INSIDE = {
     "runtime": ("allocator", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
     "scoring": ("judging",),
-    "config": ("trl_names", "defaults", "schema", "errors", "files", "table", "grid"),
+    "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders"),
     "learning": ("grpo", "policy", "update", "data_parallel", "merge"),
     "engine": ("decoding", "mixed_lora", "prompts", "episodes", "engines"),

@@ -17,7 +17,7 @@ import warm_python
 from console import failed_run_lines
 
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.engine.decoding import sub_seed as turn_seed
 from grpo_flyte.engine.episodes import Budgets, Splicer, new_environment, run_episode
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError

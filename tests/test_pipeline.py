@@ -16,7 +16,7 @@ from _stand_ins import StandIns, run_loop
 
 from grpo_flyte import driver
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import ConfigError
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.loop import pipeline
@@ -168,7 +168,7 @@ def test_a_generate_replica_keeps_every_adapter_a_pipelined_run_has_in_flight():
     """The cluster path: the pool's engine keeps adapter_cache_size adapters loaded (the generate
     task's EngineConfig input, which follows K) and its download cache as many folders, at any K."""
     from grpo_flyte import rollout
-    from grpo_flyte.config.schema import MAX_STALENESS
+    from grpo_flyte.config.constants import MAX_STALENESS
 
     for k in range(MAX_STALENESS + 1):
         config = RunConfig(max_staleness=k)

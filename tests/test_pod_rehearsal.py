@@ -32,7 +32,7 @@ from flyteidl2.core import execution_pb2
 from pod_rehearsal import RAW_SCHEMES, Call, Rehearsal, Replica, image_python, local_path, run_submission
 from tiny_model import scored_pair
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.judge import judge_group
 from grpo_flyte.reward import score_group, start_reward_workers
 from grpo_flyte.rollout import generate

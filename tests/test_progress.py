@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.reporting import progress
 from grpo_flyte.reporting.progress import RunProgress

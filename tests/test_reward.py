@@ -7,7 +7,7 @@ import asyncio
 import flyte.errors
 import pytest
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import RewardError
 from grpo_flyte.learning.grpo import group_advantages, informative, training_rewards
 from grpo_flyte.reward import score_group

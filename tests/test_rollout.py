@@ -7,7 +7,7 @@ import asyncio
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.learning.policy import peft_model, reset_lora, save_adapter

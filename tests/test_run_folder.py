@@ -18,7 +18,7 @@ import pytest
 import warm_python
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.loop.state import LoopState
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch import cli, submit
 from grpo_flyte.runtime import storage
 
@@ -131,7 +131,7 @@ import flyte
 from flyte.io import Dir
 import grpo_flyte
 from grpo_flyte.launch import submit
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.driver import train_rl
 
 flyte.init()

@@ -7,7 +7,7 @@ import flyte
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.reporting.tracking import WandbRun
 
 LINK_ARGS = {"run_name": "r1", "project": "p", "domain": "development", "parent_action_name": "a0", "action_name": "a0", "pod_name": "pod"}

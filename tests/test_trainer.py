@@ -11,7 +11,7 @@ import torch
 from flyte.io import Dir
 
 from grpo_flyte import trainer
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import data_parallel, grpo, merge, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.learning.grpo import TrainSequence
@@ -667,7 +667,7 @@ def test_the_train_side_keeps_a_loaded_base_per_base_model_and_drops_the_least_r
     bases before), and coming back to it loads it again."""
     import shutil
 
-    from grpo_flyte.config.schema import MAX_BASES
+    from grpo_flyte.config.constants import MAX_BASES
 
     bases = [str(shutil.copytree(llama_dir, tmp_path / f"base-{i}")) for i in range(MAX_BASES + 1)]
     config = RunConfig(dtype="float32")

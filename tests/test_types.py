@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 
 from grpo_flyte import types
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop.batches import generate_parts
 from grpo_flyte.rollout import generate
 from grpo_flyte.types import AdapterRef, Example, RolloutGroup, ScoredGroup

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 
 import torch
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.engine.engines import SamplingRequest
 from grpo_flyte.learning import grpo, policy

@@ -17,7 +17,7 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
-from grpo_flyte.config.schema import JudgeConfig
+from grpo_flyte.config.generation import JudgeConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.judge import judge
 from grpo_flyte.types import Example, Rollout, RolloutGroup

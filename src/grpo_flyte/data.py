@@ -13,13 +13,8 @@ import math
 import random
 from pathlib import Path
 
-from grpo_flyte.config.schema import (
-    ARITHMETIC_DATASET,
-    DATASET_FILE_TYPES,
-    GSM8K_DATASET,
-    REWARD_TIMEOUT_S,
-    RunConfig,
-)
+from grpo_flyte.config.constants import ARITHMETIC_DATASET, DATASET_FILE_TYPES, GSM8K_DATASET, REWARD_TIMEOUT_S
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import DatasetError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
 from grpo_flyte.reward_fns import ANSWER_REWARDS, MARKER, usable_golds

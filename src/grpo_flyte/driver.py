@@ -28,7 +28,7 @@ import logging
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried

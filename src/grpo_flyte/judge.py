@@ -20,7 +20,7 @@ import time
 
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import EngineConfig, JudgeConfig, RewardConfig
+from grpo_flyte.config.generation import EngineConfig, JudgeConfig, RewardConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.envs import judge_env
 from grpo_flyte.errors import RewardError, input_errors_not_retried

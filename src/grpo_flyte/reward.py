@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from grpo_flyte.config.schema import RewardConfig, SamplingConfig
+from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.reward_fns import JUDGE_REWARD, Group, score_completions, start_workers

@@ -13,7 +13,8 @@ import time
 
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import MAX_BASES, MAX_STALENESS, EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
+from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.engine import engines
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried

@@ -16,7 +16,9 @@ from typing import Any
 
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import MAX_BASES, LoraConfig, ModelConfig, SamplingConfig, TrainConfig
+from grpo_flyte.config.constants import MAX_BASES
+from grpo_flyte.config.generation import ModelConfig, SamplingConfig
+from grpo_flyte.config.training import LoraConfig, TrainConfig
 from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.learning import data_parallel, merge, policy

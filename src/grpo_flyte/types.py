@@ -24,7 +24,7 @@ STATE_FILE = "grpo_state.json"
 
 
 class TaskValue(BaseModel):
-    """A value that crosses a task boundary (and the config parts, config._Part).
+    """A value that crosses a task boundary (and the config parts, config.part.Part).
 
     Flyte asks a type's JSON schema on every task call it is an input or output of, twice (the
     task's interface and the input's literal type), and pydantic builds it anew each time: 8 of

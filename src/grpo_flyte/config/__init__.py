@@ -6,21 +6,18 @@ validation errors as a user reads them, the options table, and a sweep's grid of
 keeps working; everything else is imported from its module.
 """
 
-from grpo_flyte.config.schema import (
+from grpo_flyte.config.generation import (
     DataConfig,
     EngineConfig,
     EpisodeConfig,
-    EvalConfig,
-    GuardConfig,
     JudgeConfig,
-    LoraConfig,
     ModelConfig,
     PromptConfig,
     RewardConfig,
-    RunConfig,
     SamplingConfig,
-    TrainConfig,
 )
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.config.training import EvalConfig, GuardConfig, LoraConfig, TrainConfig
 
 __all__ = [
     "DataConfig",

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flyte.config.schema import PARTS, RunConfig, leaf_index
+from grpo_flyte.config.run import PARTS, RunConfig, leaf_index
 from grpo_flyte.errors import ConfigError, flag, shown
 
 

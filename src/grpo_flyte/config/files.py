@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_flyte.config.errors import misplaced
-from grpo_flyte.config.schema import PARTS, leaf_index
+from grpo_flyte.config.run import PARTS, leaf_index
 from grpo_flyte.config.trl_names import from_trl_names
 from grpo_flyte.errors import ConfigError
 

@@ -26,8 +26,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from grpo_flyte.config.constants import MAX_BASES, VLLM_MEMORY_BUDGET
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.schema import MAX_BASES, VLLM_MEMORY_BUDGET, RunConfig, leaf_index
+from grpo_flyte.config.run import RunConfig, leaf_index
 from grpo_flyte.config.trl_names import TRL_ALIASES
 from grpo_flyte.errors import ConfigError, flag
 

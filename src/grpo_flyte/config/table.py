@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_flyte.config.schema import leaf_index
+from grpo_flyte.config.run import leaf_index
 from grpo_flyte.errors import flag
 
 

@@ -43,7 +43,8 @@ from flyte.extras import DynamicBatcher
 from pydantic import BaseModel
 
 from grpo_flyte import multiturn
-from grpo_flyte.config.schema import MAX_BASES, VLLM_MEMORY_BUDGET, EpisodeConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config.constants import MAX_BASES, VLLM_MEMORY_BUDGET
+from grpo_flyte.config.generation import EpisodeConfig, PromptConfig, SamplingConfig
 from grpo_flyte.engine import episodes, mixed_lora
 from grpo_flyte.engine.decoding import Sampling, sub_seed
 from grpo_flyte.engine.prompts import is_chat, tokenize_prompt

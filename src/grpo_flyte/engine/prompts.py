@@ -8,7 +8,8 @@ the chat template. The generator tokenizes here, once; the trainer reuses those 
 
 from __future__ import annotations
 
-from grpo_flyte.config.schema import ANSWER_INSTRUCTION, SYSTEM_PROMPT, PromptConfig
+from grpo_flyte.config.constants import ANSWER_INSTRUCTION, SYSTEM_PROMPT
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.types import Example, Message
 
 # The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.

@@ -23,10 +23,11 @@ from typing import Any
 from pydantic import Field, ValidationError, create_model
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict, SettingsError
 
+from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.errors import format_validation_error, make_config
 from grpo_flyte.config.files import SWEEP_SECTION, load_config_file
 from grpo_flyte.config.grid import expand_sweep, sweep_grid
-from grpo_flyte.config.schema import PROG, RunConfig, leaf_fields
+from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.config.table import shown_default
 from grpo_flyte.config.trl_names import NUM_ITERATIONS_REFUSED, TRL_ALIASES
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag

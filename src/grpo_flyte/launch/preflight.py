@@ -9,7 +9,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_flyte.config.schema import ARITHMETIC_DATASET, GSM8K_DATASET, RunConfig
+from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment

@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.errors import format_validation_error
-from grpo_flyte.config.schema import PROG, RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.loop import observers

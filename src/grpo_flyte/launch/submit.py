@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpo_flyte
-from grpo_flyte.config.schema import EMBEDDED_MODEL, RunConfig
+from grpo_flyte.config.constants import EMBEDDED_MODEL
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
 from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.runtime.storage import payload_key, payload_text, write_payload

@@ -31,8 +31,9 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.grid import SweepMember
-from grpo_flyte.config.schema import PROG, RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
 from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
 from grpo_flyte.launch.run_folder import (

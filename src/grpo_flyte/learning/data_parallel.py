@@ -15,7 +15,8 @@ from pathlib import Path
 
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import LoraConfig, ModelConfig, SamplingConfig, TrainConfig
+from grpo_flyte.config.generation import ModelConfig, SamplingConfig
+from grpo_flyte.config.training import LoraConfig, TrainConfig
 from grpo_flyte.errors import GrpoFlyteError, failed_workers
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update

@@ -13,7 +13,9 @@ import json
 import logging
 from pathlib import Path
 
-from grpo_flyte.config.schema import MAX_BASES, LoraConfig, ModelConfig, TrainConfig
+from grpo_flyte.config.constants import MAX_BASES
+from grpo_flyte.config.generation import ModelConfig
+from grpo_flyte.config.training import LoraConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models.folders import ALL_LINEAR, shareable_base
 from grpo_flyte.models.loading import load_base, quiet_bitsandbytes

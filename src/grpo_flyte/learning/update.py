@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from grpo_flyte.config.schema import SamplingConfig, TrainConfig
+from grpo_flyte.config.generation import SamplingConfig
+from grpo_flyte.config.training import TrainConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.policy import trainable
 from grpo_flyte.types import ScoredGroup, StepStats

@@ -14,7 +14,8 @@ from typing import Any
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import EngineConfig, RunConfig
+from grpo_flyte.config.generation import EngineConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts
 from grpo_flyte.engine.decoding import sub_seed
 from grpo_flyte.judge import judge_group

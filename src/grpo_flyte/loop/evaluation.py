@@ -9,7 +9,7 @@ from typing import Any
 
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.batches import generate_and_score, generate_parts
 from grpo_flyte.loop.metrics import eval_results

@@ -29,7 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from grpo_flyte.config.schema import GuardConfig
+from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.loop.metrics import mean_ci95
 from grpo_flyte.types import (
     AdapterRef,

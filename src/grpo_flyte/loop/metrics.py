@@ -9,7 +9,7 @@ import math
 import statistics
 from typing import Any
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
 from grpo_flyte.types import BestCompletion, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult

@@ -11,7 +11,7 @@ import time
 import flyte
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop.batches import collect_batch, train_batch
 from grpo_flyte.types import AdapterRef, Example, ScoredGroup, TrainStepResult
 

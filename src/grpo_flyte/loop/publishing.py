@@ -10,7 +10,7 @@ import flyte
 import flyte.report
 from flyte.io import Dir
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.report_helpers import render_report, render_report_fragment

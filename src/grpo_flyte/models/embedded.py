@@ -12,7 +12,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_flyte.config.schema import EMBEDDED_MODEL
+from grpo_flyte.config.constants import EMBEDDED_MODEL
 from grpo_flyte.errors import ModelError
 from grpo_flyte.models.loading import require_packages
 from grpo_flyte.runtime.cache import cache_root

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from grpo_flyte.config.schema import EMBEDDED_MODEL
+from grpo_flyte.config.constants import EMBEDDED_MODEL
 from grpo_flyte.errors import ModelError
 from grpo_flyte.models.embedded import EMBEDDED_HUB_ID, embedded_model_dir
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo_flyte.config.schema import RunConfig
+from grpo_flyte.config.run import RunConfig
 from grpo_flyte.models.folders import shareable_base
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow, plus_minus
 

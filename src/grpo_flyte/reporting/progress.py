@@ -32,7 +32,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from grpo_flyte.config.schema import RunConfig, eval_due
+from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.types import MetricsRow, change_plus_minus, plus_minus, shown_change
 
 

