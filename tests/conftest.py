@@ -23,7 +23,7 @@ def _share_the_cpus() -> None:
 
 _share_the_cpus()
 
-import warm_python  # noqa: E402 (imports no torch, but after the setting all the same)
+from tests.support import warm_python  # noqa: E402 (imports no torch, but after the setting all the same)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def embedded_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     """A 2-layer, 32-wide random Llama that shares SmolLM2's tokenizer and chat template."""
-    from tiny_model import build_tiny_model
+    from tests.support.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), embedded_dir)
 
@@ -49,12 +49,13 @@ def jsonl_dataset(tmp_path) -> Path:
     return path
 
 
-# The modules whose tests one pytest-xdist worker runs together, and why; every other test goes to
-# whichever worker is free (`--dist loadgroup` in pyproject.toml).
+# The modules whose tests one pytest-xdist worker runs together, and why, by their paths in the node
+# ids (relative to the checkout's root, pytest's rootdir); every other test goes to whichever worker
+# is free (`--dist loadgroup` in pyproject.toml).
 ONE_WORKER = {
-    "test_vllm_contract.py": "two vLLM engines (module fixtures, 40 s and GBs of memory each; vLLM refuses to start "
+    "tests/e2e/test_vllm_contract.py": "two vLLM engines (module fixtures, 40 s and GBs of memory each; vLLM refuses to start "
     "when too little memory is free): each built once, and never two at once",
-    "test_pod_rehearsal.py": "the submission, the image and the first adapter (module fixtures, a fresh process each) made once",
+    "tests/e2e/test_pod_rehearsal.py": "the submission, the image and the first adapter (module fixtures, a fresh process each) made once",
 }
 
 
@@ -70,7 +71,7 @@ def pytest_xdist_make_scheduler(config, log):
     class ByModuleOrTest(LoadGroupScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return module if module.rsplit("/", 1)[-1] in ONE_WORKER else super()._split_scope(nodeid)
+            return module if module in ONE_WORKER else super()._split_scope(nodeid)
 
     return ByModuleOrTest(config, log)
 

@@ -1,0 +1,178 @@
+"""A cluster submission from the submitting machine's side (no cluster here): what is checked before
+anything is submitted, what the run context is, and that inputs still exist when Flyte uploads them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from flyte.io import Dir
+
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.launch import cli, submit
+from grpo_flyte.runtime import storage
+from tests.support import SUPPORT
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class _Submitted(Exception):
+    """Raised by the stand-in runner: the run was handed to Flyte."""
+
+
+def test_a_large_dataset_folder_still_exists_when_flyte_uploads_it(tmp_path, monkeypatch, tiny_model_dir):
+    """The real Dir.from_local_sync outside a task defers its upload to runner.run: the folder it
+    names must still be there then (it was a TemporaryDirectory already removed)."""
+    rows = "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(40))
+    (tmp_path / "data.jsonl").write_text(rows)
+    monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)  # every dataset file is "too large" to pass inline
+    seen = {}
+
+    class Runner:
+        def run(self, task, **inputs):
+            (folder,) = inputs["examples_file"]
+            seen["folder"] = Path(folder.path)
+            seen["exists"] = seen["folder"].is_dir() and (seen["folder"] / storage.PAYLOAD_FILE).is_file()
+            raise _Submitted
+
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "resolve_remote_model", lambda model: Dir(path="s3://bucket/model"))
+    config = RunConfig(model=str(tiny_model_dir), dataset=str(tmp_path / "data.jsonl"), eval_size=4, iterations=1)
+    with pytest.raises(_Submitted):
+        submit.run_remote(config)
+    assert seen["exists"], f"{seen['folder']} was removed before Flyte could upload it"
+
+
+def test_a_cluster_sweep_over_two_bases_sends_each_config_its_own_base_model_uploaded_once(
+    tmp_path, monkeypatch, tiny_model_dir, embedded_dir
+):
+    """train_sweep gets a folder per base model, each uploaded once however many configs use it,
+    and each config's model names its folder; a lone run still gets its one `base_model`."""
+    from tests.support.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "tiny-b", embedded_dir, seed=1)
+    uploaded, submitted = [], []
+
+    class Runner:
+        def run(self, task, **inputs):
+            submitted.append((task.name, inputs))
+            return type("Run", (), {"url": "dry-run"})()
+
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "resolve_remote_model", lambda model: uploaded.append(model) or Dir(path=f"s3://bucket/{Path(model).name}"))
+    tiny = ["--backend", "hf", "--iterations", "1", "--max-new-tokens", "8", "--group-size", "2", "--prompts-per-iter", "2"]
+    assert cli.main([*tiny, "--sweep", f"model={tiny_model_dir},{other}", "--sweep", "seed=0,1"]) == 0
+    ((task, inputs),) = submitted
+    assert task.endswith("train_sweep") and "base_model" not in inputs and sorted(uploaded) == sorted([str(tiny_model_dir), str(other)])
+    assert {m: d.path for m, d in inputs["base_models"].items()} == {
+        str(tiny_model_dir): "s3://bucket/tiny-model0",
+        str(other): "s3://bucket/tiny-b",
+    }
+    assert {m.config.base.model for m in inputs["members"]} == inputs["base_models"].keys() and len(inputs["members"]) == 4
+
+    uploaded.clear()
+    assert cli.main([*tiny, "--model", str(other)]) == 0
+    assert (
+        submitted[-1][0].endswith("train_rl") and submitted[-1][1]["base_model"].path == "s3://bucket/tiny-b" and uploaded == [str(other)]
+    )
+
+
+def _refused(argv: list[str], monkeypatch, capsys) -> str:
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(submit, "resolve_remote_model", lambda model: pytest.fail("nothing may be uploaded"))
+    assert cli.main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_wandb_on_a_cluster_without_its_secret_is_refused_in_one_line(monkeypatch, capsys):
+    from grpo_flyte import envs
+
+    monkeypatch.setattr(envs.settings, "wandb_secret", None)
+    err = _refused(["--wandb-project", "grpo-test", "--iterations", "1"], monkeypatch, capsys)
+    assert err == (
+        "error: --wandb-project 'grpo-test' on a cluster needs your W&B API key as a Flyte secret: create it "
+        "(flyte create secret wandb-api-key) and name it in GRPO_FLYTE_WANDB_SECRET=wandb-api-key\n"
+    )
+
+
+def test_a_lora_rank_vllm_cannot_serve_is_refused_before_submitting(monkeypatch, capsys):
+    err = _refused(["--lora-rank", "1024", "--lora-alpha", "2048", "--iterations", "1"], monkeypatch, capsys)
+    assert err.startswith("error: --lora-rank 1024: vLLM, which generates on a cluster's GPUs, serves LoRA ranks up to 512;")
+    assert err.count("\n") == 1
+
+
+def test_a_custom_reward_outside_the_code_bundle_is_refused_naming_where_to_put_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_rewards.py").write_text("def short(completions, **kwargs):\n    return [0.0 for _ in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _refused(["--rewards", "my_rewards:short=1.0", "--iterations", "1"], monkeypatch, capsys)
+    where = str(submit.BUNDLE_ROOT / "my_rewards.py")
+    assert err == (
+        f"error: 'my_rewards:short': module 'my_rewards' is at {str(tmp_path / 'my_rewards.py')!r}, outside the code bundle "
+        f"(only modules under {str(submit.BUNDLE_ROOT)!r} travel with a run): move it there, e.g. {where!r}\n"
+    )
+    # the same module under the bundle root ships
+    monkeypatch.setattr(submit, "BUNDLE_ROOT", tmp_path)
+    submit.check_submission(RunConfig(rewards={"my_rewards:short": 1.0}))
+
+
+def test_a_custom_environment_outside_the_code_bundle_is_refused(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(SUPPORT))  # tests/support/chatty_env.py
+    err = _refused(["--env", "chatty_env:Chatty", "--iterations", "1"], monkeypatch, capsys)
+    assert err.startswith("error: 'chatty_env:Chatty': module 'chatty_env' is at ") and "outside the code bundle" in err
+
+
+_WHEEL_SUBMISSION = """
+import json, sys
+import flyte
+from flyte.io import Dir
+import grpo_flyte
+from grpo_flyte.launch import submit
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.driver import train_rl
+
+flyte.init()
+options = submit.run_context_options()
+runner = flyte.with_runcontext(mode="remote", dry_run=True, **options)
+run = runner.run(train_rl, config=RunConfig(iterations=1), base_model=Dir(path="s3://bucket/model"))
+spec = run.task_spec.task_template
+print(json.dumps({"package": grpo_flyte.__file__, "options": {k: v for k, v in options.items() if v is not None},
+                  "args": list(spec.container.args)}))
+"""
+
+
+def test_an_installed_wheel_submits_naming_its_code_by_version(tmp_path):
+    """Built as a user installs it, outside the checkout: the submission (an offline remote dry run
+    with the CLI's run context) gets copy_style 'none' and a version, which Flyte requires then."""
+    project = tmp_path / "project"  # a copy: a build writes build/ and egg-info beside the sources
+    shutil.copytree(ROOT / "src", project / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, project / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(project)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("grpo_flyte-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    site = next(env_dir.glob("lib/python3.*/site-packages"))
+    # this environment's dependencies, but not its editable grpo_flyte: a plain path entry does not
+    # run the .pth hooks of the folder it adds
+    deps = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "flyte").is_dir())
+    (site / "deps.pth").write_text(f"{deps}\n")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(env_dir / "bin" / "python"), "-c", _WHEEL_SUBMISSION], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(result["package"]).is_relative_to(site)  # the wheel's code, not the checkout's
+    assert result["options"]["copy_style"] == "none"
+    assert result["options"]["version"].startswith("0.1.0-") and len(result["options"]["version"]) == len("0.1.0-") + 12
+    assert "grpo_flyte.driver" in result["args"]
