@@ -15,7 +15,7 @@ from pathlib import Path
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.loop.state import LoopState
 
-STORED = Path(__file__).resolve().parent / "data" / "run_before_rooms"
+STORED = Path(__file__).resolve().parents[2] / "data" / "run_before_rooms"
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 
 
