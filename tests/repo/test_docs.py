@@ -116,14 +116,26 @@ def test_the_documented_custom_environment_is_complete_short_and_plays(tmp_path,
     assert rollout.episode.tool_calls == 1 and rollout.episode.end == "done"
 
 
-def test_the_module_map_names_every_module_once_at_its_layer():
-    """docs/architecture.md's map has one line per module of the package, at the layer
-    tests/repo/test_layers.py gives it."""
-    from tests.repo.test_layers import LAYERS, PACKAGE
+def test_the_module_map_follows_the_tree_room_by_room():
+    """docs/architecture.md's map names every module of the package once, top to bottom: the rooms
+    in tests/repo/test_layers.py's layers, and inside a package its modules in their order there."""
+    from tests.repo.test_layers import INSIDE, LAYERS, PACKAGE
 
     text = (DOCS / "architecture.md").read_text()
-    block = text.split("layer  module            its job\n", 1)[1].split("```", 1)[0]
-    rows = [line.split(maxsplit=2) for line in block.strip().splitlines()]
-    assert all(len(row) == 3 for row in rows)  # a layer, a module, its job
-    assert sorted(module for _, module, _ in rows) == sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-    assert {module: int(layer) for layer, module, _ in rows} == {m: n for m, n in LAYERS.items() if m != "__init__"}
+    block = text.split("module                     its job\n", 1)[1].split("```", 1)[0]
+    rows = [
+        line.split(maxsplit=1) for line in block.strip().splitlines() if line.strip() and not line.startswith("#")
+    ]  # "#": a room's heading
+    assert all(len(row) == 2 for row in rows)  # a module's path, its job
+    expected = []
+    for layer in reversed(LAYERS):
+        for room in layer:
+            if room == "__init__":
+                continue
+            if room in INSIDE:
+                expected += [f"{room}/{module}.py" for module in reversed(INSIDE[room])]
+            else:
+                expected.append(f"{room}.py")
+    assert [path for path, _ in rows] == expected
+    on_disk = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    assert set(expected) == on_disk
