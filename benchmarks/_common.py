@@ -123,7 +123,8 @@ def flush() -> None:
 
 def arithmetic_reward(completion: str, answer: str) -> float:
     """The default reward (RunConfig's `rewards`) of one completion, as the score_group task gives it."""
-    from grpo_flyte.reward_fns import DEFAULT_REWARDS, Group, score_completions
+    from grpo_flyte.reward_fns import DEFAULT_REWARDS
+    from grpo_flyte.scoring.compose import Group, score_completions
 
     parts = score_completions([completion], Group(question="", answer=answer, max_new_tokens=1, num_tokens=[0]), weights=DEFAULT_REWARDS)
     return parts[0].reward

@@ -185,7 +185,7 @@ def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tupl
     """(reward, correct) per held-out question for each adapter, greedily, by one evaluator."""
     from grpo_flyte.engine import engines
     from grpo_flyte.engine.prompts import tokenize_prompt
-    from grpo_flyte.reward_fns import Group, score_completions
+    from grpo_flyte.scoring.compose import Group, score_completions
 
     _, held_out = train_eval_split(config)
     engine = engines.HFGenerator(str(embedded_model_dir()), resolve_dtype(config.base.dtype), max_adapters=1)

@@ -17,7 +17,8 @@ from grpo_flyte.config.constants import ARITHMETIC_DATASET, DATASET_FILE_TYPES, 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import DatasetError, quoted
 from grpo_flyte.multiturn import BUILTIN_DATASETS, builtin_split
-from grpo_flyte.reward_fns import ANSWER_REWARDS, MARKER, usable_golds
+from grpo_flyte.reward_fns import ANSWER_REWARDS, MARKER
+from grpo_flyte.scoring.workers import usable_golds
 from grpo_flyte.types import Example, Message
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,9 @@
 """The `score_group` task (one prompt group) and `score_groups` (held-out evaluation), on CPU, and
 `start_reward_workers`, which the driver calls as a run starts.
 
-The reward functions themselves are pure and live in `grpo_flyte.reward_fns`; the run's scoring part
-says which ones are weighted how (`rewards`) and what a failing one does (`on_reward_error`).
+The reward functions themselves are pure and live in `grpo_flyte.reward_fns`, their sandboxed calls
+and weighted sum in `grpo_flyte.scoring`; the run's scoring part says which ones are weighted how
+(`rewards`) and what a failing one does (`on_reward_error`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import time
 from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.reward_fns import JUDGE_REWARD, Group, score_completions, start_workers
+from grpo_flyte.reward_fns import JUDGE_REWARD
+from grpo_flyte.scoring.compose import Group, score_completions
+from grpo_flyte.scoring.workers import start_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 

@@ -1,4 +1,4 @@
-"""Reward functions and their weighted composition (pure: no Flyte, no torch).
+"""The reward functions a run can name, and what one of your own is given (pure: no Flyte, no torch).
 
 A reward function scores a batch of completions of one prompt and returns one number per
 completion (or None: "does not apply", left out of the sum and of that reward's mean). Two
@@ -22,32 +22,25 @@ and `env` (the environment's reward), `judge` (an LLM judge on its own pool, grp
 not called here), or `module:function` for your own. The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
-Rewards see untrusted model output, so a failing reward is reported with the reward's name and the
-start of the completion that broke it; with `on_reward_error='zero'` it scores 0 and is counted.
+Rewards see untrusted model output, so each call runs in a worker process within a time limit
+(grpo_flyte.scoring.workers), and a failing reward is reported with the reward's name and the start
+of the completion that broke it; with `on_reward_error='zero'` it scores 0 and is counted
+(grpo_flyte.scoring.compose). A worker imports this module: it stays free of Flyte and the config.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import logging
-import math
 import re
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from grpo_flyte.errors import RewardError, RewardSpecError, RewardTimeout, import_user_attribute, is_user_attribute, quoted
-from grpo_flyte.runtime.sandbox import WorkerPool, WorkerRaised
-
-if TYPE_CHECKING:
-    from grpo_flyte.types import RewardParts
+from grpo_flyte.errors import RewardSpecError, import_user_attribute, is_user_attribute
 
 MARKER = "####"
-# Model output is shown in error messages up to this many characters.
-SHOWN_CHARS = 120
 
 _INTEGER = re.compile(r"-?\d[\d,]*")
 # A number as a model states one: 27, -3, 1,000, 2.5, 1e3 (the last number of a completion that
@@ -84,6 +77,12 @@ def normalize_integer(number: str) -> str:
     sign = "-" if number.startswith("-") else ""
     digits = number.lstrip("-").lstrip("0") or "0"
     return "0" if digits == "0" else sign + digits
+
+
+def is_integer(text: str) -> bool:
+    """Whether `text` (spaces around it allowed, digits of any script) is an integer: '27', '-3',
+    '1,000', '٢٧'. Such a gold answer is usable without math-verify."""
+    return _INTEGER.fullmatch(ascii_digits(text).strip()) is not None
 
 
 def ascii_digits(text: str) -> str:
@@ -270,280 +269,6 @@ def resolve_reward(name: str) -> RewardFn:
     if not callable(fn):
         raise RewardSpecError(f"{name!r}: module {module_name!r} has no function {attr!r}", field="rewards")
     return fn
-
-
-# --------------------------------------------------------------------------- calls in the sandbox
-
-# Groups one process scores at once, each in a worker of its own (grpo_flyte.runtime.sandbox); workers
-# start as needed, and math-verify loads before a worker's first timed call.
-MAX_WORKERS = 8
-_workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
-
-
-def start_workers(count: int) -> int:
-    """Start `count` workers (the pool holds at most MAX_WORKERS) side by side ahead of the groups
-    that will need them, so that no group waits for a worker to import math-verify; how many started now."""
-    return _workers.start(count)
-
-
-def limited(fn: str, args: tuple, timeout_s: float, what: str) -> Any:
-    """`fn(*args)` (a function of this module, by name) in the sandbox, within `timeout_s` seconds."""
-    return _workers.call(f"{__name__}:{fn}", args, timeout_s, what)
-
-
-def trl_style(fn: RewardFn, trl_data: bool) -> bool:
-    """Whether `fn` is called TRL's way: the data are in TRL's format, or it takes `prompts`."""
-    return trl_data or _takes_prompts(fn)
-
-
-@functools.cache
-def _takes_prompts(fn: RewardFn) -> bool:
-    # once per function and worker process: the worker calls it for every group
-    try:
-        return "prompts" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a builtin or C callable without a signature
-        return False
-
-
-def trl_arguments(
-    completions: list[str], completion_ids: list[list[int]], context: Mapping[str, Any], row: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The keyword arguments TRL passes a reward function, for one group: lists, one entry per completion."""
-    n = len(completions)
-    prompt = row.get("prompt")
-    chat = isinstance(prompt, list)
-    columns = {"answer": context["answer"], **row.get("columns", {})}
-    if chat:  # a multi-turn episode is its messages, as TRL passes a conversation
-        episodes = context.get("episodes") or [[{"role": "assistant", "content": c}] for c in completions]
-    return {
-        "prompts": [prompt if prompt is not None else context["question"]] * n,
-        "completions": episodes if chat else list(completions),
-        "completion_ids": [list(ids) for ids in completion_ids],
-        **{name: [value] * n for name, value in columns.items()},
-        **{name: list(context[name]) for name in ("episodes", "env_rewards") if name in context},
-    }
-
-
-def _call_reward(
-    name: str, completions: list[str], num_tokens: list[int], completion_ids: list[list[int]], context: dict[str, Any], row: dict[str, Any]
-) -> Any:
-    fn = resolve_reward(name)
-    if name not in REWARD_FUNCTIONS and trl_style(fn, row.get("prompt") is not None):
-        values = fn(**trl_arguments(completions, completion_ids, context, row))
-    else:
-        values = fn(completions, num_tokens=num_tokens, **context)
-    return _plain_scores(values)
-
-
-def _plain_scores(values: Any) -> Any:
-    """A reward's return value as the parent can check it without numpy or torch: a list or a
-    1-D array or tensor (TRL takes those) becomes a list of Python numbers, 0-d items their number;
-    an array of another shape its `ArrayShape`."""
-    if hasattr(values, "tolist") and hasattr(values, "ndim"):
-        if values.ndim != 1:
-            return ArrayShape(type(values).__name__, tuple(values.shape))
-        return values.tolist()
-    if isinstance(values, (list, tuple)):
-        return [v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for v in values]
-    return values
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayShape:
-    """What the parent hears of a returned array that is not one-dimensional."""
-
-    kind: str
-    shape: tuple[int, ...]
-
-
-def _correct_flags(completions: list[str], answer: str) -> list[bool]:
-    return [is_correct(c, answer) for c in completions]
-
-
-def _flags_within(fn: str, items: list, rest: tuple, timeout_s: float, what: str) -> list[bool]:
-    """`fn(items, *rest)` (a list of flags) in the worker within the time limit; if the batch runs
-    out of time, each item alone, an item that still does counting False."""
-    try:
-        return limited(fn, (items, *rest), timeout_s, what)
-    except RewardTimeout:
-        flags = []
-        for item in items:
-            try:
-                flags.append(limited(fn, ([item], *rest), timeout_s, what)[0])
-            except RewardTimeout:
-                flags.append(False)
-        return flags
-
-
-def correct_flags(completions: list[str], answer: str, timeout_s: float) -> list[bool]:
-    """Which completions state the gold answer (the accuracy metric), each within the time limit;
-    a completion whose check runs out of time is not counted correct."""
-    return _flags_within("_correct_flags", completions, (answer,), timeout_s, "the accuracy check")
-
-
-def _usable_many(answers: list[str]) -> list[bool]:
-    # Comparing a completion with the gold answer must finish too: math-verify reads `10**10**10`
-    # at once but never finishes comparing anything with it. The probe's outcome does not matter.
-    return [gold_is_usable(a) and (is_correct(f"{MARKER} 1", a) or True) for a in answers]
-
-
-def usable_golds(answers: list[str], timeout_s: float, chunk: int = 256) -> list[bool]:
-    """`gold_is_usable` for many gold answers, each read within the reward time limit: an answer
-    math-verify cannot read in time (`10**10**10`) is not usable. Integers need no worker."""
-    flags = [bool(_INTEGER.fullmatch(ascii_digits(a).strip())) for a in answers]
-    todo = [i for i, ok in enumerate(flags) if not ok]
-    for start in range(0, len(todo), chunk):
-        part = todo[start : start + chunk]
-        found = _flags_within("_usable_many", [answers[i] for i in part], (), timeout_s, "reading gold answers")
-        for i, ok in zip(part, found, strict=True):
-            flags[i] = ok
-    return flags
-
-
-# --------------------------------------------------------------------------- composition
-
-
-def _show(text: str) -> str:
-    return repr(text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else ""))
-
-
-def _checked(name: str, values: Any, count: int) -> list[float | None]:
-    """The scores as floats (None: does not apply), or RewardError unless they are `count` finite
-    numbers or None."""
-    if isinstance(values, ArrayShape):
-        raise RewardError(
-            f"reward {name!r} returned a {values.kind} of shape {values.shape}; expected a list or 1-D array of {count} numbers"
-        )
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise RewardError(f"reward {name!r} returned {type(values).__name__}; expected a list of {count} numbers")
-    if len(values) != count:
-        raise RewardError(f"reward {name!r} returned {len(values)} scores for {count} completions")
-    scores = []
-    for value in values:
-        if value is None:
-            scores.append(None)
-            continue
-        try:
-            score = float(value)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float
-            raise RewardError(
-                f"reward {name!r} returned {quoted(value, SHOWN_CHARS)}; expected a number that fits a float, or None"
-            ) from None
-        if not math.isfinite(score):
-            raise RewardError(f"reward {name!r} returned {score}; expected a finite number")
-        scores.append(score)
-    return scores
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """What the rewards see of one prompt group besides the completions' text."""
-
-    question: str
-    answer: str
-    max_new_tokens: int
-    num_tokens: Sequence[int]
-    completion_ids: Sequence[Sequence[int]] = ()
-    prompt: str | list[dict[str, str]] | None = None  # TRL's format (see the module docstring)
-    columns: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # Multi-turn: each episode's reward from the environment, and its turns as chat messages.
-    env_rewards: Sequence[float | None] = ()
-    episodes: Sequence[Sequence[Mapping[str, str]]] = ()
-
-    def only(self, i: int) -> Group:
-        """The same group reduced to completion `i`."""
-
-        def one(values: Sequence) -> list:
-            return [values[i]] if values else []
-
-        return dataclasses.replace(
-            self,
-            num_tokens=[self.num_tokens[i]],
-            completion_ids=one(self.completion_ids),
-            env_rewards=one(self.env_rewards),
-            episodes=one(self.episodes),
-        )
-
-
-def _call(name: str, completions: list[str], group: Group, timeout_s: float) -> list[float | None]:
-    """One reward call in the worker, within the time limit; its scores checked."""
-    context = {"question": group.question, "answer": group.answer, "max_new_tokens": group.max_new_tokens}
-    if group.episodes:
-        context["env_rewards"] = list(group.env_rewards)
-        context["episodes"] = [[dict(m) for m in e] for e in group.episodes]
-    row = {"prompt": group.prompt, "columns": dict(group.columns)}
-    ids = [list(x) for x in group.completion_ids] or [[] for _ in completions]
-    args = (name, list(completions), list(group.num_tokens), ids, context, row)
-    try:
-        values = limited("_call_reward", args, timeout_s, f"reward {name!r}")
-    except WorkerRaised as exc:
-        detail = str(exc) if len(str(exc)) <= SHOWN_CHARS else str(exc)[:SHOWN_CHARS] + "..."
-        raise RewardError(f"reward {name!r} raised {exc.kind}: {detail}") from None
-    return _checked(name, values, len(completions))
-
-
-def run_reward(
-    name: str, completions: list[str], group: Group, on_error: str, timeout_s: float = 10.0
-) -> tuple[list[float | None], list[bool]]:
-    """One reward's scores for a group, and which completions it failed on.
-
-    The group is scored in one call. If that fails, each completion is scored alone to find the
-    ones that break it: with on_error='fail' the first is reported (the reward's name, the problem
-    and the start of the completion); with 'zero' they score 0 and are flagged.
-    """
-    resolve_reward(name)  # a name that does not resolve is a spec error here, not a reward error
-    try:
-        return _call(name, completions, group, timeout_s), [False] * len(completions)
-    except RewardError as batch_error:
-        scores: list[float | None] = []
-        failed = []
-        for i, completion in enumerate(completions):
-            try:
-                scores.append(_call(name, [completion], group.only(i), timeout_s)[0])
-                failed.append(False)
-            except RewardError as exc:
-                if on_error != "zero":
-                    raise RewardError(
-                        f"{exc} on completion {i + 1} of {len(completions)}, which starts {_show(completion)} "
-                        "(on_reward_error='zero' scores such completions 0 and counts them instead)"
-                    ) from exc.__cause__
-                scores.append(0.0)
-                failed.append(True)
-        if not any(failed) and on_error != "zero":
-            # Each completion scores alone but the batch call did not: a batch-size bug.
-            raise RewardError(f"{batch_error} (first completion starts {_show(completions[0])})") from batch_error.__cause__
-        return scores, failed
-
-
-def score_completions(
-    completions: list[str], group: Group, weights: Mapping[str, float], on_error: str = "fail", timeout_s: float = 10.0
-) -> list[RewardParts]:
-    """Every completion's weighted reward, its per-reward scores, and its correct/format flags;
-    each reward call and the accuracy check within `timeout_s` seconds. A score of None (the
-    reward does not apply) adds nothing and is left out of that reward's scores."""
-    # Imported here: every reward worker imports this module, and grpo_flyte.types brings in Flyte
-    # (half of a worker's start-up).
-    from grpo_flyte.types import RewardParts
-
-    scores: dict[str, list[float | None]] = {}
-    failures: dict[str, list[bool]] = {}
-    for name in weights:
-        scores[name], failures[name] = run_reward(name, completions, group, on_error, timeout_s)
-    # without a gold answer (data for custom rewards only) nothing is counted correct
-    correct = correct_flags(list(completions), group.answer, timeout_s) if group.answer else [False] * len(completions)
-    parts = []
-    for i, c in enumerate(completions):
-        applied = {name: scores[name][i] for name in weights if scores[name][i] is not None}
-        parts.append(
-            RewardParts(
-                reward=sum(weights[name] * score for name, score in applied.items()),
-                correct=correct[i],
-                format=well_formed(c),
-                scores=applied,
-                errors=[name for name in weights if failures[name][i]],
-            )
-        )
-    return parts
 
 
 # math-verify warns on every call that its timeout is off; it is off on purpose (see _parse_math).

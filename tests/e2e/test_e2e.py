@@ -16,11 +16,12 @@ import flyte
 import pytest
 from flyte.io import Dir
 
-from grpo_flyte import reward, reward_fns
+from grpo_flyte import reward
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning.policy import peft_model
 from grpo_flyte.runtime import sandbox
+from grpo_flyte.scoring import workers as reward_workers
 from grpo_flyte.trainer import init_adapter, train_step
 from grpo_flyte.types import AdapterRef, Example, RewardParts, Rollout, RolloutGroup, ScoredGroup, TrainStepResult
 from tests.support.console import failed_run_lines
@@ -613,7 +614,7 @@ def test_rewards_that_write_to_stdout_below_python_score_normally_and_the_run_fi
         "    return [float(len(c) % 2) for c in completions]\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    reward_fns._workers.stop()  # a worker started by an earlier test writes to the stderr it started with, not capfd's
+    reward_workers._workers.stop()  # a worker started by an earlier test writes to the stderr it started with, not capfd's
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--rewards", "correct=1,chatty_reward:judge=1"]
     assert cli_main([*args, "--run-dir", str(run_dir)]) == 0
@@ -629,7 +630,7 @@ def test_the_reward_workers_start_together_before_the_first_group_is_scored(tmp_
     start as the run starts, side by side, and none inside an iteration: a worker imports
     math-verify (about a second) before its first call, which made the first iteration's scoring
     slow."""
-    reward_fns._workers.stop()
+    reward_workers._workers.stop()
     events = []
     real_launch, real_score = sandbox.Worker._launch, reward.score
 

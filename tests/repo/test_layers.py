@@ -45,7 +45,7 @@ TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 # may import any of them, to re-export a public path).
 INSIDE = {
     "runtime": ("allocator", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
-    "scoring": ("judging",),
+    "scoring": ("judging", "workers", "compose"),
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders"),
     "learning": ("grpo", "policy", "update", "data_parallel", "merge"),

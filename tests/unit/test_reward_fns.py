@@ -8,12 +8,9 @@ import pytest
 
 from grpo_flyte import reward_fns as rewards
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.errors import ConfigError
+from grpo_flyte.errors import ConfigError, RewardError, RewardSpecError
 from grpo_flyte.reward_fns import (
     DEFAULT_REWARDS,
-    Group,
-    RewardError,
-    RewardSpecError,
     answer_span,
     extract_answer,
     format_reward,
@@ -21,9 +18,9 @@ from grpo_flyte.reward_fns import (
     is_correct,
     length_reward,
     resolve_reward,
-    score_completions,
     tags_reward,
 )
+from grpo_flyte.scoring.compose import Group, score_completions
 
 # --------------------------------------------------------------------------- extract_answer (integer fallback)
 

@@ -24,7 +24,8 @@ from grpo_flyte.reward import score_group
 from grpo_flyte.reward_fns import JUDGE_REWARD
 from grpo_flyte.rollout import generate
 from grpo_flyte.runtime.storage import as_payload
-from grpo_flyte.scoring.judging import busy_seconds, with_judge
+from grpo_flyte.scoring.compose import with_judge
+from grpo_flyte.scoring.judging import busy_seconds
 from grpo_flyte.trainer import DISTRIBUTED_STEP, train_step
 from grpo_flyte.types import AdapterRef, Example, ScoredGroup, TrainStepResult
 

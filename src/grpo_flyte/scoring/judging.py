@@ -1,5 +1,6 @@
 """The LLM judge's pure parts: its prompt, the JSON it answers with, splitting a group to fit its
-context, and adding its scores to a group's rewards (no Flyte, no torch; the task is grpo_flyte.judge).
+context, and its metrics (no Flyte, no torch; the task is grpo_flyte.judge, and
+grpo_flyte.scoring.compose adds its scores to a group's rewards).
 
 Group-relative scoring as OpenPipe's RULER does it: one judge prompt holds the question once and
 every completion of the group, numbered; the judge answers `{"scores": [s1, ..., sN]}`, one score in
@@ -14,9 +15,10 @@ import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from grpo_flyte.reward_fns import JUDGE_REWARD
-from grpo_flyte.types import JudgeVerdict, RewardParts, ScoredGroup
+if TYPE_CHECKING:
+    from grpo_flyte.types import ScoredGroup
 
 REPLY_PREFIX = '{"scores": ['
 REPLY_END = "}"  # no score holds one: the first closes the reply's object
@@ -184,25 +186,6 @@ def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
         total += stop - max(start, end)
         end = stop
     return total
-
-
-def with_judge(scored: ScoredGroup, verdict: JudgeVerdict, weight: float) -> ScoredGroup:
-    """The group with the judge's scores added to each completion's reward (times `weight`); a
-    completion the judge could not score (on_reward_error='zero') scores 0 and names the judge
-    among its errors."""
-    if len(verdict.scores) != len(scored.rewards):
-        raise ValueError(f"the judge scored {len(verdict.scores)} completions of a group of {len(scored.rewards)}")
-    parts = [
-        RewardParts(
-            reward=p.reward + weight * score,
-            correct=p.correct,
-            format=p.format,
-            scores={**p.scores, JUDGE_REWARD: score},
-            errors=[*p.errors, JUDGE_REWARD] if failed else p.errors,
-        )
-        for p, score, failed in zip(scored.rewards, verdict.scores, verdict.failed, strict=True)
-    ]
-    return scored.model_copy(update={"rewards": parts, "judge": verdict})
 
 
 def judge_metrics(scored: Sequence[ScoredGroup], judge_s: float) -> dict[str, float | int]:

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from grpo_flyte.scoring.compose import with_judge
 from grpo_flyte.scoring.judging import (
     HEADER_TOKENS,
     REPLY_PREFIX,
@@ -20,7 +21,6 @@ from grpo_flyte.scoring.judging import (
     parse_scores,
     render_judge_prompt,
     scores_regex,
-    with_judge,
 )
 from grpo_flyte.types import Example, JudgeVerdict, RewardParts, Rollout, RolloutGroup, ScoredGroup
 
