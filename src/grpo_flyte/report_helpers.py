@@ -1,6 +1,6 @@
-"""Self-contained HTML report for a GRPO run.
+"""This module renders the self-contained HTML report of a GRPO run.
 
-Renders stat cards, inline SVG line charts, a per-iteration table, the best
+It renders stat cards, inline SVG line charts, a per-iteration table, the best
 completion and the run config into one HTML document with inline CSS only: no
 scripts, no external styles, fonts or images, so it can be opened anywhere and
 shown in a Flyte report without network access. Everything that comes from data
@@ -231,7 +231,7 @@ def _judge_scores(best: Mapping) -> str:
 
 
 def _episode(turns: Sequence[Mapping]) -> str:
-    """A multi-turn episode turn by turn: the model's turns and the environment's set apart (class
+    """A multi-turn episode turn by turn: the model's turns and the RL environment's set apart (class
     and label), each turn's text escaped."""
     rows = []
     for turn in turns:

@@ -1,5 +1,5 @@
-"""A train step over several processes (data-parallel): each forwards its share of every
-minibatch, the LoRA gradients are all-reduced, and rank 0 writes the adapter.
+"""This module runs a train step over several processes (data-parallel): each forwards its share
+of every minibatch, the LoRA gradients are all-reduced, and rank 0 writes the adapter.
 
 Locally `launch_ranks` starts the processes (`--train-processes`, gloo on a CPU); on a cluster the
 Elastic plugin starts one per GPU and each runs `distributed_step` (trainer.train_step_distributed).
@@ -105,7 +105,7 @@ RANK_POLL_S = 0.1
 def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
     """The train step in `processes` local processes (gloo on a CPU): each started as torchrun
     starts one, by torch elastic's `start_processes`, with a session of its own (a terminal's
-    Ctrl-C reaches the run, which ends them: `child_processes`), meeting at a TCP store this
+    Ctrl-C reaches the run, which ends them: `runtime.child_processes`), meeting at a TCP store this
     process hosts on a free port; rank 0's statistics.
 
     Not torch's `elastic_launch`: its agent adds restarts and rendezvous across nodes, which one
@@ -134,7 +134,7 @@ def launch_ranks(job: RankJob, out: Path, processes: int) -> StepStats:
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         }
         envs = {rank: {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(processes)}
-        # Its warnings (no signal handlers off the main thread: `child_processes` ends the processes;
+        # Its warnings (no signal handlers off the main thread: `runtime.child_processes` ends the processes;
         # the others ended once one failed) and its error line (the step raises the failure) say
         # nothing the run does not.
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

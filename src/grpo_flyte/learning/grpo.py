@@ -1,4 +1,4 @@
-"""The GRPO math: advantages, micro-batching, masking, log-prob gathering and the loss.
+"""This module holds the GRPO math: advantages, micro-batching, masking, log-prob gathering and the loss.
 
 Pure functions, separate from orchestration, unit-tested on hand-computed values. torch is
 imported inside the functions that need it so that importing this module stays cheap.
@@ -91,7 +91,7 @@ class TrainSequence:
     sampling log-prob of each trained completion token (None when unknown: no IS correction then).
 
     `model_mask` (multi-turn): which completion tokens the model sampled; the others are the
-    environment's, in the context but out of the loss. None: every completion token is trained.
+    RL environment's, in the context but out of the loss. None: every completion token is trained.
 
     `masked`: out of the loss (the 'mask' truncation policy); it still counts in the normalizer's
     number of sequences, not in its number of tokens.
@@ -260,11 +260,11 @@ def _vocab_chunks():
     """The log-prob of the target and the entropy under softmax(logits / T), as an autograd function
     that never holds more than a chunk of rows in float32.
 
-    The same numbers as log_softmax over the whole (N, V) matrix in float32, about 4x faster on a
-    CPU: the whole-matrix form writes four float32 copies of it (N x V is 150M numbers for 3000
-    completion tokens of a 49k vocabulary) and reads them back, forward and backward. Backward, for
-    log p_t = x_t - logsumexp(x) with x = logits / T: d log p_t / d logits_v = (onehot_t - p_v) / T,
-    recomputed from the saved logits and log-sum-exp.
+    The same numbers as log_softmax over the whole (N, V) matrix in float32, and faster on a CPU
+    (docs/measurements.md#benchmarks, "The train step"): the whole-matrix form writes four float32
+    copies of it (N x V is 150M numbers for 3000 completion tokens of a 49k vocabulary) and reads
+    them back, forward and backward. Backward, for log p_t = x_t - logsumexp(x) with x = logits / T:
+    d log p_t / d logits_v = (onehot_t - p_v) / T, recomputed from the saved logits and log-sum-exp.
     """
     import torch
 

@@ -1,4 +1,5 @@
-"""The adapter merged into its base: one plain transformers model folder, for serving without PEFT."""
+"""This module merges the adapter into its base: one plain transformers model folder, for serving
+without PEFT."""
 
 from __future__ import annotations
 

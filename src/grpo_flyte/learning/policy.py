@@ -1,5 +1,5 @@
-"""The policy the train pool trains: a PEFT LoRA adapter on a frozen base, its AdamW optimizer,
-and the adapter folder both are saved to and restored from.
+"""This module holds the policy the train pool trains: a PEFT LoRA adapter on a frozen base, its
+AdamW optimizer, and the adapter folder both are saved to and restored from.
 
 The PEFT model loads once per warm train replica and base model (`peft_model`, cached);
 `WarmOptimizer` keeps the optimizer of the adapter a replica wrote last, so the run's next step
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 # One loaded base per base model a sweep trains (a run: one), the least recently used dropped past
-# MAX_BASES (sweep_grid refuses more bases). Dropped after the next one loads: only a process
+# MAX_BASES (config/grid.py refuses more bases). Dropped after the next one loads: only a process
 # that ran other bases before (a local one) gets there, never a sweep's replica.
 @functools.lru_cache(maxsize=MAX_BASES)
 def _peft_model(
@@ -137,7 +137,7 @@ def save_adapter(model, optimizer, version: int, out: Path) -> None:
 
 def record_base(out: Path, model: str) -> None:
     """Name the base model in the saved adapter's config as others can load it (PEFT writes the
-    local folder the trainer loaded, a cache path on a pod): see models.shareable_base."""
+    local folder the trainer loaded, a cache path on a pod): see models.folders.shareable_base."""
     config_file = out / "adapter_config.json"
     config = json.loads(config_file.read_text())
     config["base_model_name_or_path"] = shareable_base(model)

@@ -1,4 +1,4 @@
-"""One GRPO iteration on the policy: `updates_per_iter` clipped optimizer steps.
+"""This module runs one GRPO iteration on the policy: `updates_per_iter` clipped optimizer steps.
 
 `build_sequences` turns scored groups into training sequences (the generator's token ids, never
 re-tokenized); `grpo_step` computes the reference and old log-probs once (`_reference_pass`), then
@@ -280,9 +280,9 @@ def _set_checkpointing(model, on: bool) -> None:
 def checkpointed(train: TrainConfig, lengths: list[int]) -> bool:
     """Whether a micro-batch of sequences of `lengths` recomputes its activations in the backward
     pass: always with gradient_checkpointing, and for a sequence longer than micro_batch_tokens,
-    which trains alone (a sequence is never split): its activations would grow with it, ~1 MB a
-    token on the embedded model in bfloat16, while checkpointed its live tensors are ~70 KB a token
-    (each layer's input, one layer's activations at a time; docs/measurements.md, issue 40)."""
+    which trains alone (a sequence is never split): its activations would grow with it, while
+    checkpointed only each layer's input and one layer's activations at a time stay live, a small
+    fraction of that (docs/measurements.md#long-observations-issue-40-2026-11-26)."""
     return train.gradient_checkpointing or len(lengths) * max(lengths) > train.micro_batch_tokens
 
 

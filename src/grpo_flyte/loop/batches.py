@@ -1,7 +1,8 @@
-"""One iteration's batch and the train step on it: a generate task per prompt, each group scored
-(and judged, with the 'judge' reward) the moment it lands, fresh prompts topped up until enough
-groups are informative; then `train_step` (on a cluster with several train GPUs, the data-parallel
-one). The driver's loop and the pipelined run (`grpo_flyte.loop.pipeline`) both build on these.
+"""This module builds one iteration's batch and takes the train step on it: a generate task per
+prompt, each group scored (and judged by the LLM judge, with the 'judge' reward) the moment it
+lands, fresh prompts topped up until enough groups are informative; then `train_step` (on a
+cluster with several train GPUs, the data-parallel one). The driver's loop and the pipelined run
+(`grpo_flyte.loop.pipeline`) both build on these.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ async def train_batch(
     inline, payload = await as_payload(scored, f"scored-{iteration + 1:04d}")
     args = (config.base, config.lora, config.train, config.sampling, base_model, adapter, inline, payload)
     if DISTRIBUTED_STEP is not None and flyte.ctx() and flyte.ctx().mode != "local":
-        # several train GPUs configured (envs.train_dist_env), on a cluster: the data-parallel step (a sync task)
+        # several train GPUs configured (the Flyte task environment envs.train_dist_env), on a cluster:
+        # the data-parallel step (a sync task)
         return await DISTRIBUTED_STEP.aio(*args, total_iterations=config.iterations)
     return await train_step(*args, total_iterations=config.iterations)
 

@@ -1,5 +1,5 @@
-"""The held-out evaluation: greedy answers to the held-out questions, in chunks spread over the
-generate pool, scored as each chunk lands; its metrics and per-question answers."""
+"""This module runs the held-out evaluation: greedy answers to the held-out questions, in chunks
+spread over the generate pool, scored as each chunk lands; its metrics and per-question answers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The run's guard: the best adapter kept, a collapse caught, a stalled run stopped (pure: no Flyte, no torch).
+"""The run's guard keeps the best adapter, catches a collapse and stops a stalled run (pure: no Flyte, no torch).
 
 After each held-out evaluation the adapter is compared with the best one so far on the chosen
 metric (`--select-by`), paired over the same questions; between evaluations the training metrics
@@ -8,12 +8,13 @@ on it: a rollback trains on from the best adapter and its optimizer state at a l
 rate, a stop ends the loop. The state is part of the loop's checkpoint, so a resumed run keeps its
 best adapter, its rollbacks, its learning-rate scale and its patience.
 
-What counts as a collapse, each test with its threshold (the data behind them: docs/measurements.md,
-"The guard"; `benchmarks/guardian.py --replay` runs these functions over recorded runs):
+What counts as a collapse, each test with its threshold (the data behind them:
+docs/measurements.md#the-guard-2026-11-26; `benchmarks/guardian.py --replay` runs these functions
+over recorded runs):
 - **held_out**: the evaluation below the best one by more than the paired difference's 99%
   interval (COLLAPSE_Z). 99%, not the 95% the metrics show elsewhere: the best is the highest of
-  several noisy evaluations, so it is biased upwards, and a healthy run of the sweep came within
-  0.3 points of the 95% interval (-5.0 +- 5.3 points after its best).
+  several noisy evaluations, so it is biased upwards, and a healthy run of the recipe sweep came
+  close to the 95% interval after its best.
 - between evaluations, each over SIGNAL_RUN measured iterations in a row since the last collapse
   and against the run's start (the mean of its first START_ITERATIONS iterations: the base policy):
   see SIGNALS.
@@ -136,10 +137,11 @@ ENTROPY_FLOOR = 0.02
 LENGTH_FRACTION = 0.25
 ESS_FLOOR = 0.5
 
+# The runs behind each threshold: docs/measurements.md#the-guard-2026-11-26.
 SIGNALS: tuple[Signal, ...] = (
-    # Training accuracy at a floor after a start above it (learning_curve's gate calls this a collapse):
-    # the format collapse of benchmarks/learning_seeds.json (held-out accuracy 0-2%, reward 0.2 flat).
-    # No healthy run of the sweep had two iterations in a row at or below 2%.
+    # Training accuracy at a floor after a start above it (benchmarks/learning_curve.py's gate calls
+    # this a collapse): the format collapse of benchmarks/learning_seeds.json. No healthy run of the
+    # recipe sweep stayed at the floor for two iterations in a row.
     Signal(
         "accuracy_floor",
         _always,
@@ -148,8 +150,8 @@ SIGNALS: tuple[Signal, ...] = (
         accuracy_only=True,
     ),
     # Nothing left to learn from, and worse than the start: nearly every group's completions scored
-    # alike. The sweep's collapsed seed (center/seed-1) had 0.86-1.0 from iteration 11 on; no healthy
-    # run had two iterations in a row at 0.9 or above.
+    # alike. The recipe sweep's collapsed run stayed there from its fall on; no healthy run had two
+    # iterations in a row at NO_SPREAD or above.
     Signal(
         "no_spread",
         _always,
@@ -157,15 +159,15 @@ SIGNALS: tuple[Signal, ...] = (
         f"{NO_SPREAD:.0%} of the groups or more without a reward spread for {SIGNAL_RUN} iterations, the reward below "
         "the start's {mean_reward:.3f}",
     ),
-    # Entropy fallen to near zero: the policy samples one completion. The sweep's lowest measured
-    # entropy was 0.072 nats per token (a healthy run); the start is 0.45-0.53.
+    # Entropy fallen to near zero: the policy samples one completion. The floor is far below every
+    # entropy the recipe sweep measured, healthy runs and their start included.
     Signal(
         "entropy",
         _stepped,
         lambda t, start: t.entropy <= ENTROPY_FLOOR,
         f"entropy at or below {ENTROPY_FLOOR} nats per token for {SIGNAL_RUN} trained iterations, from {{entropy:.2f}} at the start",
     ),
-    # Completions shrunk to a few tokens: no run of the sweep went below 0.68 of its start.
+    # Completions shrunk to a few tokens: far shorter, against the start, than any run of the recipe sweep.
     Signal(
         "short",
         _always,
@@ -173,8 +175,8 @@ SIGNALS: tuple[Signal, ...] = (
         f"completions {LENGTH_FRACTION:.0%} of their length at the start ({{completion_len_mean:.1f}} tokens) or less "
         f"for {SIGNAL_RUN} iterations",
     ),
-    # Importance weights out of range: the trainer's policy far from the one that sampled. The sweep's
-    # 16-bit runs never went below 0.967; 4-bit runs averaged 0.80-0.82 (learning_seeds.json).
+    # Importance weights out of range: the trainer's policy far from the one that sampled. The floor
+    # is well below what the recipe sweep's 16-bit runs and the 4-bit runs of learning_seeds.json measured.
     Signal(
         "ess",
         _stepped,

@@ -1,10 +1,11 @@
-"""A local sweep's configs ask for each iteration's rollouts, and each evaluation, together.
+"""This module makes a local sweep's configs ask for each iteration's rollouts, and each evaluation,
+together.
 
 In a local sweep every config runs in one process: one engine and one torch thread
 (`grpo_flyte.runtime.torch_thread`) do every config's decoding and train steps, one after another. Left
 alone the configs drift apart: the config whose train step ran last asks for its next rollouts
 after the others' groups left in a batch, so its groups get an engine batch of their own, every
-iteration (`benchmarks/sweep_throughput.py` saw 2 engine batches an iteration instead of 1).
+iteration (`benchmarks/sweep_throughput.py`: docs/measurements.md#sweeps-on-one-warm-pool-issue-39-2026-11-26).
 
 `Lockstep` is the sweep's meeting point. The driver waits at it (`meet`) before each iteration's
 rollouts and before each held-out evaluation (the one after an iteration's train step came one

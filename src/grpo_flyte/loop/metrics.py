@@ -1,5 +1,5 @@
-"""What an iteration and a held-out evaluation measured: the metrics rows' numbers, computed from
-the scored groups and the train step's result (pure: no Flyte, no torch).
+"""This module computes what an iteration and a held-out evaluation measured: the metrics rows'
+numbers, from the scored groups and the train step's result (pure: no Flyte, no torch).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _episode_fields(rollout: Rollout) -> dict[str, Any]:
 
 def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
     """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval),
-    the mean number of model turns and the environment steps that failed ({} for single-turn answers)."""
+    the mean number of model turns and the RL environment's steps that failed ({} for single-turn answers)."""
     episodes = [r.episode for r in rollouts if r.episode is not None]
     if not episodes:
         return {}

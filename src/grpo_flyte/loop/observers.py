@@ -1,6 +1,6 @@
-"""Who sees a run's progress in this process: in a local run, the run folder's writer and the
-progress bars (`observe`); in a local sweep, several runs at once, each config's folder sees its
-own run only (`observe(..., run=name)`). On a cluster nobody observes the driver pod; its report
+"""This module tells whoever watches a run in this process how it goes: in a local run, the run
+folder's writer and the progress bars (`observe`); in a local sweep, several runs at once, each
+config's folder sees its own run only (`observe(..., run=name)`). On a cluster nobody observes the driver pod; its report
 tab and outputs carry the same information.
 """
 

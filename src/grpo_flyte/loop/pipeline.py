@@ -1,5 +1,5 @@
-"""A pipelined run (--max-staleness K >= 1): the batches of the next K iterations are generated and
-scored while the trainer trains, each by an adapter at most K versions older than the one that
+"""This module pipelines a run (--max-staleness K >= 1): the batches of the next K iterations are
+generated and scored while the trainer trains, each by an adapter at most K versions older than the one that
 trains on it (`generation_version`); groups staler than that are dropped (`fresh_groups`).
 """
 

@@ -1,5 +1,5 @@
-"""What a run shows and hands out: the report (re-rendered into the task's report tab after every
-iteration, and shown to observers), the final report folder, and the exported adapter (or merged
+"""This module publishes what a run shows and hands out: the report (re-rendered into the task's
+report tab after every iteration, and shown to observers), the final report folder, and the exported adapter (or merged
 model) pushed to the Hugging Face Hub."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The loop's state between iterations: what `flyte.Checkpoint` holds after every iteration, and how
-a retried driver (or a resumed run) gets it back.
+"""This module holds the loop's state between iterations: what `flyte.Checkpoint` holds after every
+iteration, and how a retried driver (or a resumed run) gets it back.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""What a person sees of a run and a sweep: the console's progress lines and bars, experiment
-tracking, the sweep's comparison report, and the model card pushed to the Hub."""
+"""This package shows a person what a run and a sweep did: the console's progress lines and bars,
+the report pages' HTML and charts, experiment tracking, the sweep's comparison report, and the
+model card pushed to the Hub."""

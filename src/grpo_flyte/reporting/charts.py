@@ -1,4 +1,4 @@
-"""Inline SVG line charts of metrics by iteration: scales, axes, series, 95% bands, the guard's markers and legends.
+"""This module draws inline SVG line charts of metrics by iteration: scales, axes, series, 95% bands, the guard's markers and legends.
 
 A chart of the run report (`chart`) or one metric of several runs overlaid (`overlay_chart`, a
 sweep's comparison); every label and tooltip is escaped, and the SVG scales to its container.

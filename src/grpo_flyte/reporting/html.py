@@ -1,4 +1,4 @@
-"""The HTML around a report: its style sheet, its header and document, escaping and number formatting.
+"""This module builds the HTML around a report: its style sheet, its header and document, escaping and number formatting.
 
 Shared by the run report (grpo_flyte.report_helpers) and a sweep's comparison
 (grpo_flyte.reporting.sweep_report). A page has inline CSS only: no scripts, no external styles,

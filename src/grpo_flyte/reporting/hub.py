@@ -1,4 +1,4 @@
-"""Publishing a trained adapter (or merged model) to the Hugging Face Hub, with a model card.
+"""This module publishes a trained adapter (or merged model) to the Hugging Face Hub, with a model card.
 
 `model_card` is pure (the run's config and metrics in, Markdown out); `push_folder` uploads a
 folder through `huggingface_hub.HfApi`, or through any object with its `create_repo` and

@@ -1,9 +1,10 @@
-"""Progress as a person reads it: the line the driver logs per iteration (`progress_line`), the ETA
-(`eta_seconds`), and, for a local run on a terminal, progress bars: one for the run's iterations,
-one for each held-out evaluation, each with an ETA, below the run's log lines.
+"""This module shows a run's progress as a person reads it: the line the driver logs per iteration
+(`progress_line`), the ETA (`eta_seconds`), and, for a local run on a terminal, progress bars: one
+for the run's iterations, one for each held-out evaluation, each with an ETA, below the run's log
+lines.
 
-`RunProgress` is a run observer (`observers.observe`), fed by the same events as the run folder's
-writer. The bars are drawn only when stderr is a terminal; in a pipe, a file or CI the log lines
+`RunProgress` is a run observer (`grpo_flyte.loop.observers.observe`), fed by the same events as
+the run folder's writer. The bars are drawn only when stderr is a terminal; in a pipe, a file or CI the log lines
 are all there is, as before.
 """
 
@@ -37,7 +38,7 @@ from grpo_flyte.types import MetricsRow, change_plus_minus, plus_minus, shown_ch
 
 
 class Checkpointed(Protocol):
-    """What the bars read of the driver's loop state (`loop_state.LoopState`)."""
+    """What the bars read of the driver's loop state (`grpo_flyte.loop.state.LoopState`)."""
 
     iterations_done: int
     history: list[MetricsRow]
@@ -94,7 +95,7 @@ def bars_shown(bars: Progress) -> Iterator[None]:
 
 class RunProgress:
     """The bars of one local run. `eta(history, iterations_done)` is the run's time left
-    (`driver.eta_seconds`); an evaluation's is the time the previous one took. In a sweep each
+    (`eta_seconds`); an evaluation's is the time the previous one took. In a sweep each
     config's run has its bars among the sweep's (`bars`), named for its config (`name`)."""
 
     def __init__(

@@ -1,5 +1,6 @@
-"""A sweep's comparison: each config's outcome and figures (a line of `sweep.jsonl`), each
-setting's mean and worst seed, and the report that overlays every config's curves.
+"""This module compares a sweep's configs: each config's outcome and figures (a line of
+`sweep.jsonl`), each setting's mean and worst seed, and the report that overlays every config's
+curves.
 
 Pure functions of the configs' metrics rows (`MetricsRow.flat()`), so a local sweep (its run
 folders) and a cluster sweep (its `RunResult`s) compare the same way.

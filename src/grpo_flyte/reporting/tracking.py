@@ -1,4 +1,4 @@
-"""Experiment tracking: the per-iteration metrics rows, also sent to Weights & Biases.
+"""This module tracks experiments: it also sends the per-iteration metrics rows to Weights & Biases.
 
 Optional: only `--wandb-project NAME` imports wandb (the `wandb` extra). The W&B run id is kept in
 the loop's checkpoint, so a resumed or retried driver continues the same W&B run. WANDB_MODE,
