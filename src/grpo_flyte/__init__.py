@@ -1,4 +1,4 @@
-"""grpo_flyte: GRPO + LoRA reinforcement learning for LLMs as ordinary Flyte 2 tasks.
+"""grpo_flyte runs GRPO + LoRA reinforcement learning for LLMs as ordinary Flyte 2 tasks.
 
 Importing the package is cheap: tasks live in `grpo_flyte.rollout`, `.reward`, `.trainer` and
 `.driver`, and import torch, transformers, peft and vLLM only when they run. The values they

@@ -1,4 +1,4 @@
-"""`python -m grpo_flyte` (and `python -m grpo_flyte.driver`): the command line in `grpo_flyte.launch.cli`."""
+"""`python -m grpo_flyte` (and `python -m grpo_flyte.driver`) runs the command line in `grpo_flyte.launch.cli`."""
 
 from grpo_flyte.launch.cli import main
 

@@ -1,4 +1,5 @@
-"""Datasets (the built-in arithmetic task, GSM8K, local .jsonl/.parquet/.csv files) and prompt sampling.
+"""This module reads the datasets (the built-in arithmetic task, GSM8K, local .jsonl/.parquet/.csv
+files) and samples the prompts.
 
 Prompt sampling depends only on (seed, iteration), so a resumed run, or a retried driver, sees
 exactly the prompts the first attempt saw.

@@ -1,4 +1,4 @@
-"""`train_rl`: the GRPO loop as one async Flyte task, pure orchestration.
+"""`train_rl` runs the GRPO loop as one async Flyte task, pure orchestration.
 
 Per iteration, inside `flyte.group(f"iter-{i}")`:
     sample prompts -> generate (one task per prompt, fanned out) -> score each group as it lands
@@ -11,10 +11,10 @@ the best adapter at a lower learning rate; it stops a run whose evaluations stal
 
 The task returns a `RunResult` (final and best adapters, metrics history, report, merged model) as Flyte
 outputs and publishes the live report to its Flyte report tab. It writes no local files: in local
-mode the CLI registers a `RunObserver` (`observers.observe`) and writes the run folder as iterations land.
-The loop's parts are plain functions: an iteration's batch and train step (`batches`), generation
-ahead of training (`pipeline`), the held-out evaluation (`evaluation`), the report and the push to
-the Hub (`publishing`).
+mode the CLI registers a `RunObserver` (`loop.observers.observe`) and writes the run folder as
+iterations land. The loop's parts are plain functions: an iteration's batch and train step
+(`loop.batches`), generation ahead of training (`loop.pipeline`), the held-out evaluation
+(`loop.evaluation`), the report and the push to the Hub (`loop.publishing`).
 
 Run it with `python -m grpo_flyte --local` (this machine, Flyte local mode, the embedded model) or
 without `--local` against the cluster in your Flyte config; `--help` lists every option.
@@ -92,7 +92,7 @@ async def train_rl(
     """Run GRPO for `config.iterations` iterations; returns the final adapter, metrics and report.
 
     `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way,
-    or, past Flyte's inline limit, as the folder `examples_file`: see `storage.as_payload`);
+    or, past Flyte's inline limit, as the folder `examples_file`: see `runtime.storage.as_payload`);
     `resume_from` is a checkpoint to continue from; `judge_model` is the judge's model folder (the
     'judge' reward). A retried driver (a preempted pod) continues
     from its last checkpoint; bad input (a GrpoFlyteError here or in a task) is not retried.
@@ -108,8 +108,9 @@ async def _train_rl(
 ) -> RunResult:
     if config.judging and judge_model is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
-    # The reward workers the run will score with start now, beside the first task (a worker
-    # imports math-verify, about a second of CPU), instead of inside its first iteration.
+    # The reward workers the run will score with start now, beside the first task (a worker's
+    # import of math-verify is slow: docs/measurements.md#iteration-overhead-issue-41-2026-11-26),
+    # instead of inside its first iteration.
     workers = asyncio.create_task(start_reward_workers(groups_scored_at_once(config)))
     try:
         dataset, held_out = train_eval_split(config, examples)

@@ -1,7 +1,7 @@
-"""The task image and the five TaskEnvironments: rollout (warm GPU pool), reward, judge (warm GPU
-pool, for the 'judge' reward), train, driver.
+"""This module declares the task image and the five Flyte TaskEnvironments: rollout (warm GPU pool),
+reward, judge (warm GPU pool, for the 'judge' reward), train, driver.
 
-Hardware is chosen at import time from environment variables (a Flyte environment cannot be
+Hardware is chosen at import time from environment variables (a Flyte task environment cannot be
 re-homed after its tasks are declared), e.g. `GRPO_FLYTE_ROLLOUT_GPU=A100:1`. See `DeploySettings`.
 Importing this module is cheap: it imports flyte and pydantic only.
 """
@@ -104,7 +104,7 @@ class DeploySettings(BaseSettings):
         default_factory=lambda: uuid.uuid4().hex[:12],
         description=(
             "Names the warm pools of a submission; new in every process that submits (a run and its resumes share "
-            "it). Flyte hashes an environment's variables into its pool's identity, so each run gets pools of its own."
+            "it). Flyte hashes a task environment's variables into its pool's identity, so each run gets pools of its own."
         ),
     )
     pool_idle_ttl: int = Field(
@@ -136,7 +136,7 @@ def gpu_count(gpu: str) -> int:
 
 def train_settings_problem(settings: DeploySettings) -> str | None:
     """Why the train GPUs or nodes cannot be given to the train task (None: they can): checked
-    before anything is submitted (submit.check_submission), so that a mistyped count is one line
+    before anything is submitted (launch.submit.check_submission), so that a mistyped count is one line
     there, not a failure at import."""
     from typing import get_args
 
@@ -200,7 +200,7 @@ def _with_package(image: flyte.Image) -> flyte.Image:
 
 def build_image(settings: DeploySettings) -> flyte.Image:
     # linux/amd64 only: the CUDA wheels are x86_64 (flyte's default also builds arm64, twice the
-    # time for an image of about 20 GB that no GPU node here runs).
+    # time for a large image that no GPU node here runs).
     image = flyte.Image.from_debian_base(python_version=(3, 11), name="grpo-flyte", registry=settings.registry, platform=("linux/amd64",))
     # No FlashInfer layers of our own: vLLM pins flashinfer-python, and flashinfer-cubin or
     # flashinfer-jit-cache at another version make `import flashinfer` fail (their versions must
@@ -254,8 +254,8 @@ image = build_image(settings)
 # Secrets only where configured: Flyte resolves every named secret when it creates a pod.
 _hf_token = [flyte.Secret(key=settings.hf_token_secret, as_env_var="HF_TOKEN")] if settings.hf_token_secret else []
 _wandb_key = [flyte.Secret(key=settings.wandb_secret, as_env_var="WANDB_API_KEY")] if settings.wandb_secret else []
-# Every environment carries the settings, GRPO_FLYTE_POOL_ID among them, which gives each
-# submission pools of its own: Flyte hashes a reusable environment's variables into its pool's
+# Every task environment carries the settings, GRPO_FLYTE_POOL_ID among them, which gives each
+# submission pools of its own: Flyte hashes a reusable task environment's variables into its pool's
 # identity (flyte/_internal/runtime/reuse.py, which hashes no run). scope="run" alone would not:
 # Union applies it to reusable Ray clusters only, and shares a container pool across runs.
 _settings_vars = settings.as_env_vars()
@@ -297,7 +297,7 @@ reward_env = flyte.TaskEnvironment(
     image=image,
     resources=flyte.Resources(cpu=settings.reward_cpu, memory="2Gi"),
     env_vars=_settings_vars,
-    # Warm: a pod per group for a few milliseconds of scoring would spend its time starting pods.
+    # Warm: a pod per group would spend far longer starting than scoring.
     # Each replica keeps its reward worker processes (grpo_flyte.runtime.sandbox) between groups.
     reusable=flyte.ReusePolicy(
         replicas=(1, settings.reward_replicas_max), concurrency=settings.reward_concurrency, idle_ttl=settings.pool_idle_ttl, scope="run"
@@ -412,7 +412,7 @@ if train_problem is None and train_world_size(settings) > 1:
         description="The GRPO train step, data-parallel over the train GPUs.",
         image=image,
         # one process per GPU: CPU and memory for each (each loads the base straight onto its GPU,
-        # models.load_base); one download of the base for the pod (storage.NodeDirCache)
+        # models.loading.load_base); one download of the base for the pod (runtime.storage.NodeDirCache)
         resources=flyte.Resources(
             cpu=settings.train_cpu * gpu_count(_train_gpu),
             memory=_times(settings.train_memory, gpu_count(_train_gpu)),
@@ -433,7 +433,7 @@ driver_env = flyte.TaskEnvironment(
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_vars,
-    # The driver submits tasks of the other environments (four, or five with several train GPUs);
+    # The driver submits tasks of the other task environments (four, or five with several train GPUs);
     # depends_on puts their images in the run's image cache.
     depends_on=[rollout_env, reward_env, judge_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
 )

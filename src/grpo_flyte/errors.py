@@ -1,4 +1,5 @@
-"""The exceptions a user can cause. Every one derives from `GrpoFlyteError`, so the CLI catches one type.
+"""This module holds the exceptions a user can cause. Every one derives from `GrpoFlyteError`, so the
+CLI catches one type.
 
 A library error names the config field it is about (`field`), not a command-line flag: the CLI maps
 the field to its flag when it prints the message, and a user of the Python API reads the field name.
@@ -67,21 +68,22 @@ class AdapterError(GrpoFlyteError, ValueError):
 
 
 class EnvironmentSpecError(GrpoFlyteError, ValueError):
-    """An `env` that names no built-in environment and no importable class with a `step` method."""
+    """An `env` that names no built-in multi-turn environment and no importable class with a `step` method."""
 
     def __init__(self, detail: str, *, field: str | None = "env"):
         super().__init__(detail, field=field)
 
 
 class EpisodeError(GrpoFlyteError, RuntimeError):
-    """An environment that broke its contract (a step returned no Reply); the message shows the episode."""
+    """A multi-turn environment that broke its contract (a step returned no Reply); the message shows
+    the episode."""
 
 
 _USER_ATTRIBUTE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 def is_user_attribute(name: str) -> bool:
-    """Whether `name` has the shape 'module:attribute' (a custom reward or environment)."""
+    """Whether `name` has the shape 'module:attribute' (a custom reward or multi-turn environment)."""
     return _USER_ATTRIBUTE.fullmatch(name) is not None
 
 

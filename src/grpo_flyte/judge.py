@@ -1,4 +1,4 @@
-"""The `judge_group` task: an LLM judge scores one group of completions, on a warm, reusable pool.
+"""In the `judge_group` task an LLM judge scores one group of completions, on a warm, reusable pool.
 
 One judge prompt per group (RULER-style, see grpo_flyte.scoring.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge

@@ -1,5 +1,5 @@
-"""Multi-turn environments: the interface (`MultiTurnEnv`, `Reply`), the two built-in environments
-with their datasets, and the registry that turns an `env` name into a class.
+"""This module defines multi-turn environments: the interface (`MultiTurnEnv`, `Reply`), the two
+built-in environments with their datasets, and the registry that turns an `env` name into a class.
 
 (RL environments, not Flyte's: the task environments the tasks run in are `grpo_flyte.envs`.)
 
@@ -153,8 +153,8 @@ CALCULATOR_SYSTEM = (
     "You solve arithmetic problems. You have a calculator: write <calc>EXPRESSION</calc> and its result comes "
     "back in the next message. End your reply with the final answer as '#### <integer>'."
 )
-# One worked exchange before the question: without it the embedded model calls the tool in ~5% of
-# its first turns, with it in ~50% (48 samples each, measured 2026-11-23), which leaves RL room to act.
+# One worked exchange before the question: with it the embedded model calls the tool in many more of
+# its first turns, which leaves RL room to act (docs/measurements.md#multi-turn-is-the-calculator-learned).
 CALCULATOR_DEMO = (
     Message(role="user", content="What is 12 * 34?"),
     Message(role="assistant", content="<calc>12*34</calc>"),

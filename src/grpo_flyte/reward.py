@@ -1,5 +1,5 @@
-"""The `score_group` task (one prompt group) and `score_groups` (held-out evaluation), on CPU, and
-`start_reward_workers`, which the driver calls as a run starts.
+"""This module defines the `score_group` task (one prompt group) and `score_groups` (held-out
+evaluation), on CPU, and `start_reward_workers`, which the driver calls as a run starts.
 
 The reward functions themselves are pure and live in `grpo_flyte.reward_fns`, their sandboxed calls
 and weighted sum in `grpo_flyte.scoring`; the run's scoring part says which ones are weighted how

@@ -1,4 +1,5 @@
-"""The reward functions a run can name, and what one of your own is given (pure: no Flyte, no torch).
+"""This module holds the reward functions a run can name, and says what one of your own is given
+(pure: no Flyte, no torch).
 
 A reward function scores a batch of completions of one prompt and returns one number per
 completion (or None: "does not apply", left out of the sum and of that reward's mean). Two
@@ -18,7 +19,7 @@ get the whole episode as messages; every function also gets `episodes` (each epi
 and `env_rewards` (the environment's own reward of each, or None).
 
 The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags`, `length`
-and `env` (the environment's reward), `judge` (an LLM judge on its own pool, grpo_flyte.judge:
+and `env` (the multi-turn environment's reward), `judge` (an LLM judge on its own pool, grpo_flyte.judge:
 not called here), or `module:function` for your own. The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
@@ -132,7 +133,7 @@ def final_answer(completion: str) -> str | None:
     final line's '####' answer), else the last number of its final line; None if neither.
 
     The final line, never the whole text: a completion that ends on a restated question
-    ('13 + 14 =') states no result, and its last number (14) is what it is judged on; one that ends
+    ('13 + 14 =') states no result, and its last number (14) is what it is scored on; one that ends
     on other words ('Hope this helps!') states none."""
     span = answer_span(completion)
     if span is not None:

@@ -1,4 +1,5 @@
-"""The `generate` and `generate_eval` tasks, on a warm, reusable pool of replicas.
+"""This module defines the `generate` and `generate_eval` tasks, which run on a warm, reusable pool of
+replicas.
 
 A task body fetches its inputs (the base model and adapter folders, cached per replica), hands its
 groups to the replica's engine through the batcher in `grpo_flyte.engine.engines`, and returns them as
@@ -59,7 +60,8 @@ async def _sample(
     episode: EpisodeConfig,
     prompt: PromptConfig,
 ) -> list[list[Rollout]]:
-    """Each request's rollouts: completions, or with an environment, episodes (all played at once)."""
+    """Each request's rollouts: completions, or with a multi-turn environment, episodes (all played
+    at once)."""
     if not episode.multi_turn:
         return await engines.generate_groups(key, adapter_path, requests)
     return await engines.all_or_none(
@@ -83,9 +85,9 @@ async def generate(
     index: int,
     seed: int,
 ) -> RolloutGroup:
-    """Sample `sampling.group_size` completions of one prompt with the given adapter (with an
-    environment: that many episodes, see grpo_flyte.multiturn). A broken environment, adapter or GPU
-    fails the same way on every attempt: not retried."""
+    """Sample `sampling.group_size` completions of one prompt with the given adapter (with a
+    multi-turn environment: that many episodes, see grpo_flyte.multiturn). A broken multi-turn
+    environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
     with input_errors_not_retried():
         key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)

@@ -1,4 +1,4 @@
-"""`train_sweep`: a sweep as one Flyte run on a cluster: a parent task fanning out one `train_rl`
+"""`train_sweep` runs a sweep as one Flyte run on a cluster: a parent task fanning out one `train_rl`
 per config (each in a `flyte.group` named for it), all at once, so that their `generate` calls
 share the warm generate pool's replicas and their train steps the train pool's loaded base (a
 sweep over base models: each base its own engine and loaded base on those replicas, and its own
@@ -58,7 +58,7 @@ async def train_sweep(
     examples_file: list[Dir] = [],  # noqa: B006 (as train_rl's)
     judge_model: Dir | None = None,
 ) -> SweepResult:
-    """Train every config of `members` (`sweep_grid.expand_sweep`) at once, one `train_rl` each,
+    """Train every config of `members` (`config.grid.expand_sweep`) at once, one `train_rl` each,
     on the folder `base_models` maps its base model (its `model` option) to; returns each one's
     result or error, and publishes the comparison as this task's report."""
     with input_errors_not_retried():

@@ -1,4 +1,5 @@
-"""`init_adapter`, `train_step` and `merge_adapter`: PEFT LoRA on a frozen base, one GRPO iteration per call.
+"""This module defines the train tasks `init_adapter`, `train_step` and `merge_adapter`: PEFT LoRA on a
+frozen base, one GRPO iteration per call.
 
 The base model loads once per warm train replica (cached); everything that defines the result,
 the adapter weights and the AdamW state, comes in through the task's inputs and goes out in the
@@ -62,7 +63,7 @@ async def train_step(
     total_iterations: int = 0,
 ) -> TrainStepResult:
     """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the
-    next adapter. A batch too large to pass inline comes as `scored_payload` (`storage.as_payload`)."""
+    next adapter. A batch too large to pass inline comes as `scored_payload` (`runtime.storage.as_payload`)."""
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)

@@ -1,7 +1,7 @@
-"""The values that cross task boundaries: what `generate`, `score_group` and `train_step` take and
-return, the driver's per-iteration metrics row and its result.
+"""This module defines the values that cross task boundaries: what `generate`, `score_group` and
+`train_step` take and return, the driver's per-iteration metrics row and its result.
 
-This module sits at the bottom with `config`: the task modules import these types from here and
+It sits at the bottom with `grpo_flyte.errors`: the task modules import these types from here and
 never from each other. Importing it is cheap (pydantic and `flyte.io`).
 """
 
@@ -27,9 +27,10 @@ class TaskValue(BaseModel):
     """A value that crosses a task boundary (and the config parts, config.part.Part).
 
     Flyte asks a type's JSON schema on every task call it is an input or output of, twice (the
-    task's interface and the input's literal type), and pydantic builds it anew each time: 8 of
-    the 12 ms Flyte's local mode spent converting a `generate` call's inputs. A class's schema
-    never changes, so it is built once per class and arguments; each caller gets its own copy.
+    task's interface and the input's literal type), and pydantic builds it anew each time: most of
+    what Flyte's local mode spent converting a `generate` call's inputs
+    (docs/measurements.md#iteration-overhead-issue-41-2026-11-26). A class's schema never changes,
+    so it is built once per class and arguments; each caller gets its own copy.
     """
 
     @classmethod
@@ -126,7 +127,7 @@ class Rollout(TaskValue):
     temperature) of each sampled token. In an episode, `model_mask` marks the model's tokens (True)
     and the environment's (False: in the context, out of the loss; their log-prob entries are 0
     and never read); None means every token is the model's. `text` is the completion, or the
-    episode's transcript to read (`episodes.transcript`); rewards read `answer_text`.
+    episode's transcript to read (`grpo_flyte.engine.episodes.transcript`); rewards read `answer_text`.
     """
 
     completion_ids: list[int]
@@ -265,7 +266,7 @@ class TrainMetrics(TaskValue):
     clip_fraction: float
     is_ratio_mean: float
     is_ratio_max: float
-    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see grpo.effective_sample_size)
+    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see learning.grpo.effective_sample_size)
     is_clipped_fraction: float = 0.0  # tokens whose importance weight the cap truncated or masked
     entropy: float
     grad_norm: float

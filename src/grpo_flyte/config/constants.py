@@ -1,4 +1,4 @@
-"""The names, defaults and limits the config shares with the code it configures.
+"""This module holds the names, defaults and limits the config shares with the code it configures.
 
 The built-in model and datasets, the default prompts, and the bounds on train processes, staleness
 and a sweep's base models: the config parts take their defaults and bounds from here, and the
@@ -31,5 +31,6 @@ SYSTEM_PROMPT = (
     "reply with the final answer on its own line as '#### <integer>'."
 )
 # Appended to the question in the user turn: a small model follows an instruction there more
-# often than one in the system prompt (measured: docs/measurements.md, the learning section).
+# often than one in the system prompt
+# (docs/measurements.md#before-issue-36-the-old-recipe-one-seed-at-a-time-kept-as-a-record).
 ANSWER_INSTRUCTION = "End your reply with '#### <integer>'."

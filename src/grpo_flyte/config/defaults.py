@@ -1,6 +1,6 @@
-"""RunConfig's defaults that depend on other options, filled in before validation: a pipelined run
-keeps more adapters, and a built-in environment brings its dataset and rewards (unless the config
-names others)."""
+"""This module fills in RunConfig's defaults that depend on other options, before validation: a
+pipelined run keeps more adapters, and a built-in multi-turn environment brings its dataset and
+rewards (unless the config names others)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def staleness_defaults(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def env_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """A built-in environment brings its dataset and rewards unless the config names others."""
+    """A built-in multi-turn environment brings its dataset and rewards unless the config names others."""
     episode = values.get("episode")
     env = episode.env if isinstance(episode, BaseModel) else (episode or {}).get("env")
     if env not in BUILTIN_DATASETS:

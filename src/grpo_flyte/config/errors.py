@@ -1,5 +1,5 @@
-"""RunConfig's validation errors as a user reads them: one line per problem, naming the flag, the
-value given and what was expected; `make_config` raises them as one ConfigError."""
+"""This module words RunConfig's validation errors as a user reads them: one line per problem, naming
+the flag, the value given and what was expected; `make_config` raises them as one ConfigError."""
 
 from __future__ import annotations
 

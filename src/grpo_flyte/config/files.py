@@ -1,5 +1,6 @@
-"""Config files: a YAML or JSON mapping of options, flat or nested by part, read with errors that
-name the file (and the key), within limits on its size and on what its YAML aliases expand to."""
+"""This module reads config files: a YAML or JSON mapping of options, flat or nested by part, with
+errors that name the file (and the key), within limits on its size and on what its YAML aliases
+expand to."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The config parts a rollout is made from and scored by: the base model, the generate engine, the
-data, the prompt, sampling, multi-turn episodes, the rewards and the LLM judge.
+"""This module defines the config parts a rollout is made from and scored by: the base model, the
+generate engine, the data, the prompt, sampling, multi-turn episodes, the rewards and the LLM judge.
 
 Each part is one concern of `RunConfig` (grpo_flyte.config.run); a task takes only the parts it
 uses. The training side's parts are in grpo_flyte.config.training.
@@ -43,7 +43,7 @@ class ModelConfig(Part):
         "auto",
         description=(
             "Base weight dtype; 'auto' is bfloat16 where the task runs on a GPU or a CPU with fast "
-            "bfloat16 matmuls (AVX-512/AMX), else float32 (bfloat16 is 30-50x slower without them)."
+            "bfloat16 matmuls (AVX-512/AMX), else float32 (bfloat16 is far slower without them: docs/measurements.md#measured)."
         ),
     )
 
@@ -74,7 +74,7 @@ class DataConfig(Part):
         min_length=1,
         description=(
             "'arithmetic' (built-in generator with a held-out split), 'calculator' and 'guess' (the built-in "
-            "environments' own, see --env), 'gsm8k' (openai/gsm8k: train split, "
+            "multi-turn environments' own, see --env), 'gsm8k' (openai/gsm8k: train split, "
             "held-out questions from test), a local .jsonl, .parquet or .csv file, or anything "
             "datasets.load_dataset reads (a Hub id such as 'trl-lib/DeepMath-103K', or a local dataset "
             "folder; see --dataset-split). Rows hold a question and an answer (--question-column, "

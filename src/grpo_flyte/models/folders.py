@@ -1,5 +1,6 @@
-"""Where a base model comes from: a local folder or a Hub id, checked before a run starts (its
-files, its weights, the LoRA target modules it has), and the name an adapter's card gives it.
+"""This module finds where a base model comes from: a local folder or a Hub id, checked before a run
+starts (its files, its weights, the LoRA target modules it has), and the name an adapter's card
+gives it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Loading a base model for training: in 16 bits or with its linear layers in NF4 (QLoRA), straight
-onto its device, with the attention `grpo_flyte.models.attention` chooses.
+"""This module loads a base model for training: in 16 bits or with its linear layers in NF4 (QLoRA),
+straight onto its device, with the attention `grpo_flyte.models.attention` chooses.
 """
 
 from __future__ import annotations

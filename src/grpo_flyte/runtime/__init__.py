@@ -1,3 +1,3 @@
-"""The process's machinery, beneath everything else: files written whole, the cache folder, task
-storage (local paths and object stores), the one torch thread and its allocator, child processes,
-the reward sandbox and the device probe. No module here imports torch at import time."""
+"""This package holds the process's machinery, beneath everything else: files written whole, the
+cache folder, task storage (local paths and object stores), the one torch thread and its allocator,
+child processes, the reward sandbox and the device probe. No module here imports torch at import time."""

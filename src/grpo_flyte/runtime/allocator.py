@@ -1,19 +1,19 @@
-"""The torch thread keeps the memory its steps reuse (glibc's malloc on Linux).
+"""This module makes the torch thread keep the memory its steps reuse (glibc's malloc on Linux).
 
-A GRPO step on a CPU allocates and frees gigabytes of activations (2.3 GB for the embedded model's
-default iteration). glibc keeps freed blocks in the torch thread's malloc arena, so the next step
-reuses pages that are already mapped. Two things handed them back to the kernel between steps, and
-the next step faulted every page in again (about 590,000 minor page faults, a third of a step's CPU
-time; see docs/measurements.md, "Iteration overhead"):
+A GRPO step on a CPU allocates and frees gigabytes of activations. glibc keeps freed blocks in the
+torch thread's malloc arena, so the next step reuses pages that are already mapped. Two things
+handed them back to the kernel between steps, and the next step faulted every page in again, at a
+large share of its CPU time (docs/measurements.md#iteration-overhead-issue-41-2026-11-26):
 
 - protobuf's Python runtime (upb, which Flyte's input and output conversions use) calls
   `malloc_trim(0)` after every 10,000th memory block it frees (python/protobuf.c,
   `upb_trim_allocfunc`). That call releases the free pages of every arena of the process, the
-  torch thread's included. Flyte local mode frees about 28,000 such blocks an iteration, so every
-  train step began with its memory gone; a plain loop, which makes no protobuf messages, never
-  trims. `stop_protobuf_trims` points upb's own reference to `malloc_trim` (its slot in the
-  library's global offset table, written by the dynamic linker) at a function that does nothing.
-  Nothing else in the process changes: any other caller of `malloc_trim` still reaches glibc.
+  torch thread's included. Flyte local mode frees enough of them to trim several times an
+  iteration, so every train step began with its memory gone; a plain loop, which makes no
+  protobuf messages, never trims. `stop_protobuf_trims` points upb's own reference to
+  `malloc_trim` (its slot in the library's global offset table, written by the dynamic linker) at
+  a function that does nothing. Nothing else in the process changes: any other caller of
+  `malloc_trim` still reaches glibc.
 - glibc unmaps a thread arena's last 64 MiB heap the moment its last block is freed
   (`heap_trim`). `keep_freed_memory` sets a top pad of one heap, which keeps every heap mapped,
   and fixes the mmap and trim thresholds where glibc's dynamic rule ends up (setting any of them

@@ -1,5 +1,5 @@
-"""The folder where grpo_flyte keeps what it builds once per machine (the converted embedded model,
-Hub snapshots): `GRPO_FLYTE_CACHE`, else ~/.cache/grpo_flyte.
+"""This module names the folder where grpo_flyte keeps what it builds once per machine (the
+converted embedded model, Hub snapshots): `GRPO_FLYTE_CACHE`, else ~/.cache/grpo_flyte.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def cache_root() -> Path:
 
 def check_cache_writable() -> Path:
     """The cache folder, checked writable (without creating it) before any slow work fills it: the
-    embedded model's conversion takes ~25 s before its first write."""
+    embedded model's conversion runs a while before its first write (docs/measurements.md#measured)."""
     root = cache_root()
     problem = unwritable(root)
     if problem:

@@ -1,4 +1,4 @@
-"""The run's child processes (reward workers, train processes), and how the run ends them.
+"""This module keeps track of the run's child processes (reward workers, train processes) and ends them.
 
 Each child starts in a session of its own (`start_new_session=True`), so a terminal's Ctrl-C or a
 signal to the run's process group reaches the run alone: no child dies halfway printing a

@@ -1,5 +1,6 @@
-"""The device and dtype this process computes with: whether CUDA is usable (and an error where a
-GPU was promised but CUDA is not), where a model loads, and what `dtype: auto` means here.
+"""This module decides the device and dtype this process computes with: whether CUDA is usable (and
+an error where a GPU was promised but CUDA is not), where a model loads, and what `dtype: auto`
+means here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from grpo_flyte.errors import DeviceError
 def fast_bfloat16() -> bool:
     """Whether bfloat16 matmuls are fast here: on a CUDA GPU that supports them, or on a CPU whose
     oneDNN kernels do (AVX-512 or AMX). Without those, torch falls back to a reference bfloat16
-    GEMM that measured 30-50x slower than float32 on an AVX2-only EPYC."""
+    GEMM, far slower than float32, so 'auto' picks float32 there (docs/measurements.md#measured)."""
     import torch
 
     if torch.cuda.is_available():

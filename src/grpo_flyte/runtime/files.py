@@ -1,4 +1,5 @@
-"""Files and directories that appear whole or not at all: built beside their final place, then renamed."""
+"""This module writes files and directories that appear whole or not at all: built beside their final
+place, then renamed."""
 
 from __future__ import annotations
 

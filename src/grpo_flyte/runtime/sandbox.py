@@ -1,4 +1,4 @@
-"""The reward sandbox: a child Python that runs reward code with a time limit.
+"""The reward sandbox is a child Python that runs reward code with a time limit.
 
 Every reward call, built-in or custom, runs in a worker process: a reward that never returns
 (math-verify on `9^9^9^9`, a custom reward stuck in a loop) is killed with its process, and the limit
@@ -9,9 +9,9 @@ group. Hand-written rather than a pool library (pebble, concurrent.futures): tho
 through multiprocessing, which forks a threaded process (unsafe) or, with "spawn", runs the parent's
 __main__ script again in the worker (an unguarded user script would start its training run there).
 
-The workers are the run's children in sessions of their own (`child_processes`): a terminal's
-Ctrl-C reaches the run, which ends them, and never a worker halfway through a call. Stopping a
-worker kills its process group: whatever a reward started goes with it.
+The workers are the run's children in sessions of their own (`grpo_flyte.runtime.child_processes`):
+a terminal's Ctrl-C reaches the run, which ends them, and never a worker halfway through a call.
+Stopping a worker kills its process group: whatever a reward started goes with it.
 
 Protocol: (import path, 'module:function', args) in; ("ok", value) or ("raised", (type name,
 message)) out, each a pickle in a frame (a marker, then its length), over two pipes of their own
@@ -105,7 +105,8 @@ class Worker:
     """A child Python that runs functions on request, one at a time, each within a time limit.
 
     `preload`: modules the worker imports before it says it is ready, so that their import time
-    (math-verify and sympy: a second or more) is no call's time.
+    (math-verify and sympy import slowly: docs/measurements.md#iteration-overhead-issue-41-2026-11-26)
+    is no call's time.
     """
 
     def __init__(self, preload: tuple[str, ...] = ()) -> None:

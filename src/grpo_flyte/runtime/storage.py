@@ -1,6 +1,7 @@
-"""Where task data lives: a local path (Flyte local mode) or an object-store URI (a cluster).
+"""This module knows where task data lives: a local path (Flyte local mode) or an object-store URI
+(a cluster).
 
-This module is the one place that tells the two apart. Tasks read inputs through `LocalDirCache`
+It is the one place that tells the two apart. Tasks read inputs through `LocalDirCache`
 (download once per replica, bounded) and write outputs through `publish_dir` (never half-written).
 """
 

@@ -3,13 +3,12 @@
 PyTorch's CPU kernels parallelize with OpenMP, and GNU OpenMP (the one in PyTorch's Linux wheels)
 gives every calling thread its own team of worker threads, kept while that thread lives. Once the
 live workers outnumber the cores, idle workers stop spin-waiting and sleep between parallel
-regions, so every region pays a wake-up. Decoding is thousands of small regions: measured on a
-2-core CPU, a local run whose generate and train_step ran on two different threads left every
-later torch call about 40% slower (small bf16 matmuls 6.8 s -> 9.8 s; a GRPO step's generation
-27 s -> 38 s). In local mode every task shares one process, and Flyte, asyncio and the generate
-coalescing each bring their own threads, so grpo_flyte funnels model loading, decoding, training
-and merging through this one thread instead. On a cluster each task has its own process; the
-thread costs nothing there.
+regions, so every region pays a wake-up. Decoding is thousands of small regions: a local run whose
+generate and train_step ran on two different threads left every later torch call markedly slower
+(docs/measurements.md#measured). In local mode every task shares one process, and Flyte, asyncio
+and the generate coalescing each bring their own threads, so grpo_flyte funnels model loading,
+decoding, training and merging through this one thread instead. On a cluster each task has its
+own process; the thread costs nothing there.
 
 The thread also keeps the memory its steps reuse: `grpo_flyte.runtime.allocator` tunes glibc's malloc
 when the thread starts (a train step's activations stay mapped between steps).

@@ -1,5 +1,5 @@
-"""A group's rewards composed: each reward function's scores checked and weighted into one reward
-per completion, and the LLM judge's scores added to them.
+"""This module composes a group's rewards: each reward function's scores are checked and weighted
+into one reward per completion, and the LLM judge's scores are added to them.
 
 The reward of a completion is the weighted sum of the scores that apply (a score of None does not);
 every reward's own score is kept for the metrics. Each reward call runs in a sandboxed worker

@@ -1,5 +1,5 @@
-"""The LLM judge's pure parts: its prompt, the JSON it answers with, splitting a group to fit its
-context, and its metrics (no Flyte, no torch; the task is grpo_flyte.judge, and
+"""This module holds the LLM judge's pure parts: its prompt, the JSON it answers with, splitting a
+group to fit its context, and its metrics (no Flyte, no torch; the task is grpo_flyte.judge, and
 grpo_flyte.scoring.compose adds its scores to a group's rewards).
 
 Group-relative scoring as OpenPipe's RULER does it: one judge prompt holds the question once and

@@ -1,4 +1,4 @@
-"""The reward calls that run in the sandbox: the worker pool, and the functions its workers run.
+"""This module runs the reward calls in the sandbox: the worker pool, and the functions its workers run.
 
 A reward function sees untrusted model output, and math-verify can take forever on it (`9^9^9^9`),
 so every call runs in a worker process of `grpo_flyte.runtime.sandbox` within a time limit. The
