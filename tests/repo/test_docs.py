@@ -129,7 +129,7 @@ def test_the_module_map_follows_the_tree_room_by_room():
     assert all(len(row) == 2 for row in rows)  # a module's path, its job
     expected = []
     for layer in reversed(LAYERS):
-        for room in layer:
+        for room in reversed(layer):
             if room == "__init__":
                 continue
             if room in INSIDE:

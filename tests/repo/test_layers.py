@@ -50,7 +50,7 @@ INSIDE = {
     "models": ("attention", "loading", "embedded", "folders"),
     "learning": ("grpo", "policy", "update", "data_parallel", "merge"),
     "engine": ("decoding", "mixed_lora", "prompts", "episodes", "engines"),
-    "reporting": ("tracking", "progress", "hub", "html", "charts", "sweep_report"),
+    "reporting": ("html", "charts", "tracking", "progress", "hub", "sweep_report"),
     "loop": ("metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
     "launch": ("preflight", "run_folder", "sweep_folder", "submit", "cli"),
 }
