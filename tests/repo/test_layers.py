@@ -52,7 +52,7 @@ INSIDE = {
     "engine": ("decoding", "mixed_lora", "prompts", "episodes", "engines"),
     "reporting": ("html", "charts", "tracking", "progress", "hub", "sweep_report"),
     "loop": ("metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
-    "launch": ("preflight", "run_folder", "sweep_folder", "submit", "cli"),
+    "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
 }
 MAX_TOP_LEVEL = 16
 MAX_LINES = 500

@@ -4,8 +4,9 @@ Every config field is a flag (`group_size` -> `--group-size`) with its descripti
 `--config FILE` (YAML or JSON, flat or nested) gives base values that flags override. Bad input
 exits with status 2 and one line naming the value and what was expected, before anything is written.
 
-This module parses and dispatches: a local run and its folder are `grpo_flyte.launch.run_folder`, a
-cluster submission `grpo_flyte.launch.submit`.
+This module parses and dispatches: a local run is `grpo_flyte.launch.local_run` (its folder
+`grpo_flyte.launch.run_folder`), a local sweep `grpo_flyte.launch.sweep_folder`, a cluster submission
+`grpo_flyte.launch.submit`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.config.table import shown_default
 from grpo_flyte.config.trl_names import NUM_ITERATIONS_REFUSED, TRL_ALIASES
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
-from grpo_flyte.launch.run_folder import run_local
+from grpo_flyte.launch.local_run import run_local
 from grpo_flyte.launch.submit import resume_remote, run_remote
 from grpo_flyte.launch.sweep_folder import is_sweep_dir, run_sweep_local
 from grpo_flyte.models.loading import quiet_bitsandbytes

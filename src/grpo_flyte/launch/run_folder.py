@@ -1,6 +1,9 @@
-"""A local run and its folder (`--local`): the checks before anything is written, one writer at a
-time (a lock), what a killed run left half-written, `--resume`, and the files written as the driver
-reports progress (config, metrics, held-out answers, report, adapter, merged model).
+"""A local run's folder: its layout (the names of its files), the checks before anything is
+written in it, what `--resume` reads back from it (the saved config, the loop state, the data it
+started with), and the clean-up of what a killed writer left half-written.
+
+A sweep's folder holds one such folder per config (`grpo_flyte.launch.sweep_folder`); the lock is
+`grpo_flyte.launch.lock`, the run in it `grpo_flyte.launch.local_run`.
 """
 
 from __future__ import annotations
@@ -10,30 +13,20 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import os
 import shutil
-import signal
-import sys
-import typing
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.errors import format_validation_error
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.errors import UserError, is_not_retried
-from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
-from grpo_flyte.loop import observers
-from grpo_flyte.loop.guard import best_summary
+from grpo_flyte.errors import UserError
 from grpo_flyte.loop.state import LoopState
-from grpo_flyte.runtime import child_processes
-from grpo_flyte.runtime.files import build_dir_atomic, leftovers, unwritable, write_text_atomic
+from grpo_flyte.runtime.files import leftovers, unwritable, write_text_atomic
 from grpo_flyte.runtime.storage import is_remote
-from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, Example, MetricsRow, RunResult
+from grpo_flyte.types import REPORT_FILE, Example
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -112,6 +105,14 @@ def check_writable(run_dir: Path) -> None:
         raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({str(problem[0])!r} {problem[1]})")
 
 
+def create_run_dir(run_dir: Path) -> None:
+    """Create the run (or sweep) folder, once every check has passed."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--run-dir {str(run_dir)!r} cannot be created ({exc.strerror}); expected a folder this user can write") from None
+
+
 def finished_iterations(run_dir: Path) -> list[int]:
     """The iterations metrics.jsonl records (0 is the evaluation before training)."""
     path = run_dir / METRICS_FILE
@@ -122,6 +123,11 @@ def finished_iterations(run_dir: Path) -> list[int]:
         with contextlib.suppress(ValueError, TypeError, KeyError):
             found.append(int(json.loads(line)["iteration"]))
     return found
+
+
+def trained_iterations(run_dir: Path) -> list[int]:
+    """The training iterations metrics.jsonl records (1 and up: the evaluation before training left out)."""
+    return [i for i in finished_iterations(run_dir) if i > 0]
 
 
 def _holdings(run_dir: Path) -> str:
@@ -194,318 +200,28 @@ def check_same_data(run_dir: Path, fingerprint: dict[str, Any]) -> None:
             )
 
 
-@contextlib.contextmanager
-def run_dir_lock(run_dir: Path) -> Iterator[None]:
-    """One writer per run folder: an exclusive lock on `<run dir>/.lock`, which holds the writer's
-    process id. The operating system drops the lock when the process ends, however it ends (a
-    SIGKILL too), so a dead run never blocks its resume. fcntl (the standard library) rather than
-    the filelock package: the message names the live run's process, read from the lock file."""
-    import fcntl
-
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise UserError(f"--run-dir {str(run_dir)!r} cannot be written ({exc.strerror}); expected a folder this user can write") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise UserError(
-            f"--run-dir {str(run_dir)!r} is being written by a live run (process {holder}); a run folder takes one "
-            "writer at a time: wait for that run or stop it, then --resume"
-        ) from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler, `kill`): stops the run as Ctrl-C does."""
-
-
-@contextlib.contextmanager
-def sigterm_stops_like_ctrl_c() -> Iterator[None]:
-    def stop(signum, frame):
-        raise Terminated()
-
-    try:
-        previous = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def exit_now(code: int) -> typing.NoReturn:
-    """End this process now, with `code`: its children killed (`child_processes.stop_all`: train
-    processes, reward workers), the console flushed, and no wait for the work on its other threads
-    (a train step or a generation runs on for minutes; Flyte would retry a step whose processes were
-    just killed, and print it). Every file of a run folder is written whole or not at all, so this
-    leaves what a killed run leaves, which --resume continues (the kill drills of the tests)."""
-    child_processes.stop_all()
-    logging.shutdown()  # flushes every handler
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-class LocalRunFiles:
-    """The files of a local run folder, each written whole (atomically) as the driver reports progress."""
-
-    def __init__(self, root: Path, adapters_to_keep: int):
-        self.root = root
-        self.adapters_to_keep = adapters_to_keep
-
-    def recorded(self, state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:
-        # Rewritten whole from the checkpointed history: a resumed run records each iteration once.
-        text = "".join(json.dumps(r.flat()) + "\n" for r in state.history)
-        write_text_atomic(self.root / METRICS_FILE, text)
-        if answers is not None:
-            rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump(exclude_none=True)}) + "\n" for a in answers)
-            write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
-        self.prune_adapters(state.adapter, keep=state.guard.best.adapter if state.guard.best else None)
-        # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
-        for payload in (self.root / FLYTE_DATA / "payloads").glob("scored-*"):
-            shutil.rmtree(payload, ignore_errors=True)
-
-    def report(self, html: str) -> None:
-        write_text_atomic(self.root / REPORT_FILE, html)
-
-    def evaluating(self, iteration: int, answered: int, total: int) -> None:
-        """An evaluation's answers are written once it is recorded."""
-
-    def prune_adapters(self, current: AdapterRef, keep: AdapterRef | None = None) -> None:
-        """Delete adapter versions older than the newest `adapters_to_keep` from the run's Flyte data,
-        but `keep`'s folder (the best adapter: a rollback restores it, the export writes it)."""
-        path = Path(current.dir.path)
-        if is_remote(current.dir.path) or not path.parent.is_dir():
-            return
-        kept = Path(keep.dir.path).resolve() if keep is not None and not is_remote(keep.dir.path) else None
-        for old in path.parent.glob("v[0-9]*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - self.adapters_to_keep and old.resolve() != kept:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def export_adapter(self, adapter: AdapterRef, name: str = ADAPTER_DIR) -> Path:
-        """An adapter to share, as the run folder's `name` (adapter/, best/): PEFT's files, naming a
-        base others can load; the optimizer state stays with the run's adapter versions
-        (flyte/adapters), which a resume reads."""
-
-        def copy(d: Path) -> None:
-            shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
-
-        build_dir_atomic(self.root / name, copy)
-        return self.root / name
-
-    def export_merged(self, merged_path: str) -> Path:
-        """Move the (complete) merged model folder into the run folder: a rename, so never half there."""
-        target = self.root / MERGED_DIR
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(merged_path, target)
-        return target
-
-
-@contextlib.contextmanager
-def _wandb_dir(run_dir: Path) -> Iterator[None]:
-    """W&B (--wandb-project) keeps its local files, e.g. an offline run, in the run folder, unless
-    the user chose WANDB_DIR; the variable is restored afterwards (several runs in one process)."""
-    if "WANDB_DIR" in os.environ:
-        yield
-        return
-    os.environ["WANDB_DIR"] = str(run_dir)
-    try:
-        yield
-    finally:
-        os.environ.pop("WANDB_DIR", None)
-
-
-def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) -> int:
-    from grpo_flyte.models.folders import resolve_local_model
-    from grpo_flyte.runtime.cache import check_cache_writable
-
-    resuming = bool(options["resume"])
-    # Every check first (nothing is written until they pass), then the folder's lock, then writes.
-    run_dir, config, resume_from = prepare_local_run(options, config, explicit)
-    examples, split = check_inputs(config, local=True)
-    fingerprint = data_fingerprint(config, split)
-    if resuming:
-        check_same_data(run_dir, fingerprint)
-    check_cache_writable()
-    model_dir = resolve_local_model(config.base.model)
-    check_model_fits(config, model_dir, split)
-    judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model") if config.judging else None
-    if judge_dir is not None:
-        check_judge_fits(config, judge_dir, split)
-    if not resuming:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(
-                f"--run-dir {str(run_dir)!r} cannot be created ({exc.strerror}); expected a folder this user can write"
-            ) from None
-    with run_dir_lock(run_dir):
-        if resuming:  # what the checks read may have changed while a live writer held the folder
-            run_dir, config, resume_from = prepare_local_run(options, config, explicit)
-        elif (run_dir / CONFIG_FILE).exists():  # another run started in this folder meanwhile
-            raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
-        write_text_atomic(run_dir / DATA_FILE, json.dumps(fingerprint, indent=2) + "\n")
-        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from, judge_dir)
-
-
-def one_line(exc: BaseException) -> str:
-    """An error's message on one line (a task's error can carry the lines of its cause)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-class _ConsoleLines(logging.Filter):
-    """Flyte's console lines during a local run: its warnings (retries), never its errors, whose
-    tracebacks go to the run log and whose message is the run's last line. Other loggers' lines
-    pass: Flyte's handlers may be shared (pytest's, a notebook's), and in a sweep a config's
-    failure is said while the others run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        flyte = record.name == "flyte" or record.name.startswith("flyte.")
-        return not flyte or (record.levelno < logging.ERROR and not record.exc_info)
-
-
-class _OneRun(logging.Filter):
-    """The lines logged inside one Flyte run (a local sweep runs several in this process)."""
-
-    def __init__(self, run: str):
-        super().__init__()
-        self.run = run
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return observers.current_run() == self.run
-
-
-@contextlib.contextmanager
-def flyte_log_in(path: Path, run: str | None = None) -> Iterator[None]:
-    """Flyte's log lines go to `path` in full while the run lasts (with `run`, those of that Flyte
-    run only); the console keeps `_ConsoleLines`."""
-    flyte_logger = logging.getLogger("flyte")
-    to_file = logging.FileHandler(path, encoding="utf-8")
-    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    if run is not None:
-        to_file.addFilter(_OneRun(run))
-    console, keep = flyte_logger.handlers[:], _ConsoleLines()
-    for handler in console:
-        handler.addFilter(keep)
-    flyte_logger.addHandler(to_file)
-    try:
-        yield
-    finally:
-        flyte_logger.removeHandler(to_file)
-        to_file.close()
-        for handler in console:
-            handler.removeFilter(keep)
+def save_data_fingerprint(run_dir: Path, fingerprint: dict[str, Any]) -> None:
+    """Record the data the run starts with (`data_fingerprint`), which a resume compares (`check_same_data`)."""
+    write_text_atomic(run_dir / DATA_FILE, json.dumps(fingerprint, indent=2) + "\n")
 
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
     """Delete what a killed writer left half-done beside the run's files, held-out answers, checkpoint
     and published folders (adapters, reports, payloads): only this package's temp names
     (`files.leftovers`), never a file of the user's. Only the lock holder calls this."""
-    removed = []
     flyte_data = run_dir / FLYTE_DATA
-    for parent in (run_dir, run_dir / EVAL_DIR, flyte_data, flyte_data / "adapters", flyte_data / "reports", flyte_data / "payloads"):
+    return remove_leftovers_in(
+        run_dir, run_dir / EVAL_DIR, flyte_data, flyte_data / "adapters", flyte_data / "reports", flyte_data / "payloads"
+    )
+
+
+def remove_leftovers_in(*folders: Path) -> list[Path]:
+    """Delete the temp names of dead writers (`files.leftovers`) directly in `folders`, a line
+    each: what `remove_leftovers` does for a run folder, and a sweep for its own files."""
+    removed = []
+    for parent in folders:
         for path in leftovers(parent):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
+            logger.info("removed %s, left half-written by a run that was killed", path)
             removed.append(path)
     return removed
-
-
-def _run_locked(
-    run_dir: Path,
-    config: RunConfig,
-    model_dir: Path,
-    examples: list[Example] | None,
-    resume_from: str | None,
-    judge_dir: Path | None = None,
-) -> int:
-    import flyte
-    from flyte.io import Dir
-
-    from grpo_flyte.driver import train_rl
-    from grpo_flyte.loop.observers import observe
-    from grpo_flyte.reporting.progress import RunProgress, eta_seconds
-
-    for path in remove_leftovers(run_dir):
-        logger.info("removed %s, left half-written by a run that was killed", path)
-    write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    logger.info(
-        "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
-        run_dir,
-        config.iterations,
-        config.prompts_per_iter,
-        config.sampling.group_size,
-        model_dir,
-    )
-    if resume_from:
-        logger.info("resuming from %s", resume_from)
-    runner = flyte.with_runcontext(mode="local", name=f"grpo-{uuid.uuid4().hex[:10]}", raw_data_path=str(run_dir / FLYTE_DATA))
-    files = LocalRunFiles(run_dir, config.adapters_to_keep)
-    done = max([i for i in finished_iterations(run_dir) if i > 0], default=0)
-    progress = RunProgress(config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished))
-    try:
-        # the bars stop (and the terminal is whole again) before any message below
-        with (
-            flyte_log_in(run_dir / LOG_FILE),
-            observe(files),
-            observe(progress),
-            progress.shown(),
-            _wandb_dir(run_dir),
-            sigterm_stops_like_ctrl_c(),
-        ):
-            judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None else {}
-            run = runner.run(
-                train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from, **judge
-            )
-            result = run.outputs()[0]
-    except KeyboardInterrupt as exc:
-        for stopping in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C while the run stops changes nothing
-            signal.signal(stopping, signal.SIG_IGN)
-        done = [i for i in finished_iterations(run_dir) if i > 0]
-        where = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
-        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-        logger.error("%s: %s in %s; continue with: %s --local --resume --run-dir %s", how, where, run_dir, PROG, run_dir)
-        exit_now(143 if isinstance(exc, Terminated) else 130)
-    except Exception as exc:  # noqa: BLE001 -- top of the CLI: any failure becomes a message and exit 1
-        done = [i for i in finished_iterations(run_dir) if i > 0]
-        kept = f"iterations 1-{max(done)} of {config.iterations} are kept" if done else "no iteration had finished"
-        resume = f"{PROG} --local --resume --run-dir {run_dir}"
-        log = f"the traceback is in {run_dir / LOG_FILE}"
-        if is_not_retried(exc):  # bad input: a resume as it is would fail the same way
-            logger.error(
-                "%s; %s; the failure comes from the run's input (below), which a resume meets again: fix it, then: %s", kept, log, resume
-            )
-        else:
-            logger.error("%s; %s; continue with: %s", kept, log, resume)
-        logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
-        return 1
-    finish_local_run(files, config, result)
-    return 0
-
-
-def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult) -> None:
-    """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
-    and the lines that say where they are and which adapter was best."""
-    run_dir = files.root
-    files.export_adapter(result.adapter)
-    best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
-    logger.info("done: adapter %s%s, report %s, metrics %s", run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
-    if result.merged is not None:
-        merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
-        where = files.export_merged(result.merged.path)
-        logger.info(
-            "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", merged.version, where
-        )
-    stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
-    for line in (stopped, best_summary(result.history)):
-        if line:
-            logger.info("%s", line)  # the last line: which adapter was best, and by how much

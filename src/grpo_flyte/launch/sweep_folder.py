@@ -2,7 +2,8 @@
 in one folder.
 
 The sweep folder holds each config's run folder (exactly what a lone run of that config writes, so
-every tool that reads a run folder reads it), `sweep.json` (the configs), `sweep.jsonl` (each
+every tool that reads a run folder reads it: each config is checked, begun and watched by
+`grpo_flyte.launch.local_run`'s own steps), `sweep.json` (the configs), `sweep.jsonl` (each
 config's outcome and held-out figures) and `report.html` (the comparison, `grpo_flyte.reporting.sweep_report`).
 The configs run as concurrent Flyte local runs on Flyte's one event loop, so their `generate` calls
 meet in the replica's batcher and engine, and their train steps share the loaded base (both are
@@ -13,8 +14,8 @@ continues every config that did not finish, each from its own checkpoint.
 
 On the console each line of a config starts with its name, a terminal shows a progress bar per
 config (`progress.RunProgress` on the sweep's shared bars), and the sweep ends with the comparison
-(`sweep_report.comparison_lines`). Ctrl-C and SIGTERM stop it as they stop a lone run: one line,
-what each config kept, the resume command.
+(`sweep_report.comparison_lines`). Ctrl-C and SIGTERM stop it as they stop a lone run
+(`grpo_flyte.launch.stopping`): one line, what each config kept, the resume command.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import contextvars
 import datetime as dt
 import json
 import logging
-import shutil
-import signal
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,32 +34,27 @@ from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.grid import SweepMember
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
-from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
+from grpo_flyte.launch.local_run import begin_run, check_data, check_fits, new_run_name
+from grpo_flyte.launch.lock import run_dir_lock
+from grpo_flyte.launch.run_files import finish_local_run
 from grpo_flyte.launch.run_folder import (
     CONFIG_FILE,
-    DATA_FILE,
-    FLYTE_DATA,
     LOG_FILE,
-    LocalRunFiles,
-    Terminated,
-    check_same_data,
+    METRICS_FILE,
     check_writable,
-    data_fingerprint,
-    exit_now,
-    finish_local_run,
-    finished_iterations,
-    flyte_log_in,
-    one_line,
+    create_run_dir,
     prepare_local_run,
-    remove_leftovers,
-    run_dir_lock,
-    sigterm_stops_like_ctrl_c,
+    remove_leftovers_in,
+    save_data_fingerprint,
+    trained_iterations,
 )
+from grpo_flyte.launch.run_log import one_line
+from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.lockstep import leave, lockstep
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
-from grpo_flyte.runtime.files import leftovers, write_text_atomic
+from grpo_flyte.runtime.files import write_text_atomic
 from grpo_flyte.types import REPORT_FILE, EvalAnswer, Example, MetricsRow
 
 if TYPE_CHECKING:
@@ -199,31 +193,21 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     for m in members:
         if m.name not in todo:
             continue
-        config = todo[m.name][0]
-        examples, split = check_inputs(config, local=True)
-        inputs[m.name] = (examples, data_fingerprint(config, split))
-        if todo[m.name][1] is not None:
-            check_same_data(sweep_dir / m.name, inputs[m.name][1])
-        check_model_fits(config, model_dirs[m.name], split)
-        if config.judging:
-            judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model")
-            check_judge_fits(config, judge_dir, split)
-    try:
-        sweep_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--run-dir {str(sweep_dir)!r} cannot be created ({exc.strerror}); expected a folder this user can write") from None
+        config, resume_from = todo[m.name]
+        examples, split, fingerprint = check_data(config, sweep_dir / m.name, resuming=resume_from is not None)
+        inputs[m.name] = (examples, fingerprint)
+        judge_dir = check_fits(config, model_dirs[m.name], split) or judge_dir  # one judge for every config that judges
+    create_run_dir(sweep_dir)
     with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
         if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
             raise UserError(f"--run-dir {str(sweep_dir)!r} already holds a sweep: add --resume to continue it, or pick another folder")
-        for path in leftovers(sweep_dir):  # the sweep's own files (each config's folder is cleaned as it starts)
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            logger.info("removed %s, left half-written by a run that was killed", path)
+        remove_leftovers_in(sweep_dir)  # the sweep's own files (each config's folder is cleaned as it starts)
         configs = {"configs": [m.model_dump(mode="json") for m in members]}
         write_text_atomic(sweep_dir / SWEEP_FILE, json.dumps(configs, indent=2) + "\n")
         for name in todo:
             (sweep_dir / name).mkdir(exist_ok=True)
             locks.enter_context(run_dir_lock(sweep_dir / name))
-            write_text_atomic(sweep_dir / name / DATA_FILE, json.dumps(inputs[name][1], indent=2) + "\n")
+            save_data_fingerprint(sweep_dir / name, inputs[name][1])
         board = SweepBoard(sweep_dir, members)
         for m in members:  # a resumed sweep shows what each config did before: finished, or its iterations so far
             done = {} if m.name in todo else {"status": "complete"}
@@ -233,7 +217,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
@@ -250,7 +234,7 @@ def _run_all(
 
     from grpo_flyte.reporting.progress import bars_shown, new_bars
 
-    runs = {name: f"grpo-{uuid.uuid4().hex[:10]}" for name in todo}
+    runs = {name: new_run_name() for name in todo}
     named = _NamedLines({run: name for name, run in runs.items()})
     handlers = logging.getLogger().handlers
     models = ", ".join(map(str, dict.fromkeys(model_dirs.values())))
@@ -271,12 +255,7 @@ def _run_all(
         with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()):
             errors = asyncio.run(all_configs())
     except KeyboardInterrupt as exc:
-        for stopping in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(stopping, signal.SIG_IGN)
-        how = "stopped by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-        kept = ", ".join(f"{name} {_kept(sweep_dir / name, config.iterations)}" for name, (config, _) in todo.items())
-        logger.error("%s: iterations kept: %s; continue with: %s --local --resume --run-dir %s", how, kept, PROG, sweep_dir)
-        exit_now(143 if isinstance(exc, Terminated) else 130)
+        stop_interrupted(exc, sweep_dir, lambda: _kept(sweep_dir, todo))
     finally:
         for handler in handlers:
             handler.removeFilter(named)
@@ -296,9 +275,13 @@ def _run_all(
     return 0
 
 
-def _kept(run_dir: Path, iterations: int) -> str:
-    done = [i for i in finished_iterations(run_dir) if i > 0]
-    return f"1-{max(done)} of {iterations}" if done else f"none of {iterations}"
+def _kept(sweep_dir: Path, todo: dict[str, tuple[RunConfig, str | None]]) -> str:
+    """The iterations each config kept, for the stop's line: 'iterations kept: seed=0 1-2 of 6, seed=1 none of 6'."""
+    kept = []
+    for name, (config, _) in todo.items():
+        done = trained_iterations(sweep_dir / name)
+        kept.append(f"{name} 1-{max(done)} of {config.iterations}" if done else f"{name} none of {config.iterations}")
+    return "iterations kept: " + ", ".join(kept)
 
 
 async def _run_config(
@@ -314,40 +297,26 @@ async def _run_config(
     bars: Progress,
 ) -> None:
     """One config's run, as a lone local run of it would go (its folder, its files, its bars), beside the others."""
-    import flyte
-    from flyte.io import Dir
-
-    from grpo_flyte.driver import train_rl
-    from grpo_flyte.reporting.progress import RunProgress, eta_seconds
-
     _config_name.set(name)  # this task's own context: its lines outside the Flyte run are named too
-    for path in remove_leftovers(run_dir):
-        logger.info("removed %s, left half-written by a run that was killed", path)
-    write_text_atomic(run_dir / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    runner = flyte.with_runcontext(mode="local", name=run, raw_data_path=str(run_dir.resolve() / FLYTE_DATA))
-    files = LocalRunFiles(run_dir.resolve(), config.adapters_to_keep)
-    done = max([i for i in finished_iterations(run_dir) if i > 0], default=0)
-    progress = RunProgress(
-        config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished), bars=bars, name=name
+    folder = begin_run(
+        run_dir,
+        config,
+        run,
+        model_dir=model_dir,
+        examples=examples,
+        resume_from=resume_from,
+        judge_dir=judge_dir if config.judging else None,
+        bars=bars,
+        label=name,
     )
     board.update(name, status="running")
     try:
-        with (
-            flyte_log_in(run_dir / LOG_FILE, run),
-            observers.observe(files, run),
-            observers.observe(_ConfigProgress(board, name), run),
-            observers.observe(progress, run),
-        ):
-            judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None and config.judging else {}
-            result = (
-                await runner.run.aio(
-                    train_rl, config=config, base_model=Dir(path=str(model_dir)), examples=examples, resume_from=resume_from, **judge
-                )
-            ).outputs()[0]
+        with folder.watched(_ConfigProgress(board, name), only_this_run=True):
+            result = await folder.run_async()
     except Exception as exc:
         leave(run)  # a run that failed before its loop began: the others stop waiting for it
         board.update(name, status="failed", error=one_line(exc))
         logger.error("failed: %s; the traceback is in %s; the other configs go on", one_line(exc), run_dir / LOG_FILE)
         raise
-    finish_local_run(files, config, result)
+    finish_local_run(folder.files, config, result)
     board.update(name, status="complete", history=[row.flat() for row in result.history])

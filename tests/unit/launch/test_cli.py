@@ -753,11 +753,11 @@ def test_help_speaks_in_words_with_one_default_per_flag():
 
 
 def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from grpo_flyte.launch import cli, run_folder
+    from grpo_flyte.launch import cli, local_run
     from grpo_flyte.models import folders
 
     args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
-    monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
+    monkeypatch.setattr(local_run, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
     assert cli.main([*args, "--lora-target-modules", "q_proj,query_key_value"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --lora-target-modules 'query_key_value' names no linear layer of")
@@ -780,7 +780,7 @@ def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_di
 
 
 def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys, caplog):
-    from grpo_flyte.launch import cli, run_folder
+    from grpo_flyte.launch import cli, local_run
 
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
@@ -788,7 +788,7 @@ def test_overlong_prompts_are_counted_before_start(tmp_path, tiny_model_dir, mon
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(data), "--eval-size", "2", "--iterations", "1",
             "--max-prompt-tokens", "100", "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    monkeypatch.setattr(run_folder, "_run_locked", lambda *a, **k: 0)
+    monkeypatch.setattr(local_run, "_run_locked", lambda *a, **k: 0)
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --max-prompt-tokens 100: 1 of 10 prompts are longer than 100 tokens (the longest, ")

@@ -65,7 +65,7 @@ def _copy(run_dir: Path, to: Path) -> Path:
 def test_a_second_writer_is_refused_naming_the_live_run_and_a_dead_ones_lock_does_not_block(tmp_path, tiny_model_dir, finished, capsys):
     run_dir = _copy(finished, tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo_flyte.launch.run_folder import run_dir_lock\n"
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from grpo_flyte.launch.lock import run_dir_lock\n"
          "with run_dir_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(120)", str(run_dir)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -514,7 +514,7 @@ def test_bad_input_inside_the_driver_is_not_retried(tmp_path, tiny_model_dir, mo
         raise DatasetError("'gsm8k' could not be read (offline)")
 
     monkeypatch.setattr(driver, "train_eval_split", bad_split)
-    monkeypatch.setattr("grpo_flyte.launch.run_folder.data_fingerprint", lambda config, examples: {"sha256": "x"})
+    monkeypatch.setattr("grpo_flyte.launch.local_run.data_fingerprint", lambda config, examples: {"sha256": "x"})
     assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
     assert attempts == [1]
     assert "could not be read (offline)" in caplog.text

@@ -149,7 +149,7 @@ def test_a_worker_has_a_session_of_its_own_and_a_stopped_one_ends_what_its_rewar
 
 
 def test_stop_all_kills_every_started_worker_and_refuses_new_ones(noisy, monkeypatch):
-    """What a run does as it stops on Ctrl-C or SIGTERM (`run_folder.exit_now`)."""
+    """What a run does as it stops on Ctrl-C or SIGTERM (`stopping.exit_now`)."""
     monkeypatch.setattr(child_processes, "_stopped", False)  # restored afterwards: the test process goes on
     assert noisy.call("noisy_rewards:fd_write", (1,), 30, "reward 'fd'") == 3
     proc = noisy.proc

@@ -1,0 +1,98 @@
+"""The files of a local run folder as the driver reports progress, each written whole (atomically),
+and the finished run's exports: its adapter, best adapter and merged model.
+
+`metrics.jsonl` is rewritten from the checkpointed history (a resumed run records each iteration
+once); old adapter versions are pruned but the best one's, which a rollback restores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
+from grpo_flyte.loop.guard import best_summary
+from grpo_flyte.loop.state import LoopState
+from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
+from grpo_flyte.runtime.storage import is_remote
+from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, MetricsRow, RunResult
+
+logger = logging.getLogger("grpo_flyte")
+
+
+class LocalRunFiles:
+    """The files of a local run folder, each written whole (atomically) as the driver reports progress."""
+
+    def __init__(self, root: Path, adapters_to_keep: int):
+        self.root = root
+        self.adapters_to_keep = adapters_to_keep
+
+    def recorded(self, state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:
+        # Rewritten whole from the checkpointed history: a resumed run records each iteration once.
+        text = "".join(json.dumps(r.flat()) + "\n" for r in state.history)
+        write_text_atomic(self.root / METRICS_FILE, text)
+        if answers is not None:
+            rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump(exclude_none=True)}) + "\n" for a in answers)
+            write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
+        self.prune_adapters(state.adapter, keep=state.guard.best.adapter if state.guard.best else None)
+        # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
+        for payload in (self.root / FLYTE_DATA / "payloads").glob("scored-*"):
+            shutil.rmtree(payload, ignore_errors=True)
+
+    def report(self, html: str) -> None:
+        write_text_atomic(self.root / REPORT_FILE, html)
+
+    def evaluating(self, iteration: int, answered: int, total: int) -> None:
+        """An evaluation's answers are written once it is recorded."""
+
+    def prune_adapters(self, current: AdapterRef, keep: AdapterRef | None = None) -> None:
+        """Delete adapter versions older than the newest `adapters_to_keep` from the run's Flyte data,
+        but `keep`'s folder (the best adapter: a rollback restores it, the export writes it)."""
+        path = Path(current.dir.path)
+        if is_remote(current.dir.path) or not path.parent.is_dir():
+            return
+        kept = Path(keep.dir.path).resolve() if keep is not None and not is_remote(keep.dir.path) else None
+        for old in path.parent.glob("v[0-9]*"):
+            if old.name[1:].isdigit() and int(old.name[1:]) <= current.version - self.adapters_to_keep and old.resolve() != kept:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def export_adapter(self, adapter: AdapterRef, name: str = ADAPTER_DIR) -> Path:
+        """An adapter to share, as the run folder's `name` (adapter/, best/): PEFT's files, naming a
+        base others can load; the optimizer state stays with the run's adapter versions
+        (flyte/adapters), which a resume reads."""
+
+        def copy(d: Path) -> None:
+            shutil.copytree(adapter.dir.path, d, dirs_exist_ok=True, ignore=shutil.ignore_patterns(OPTIMIZER_FILE))
+
+        build_dir_atomic(self.root / name, copy)
+        return self.root / name
+
+    def export_merged(self, merged_path: str) -> Path:
+        """Move the (complete) merged model folder into the run folder: a rename, so never half there."""
+        target = self.root / MERGED_DIR
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(merged_path, target)
+        return target
+
+
+def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult) -> None:
+    """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
+    and the lines that say where they are and which adapter was best."""
+    run_dir = files.root
+    files.export_adapter(result.adapter)
+    best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
+    logger.info("done: adapter %s%s, report %s, metrics %s", run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
+    if result.merged is not None:
+        merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
+        where = files.export_merged(result.merged.path)
+        logger.info(
+            "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", merged.version, where
+        )
+    stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
+    for line in (stopped, best_summary(result.history)):
+        if line:
+            logger.info("%s", line)  # the last line: which adapter was best, and by how much
