@@ -1,6 +1,6 @@
-"""A local run (`--local`) in this process: every check before anything is written, then its folder
-locked and made ready, then the driver run with the folder's files, log, progress bars and signals,
-and the line that says how it ended.
+"""This module runs a local run (`--local`) in this process: every check before anything is written,
+then its folder locked and made ready, then the driver run with the folder's files, log, progress
+bars and signals, and the line that says how it ended.
 
 A local sweep (`grpo_flyte.launch.sweep_folder`) takes each of its configs through the same steps
 (`check_data`, `check_fits`, `begin_run`, `FolderRun.watched`, `stop_interrupted`), so a config's

@@ -1,4 +1,5 @@
-"""One writer per run folder: an exclusive lock on `<run dir>/.lock`, which holds the writer's process id.
+"""This module keeps a run folder to one writer: an exclusive lock on `<run dir>/.lock`, which
+holds the writer's process id.
 
 The operating system drops the lock when the process ends, however it ends (a SIGKILL too), so a
 dead run never blocks its resume. fcntl (the standard library) rather than the filelock package:

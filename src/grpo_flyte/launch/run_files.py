@@ -1,5 +1,5 @@
-"""The files of a local run folder as the driver reports progress, each written whole (atomically),
-and the finished run's exports: its adapter, best adapter and merged model.
+"""This module writes a local run folder's files as the driver reports progress, each whole
+(atomically), and the finished run's exports: its adapter, best adapter and merged model.
 
 `metrics.jsonl` is rewritten from the checkpointed history (a resumed run records each iteration
 once); old adapter versions are pruned but the best one's, which a rollback restores.

@@ -1,6 +1,6 @@
-"""A local run's folder: its layout (the names of its files), the checks before anything is
-written in it, what `--resume` reads back from it (the saved config, the loop state, the data it
-started with), and the clean-up of what a killed writer left half-written.
+"""This module defines a local run's folder: its layout (the names of its files), the checks before
+anything is written in it, what `--resume` reads back from it (the saved config, the loop state, the
+data it started with), and the clean-up of what a killed writer left half-written.
 
 A sweep's folder holds one such folder per config (`grpo_flyte.launch.sweep_folder`); the lock is
 `grpo_flyte.launch.lock`, the run in it `grpo_flyte.launch.local_run`.

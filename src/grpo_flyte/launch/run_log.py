@@ -1,5 +1,5 @@
-"""A local run's log: Flyte's lines in full (tracebacks included) in the run folder's run.log,
-the console kept to its warnings, and an error said on one line.
+"""This module keeps a local run's log: Flyte's lines in full (tracebacks included) in the run
+folder's run.log, the console kept to its warnings, and an error said on one line.
 
 A failed run's message is its last console line, its traceback in the log; in a sweep each
 config's run.log gets the lines of its own Flyte run only.

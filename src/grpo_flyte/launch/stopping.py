@@ -1,5 +1,5 @@
-"""How a local run or sweep stops on Ctrl-C or SIGTERM: at once, in one line saying what was kept
-and how to continue, with exit status 130 or 143.
+"""This module stops a local run or sweep on Ctrl-C or SIGTERM: at once, in one line saying what was
+kept and how to continue, with exit status 130 or 143.
 
 SIGTERM (a scheduler, `kill`) is made to stop a run as Ctrl-C does; the process then ends without
 waiting for the work on its other threads, which leaves what a killed run leaves (whole files
