@@ -17,9 +17,11 @@ from typing import Any
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts, train_eval_split
-from grpo_flyte.engine import engines
-from grpo_flyte.engine.decoding import sub_seed as rollout_seed
+from grpo_flyte.engine import interface
+from grpo_flyte.engine.batching import batch_order
+from grpo_flyte.engine.cache import EngineKey, get_engine
 from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.engine.sampling import sub_seed as rollout_seed
 from grpo_flyte.learning import policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.loop.metrics import informative_group
@@ -55,20 +57,20 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
     v0 = out_dir / "v0000"
     policy.save_adapter(model, None, 0, v0)
 
-    key = engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
-    engine = engines.get_engine(key)
+    key = EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
+    engine = get_engine(key)
     scored: list[ScoredGroup] = []
     prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)
         requests = [
-            engines.sampling_request(
+            interface.sampling_request(
                 config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, iteration, first + i)
             )
             for i, ex in enumerate(prompts)
         ]
         # One batch per round, in the order grpo_flyte's batcher gives a batch.
-        order = sorted(range(len(requests)), key=lambda k: engines.batch_order(requests[k]))
+        order = sorted(range(len(requests)), key=lambda k: batch_order(requests[k]))
         results = dict(zip(order, engine.generate_many([requests[k] for k in order], str(v0)), strict=True))
         for i, ex in enumerate(prompts):
             group = RolloutGroup(

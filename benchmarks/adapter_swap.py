@@ -35,7 +35,8 @@ from flyte.io import Dir
 from grpo_flyte import rollout
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import arithmetic_split
-from grpo_flyte.engine import engines
+from grpo_flyte.engine.cache import EngineKey, get_engine
+from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.learning import policy
 from grpo_flyte.models.embedded import embedded_model_dir
@@ -76,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         adapter_bytes = sum(f.stat().st_size for f in Path(dirs[0]).iterdir())
 
         engine = on_torch_thread(
-            engines.get_engine,
-            engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0),
+            get_engine,
+            EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0),
         )
         prompt_ids = tokenize_prompt(engine.tokenizer, example, config.prompt)
-        short = engines.SamplingRequest(
+        short = SamplingRequest(
             prompt_ids=prompt_ids, group_size=1, temperature=config.sampling.temperature, top_p=config.sampling.top_p,
             max_new_tokens=completion_tokens, seed=0,
         )  # fmt: skip

@@ -16,7 +16,7 @@ Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adap
 distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names` with
 `grpo_flyte.engine.mixed_lora`'s two matmuls a layer, what `HFGenerator.generate_mixed` runs; and PEFT's
 own mixed batch, each LoRA layer once per adapter): tokens/s of each, and how many rows kept their
-tokens. It decides `engines.mixed_batches_pay` on a GPU.
+tokens. It decides `grpo_flyte.engine.batching.mixed_batches_pay` on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import _common
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.engine import mixed_lora
-from grpo_flyte.engine.decoding import Sampling, decode
+from grpo_flyte.engine.decode_loop import DecodeCall, decode
+from grpo_flyte.engine.sampling import Sampling
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.runtime.device import best_device, resolve_dtype, torch_dtype
@@ -90,15 +91,15 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
     names = [f"a{i}" for i in range(adapters)]
     peft = random_adapters(model, names)
     with torch.no_grad():
-        decode(peft, rows[:4], seeds[:4], Sampling(sampling.temperature, sampling.top_p, 4), set(), 2)  # warm-up
+        decode(peft, rows[:4], DecodeCall(seeds[:4], Sampling(sampling.temperature, sampling.top_p, 4), set(), 2))  # warm-up
         alone, alone_s = [], 0.0
         for name in names:
             peft.set_adapter(name)
-            out, seconds = timed(decode, peft, rows, seeds, sampling, {2}, 2)
+            out, seconds = timed(decode, peft, rows, DecodeCall(seeds, sampling, {2}, 2))
             alone += out
             alone_s += seconds
         every = [name for name in names for _ in rows]
-        mixed_args = (peft, rows * adapters, seeds * adapters, sampling, {2}, 2, None, None, frozenset(), None, every)
+        mixed_args = (peft, rows * adapters, DecodeCall(seeds * adapters, sampling, {2}, 2, adapter_names=every))
         _, peft_mixed_s = timed(decode, *mixed_args)  # PEFT's own: each LoRA layer once per adapter
         mixed_lora.install(peft)  # what HFGenerator runs: each LoRA layer in two matmuls for all adapters
         mixed, mixed_s = timed(decode, *mixed_args)
@@ -164,8 +165,8 @@ def check(args: argparse.Namespace, model_dir: Path) -> int:
                            micro_batch_tokens=16384)  # fmt: skip
         sampling = Sampling(config.sampling.temperature, top_p, args.new_tokens)
         with torch.no_grad():
-            decode(generator, rows[:8], seeds[:8], Sampling(0.7, top_p, 4), set(), 2)  # warm-up
-            out, decode_s = timed(decode, generator, rows, seeds, sampling, {2}, 2)
+            decode(generator, rows[:8], DecodeCall(seeds[:8], Sampling(0.7, top_p, 4), set(), 2))  # warm-up
+            out, decode_s = timed(decode, generator, rows, DecodeCall(seeds, sampling, {2}, 2))
         new_tokens = sum(len(ids) for ids, _ in out)
         sequences = [grpo.TrainSequence(rows[i], ids, 1.0 if i % 2 else -1.0, lps) for i, (ids, lps) in enumerate(out)]
         model = policy.peft_model(config.base, config.lora, str(model_dir))

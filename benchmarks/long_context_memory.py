@@ -3,7 +3,7 @@
 A tool that returns a web page or a file puts thousands of tokens into an episode at once. This
 measures, on the embedded SmolLM2-135M-Instruct in bfloat16, the peak resident memory above the
 loaded model's (the process's high-water mark, reset once the model is loaded) of
-- generation: the transformers engine (`engines.HFGenerator.generate_many`) given one context of N
+- generation: the transformers engine (`HFGenerator.generate_many`) given one context of N
   tokens of a 20,000-character page (7,284 tokens: "row 48213: the river runs past the mill. ..."),
   sampling 16 tokens: the prefill of a long observation, then decode steps;
 - training: one GRPO step (`policy_update.grpo_step`, default config: --micro-batch-tokens 4096) on
@@ -59,19 +59,20 @@ def _status(field: str) -> int:
 
 def _before() -> None:
     """main's behaviour before issue 40: eager-style attention everywhere, one-pass prefill, no automatic checkpointing."""
-    from grpo_flyte.engine import decoding
+    from grpo_flyte.engine import prefix_cache
     from grpo_flyte.learning import update as policy_update
     from grpo_flyte.models import attention
 
     attention.GROUPED_SCORES_LIMIT = float("inf")
-    decoding.PREFILL_CHUNK_TOKENS = 2**40
+    prefix_cache.PREFILL_CHUNK_TOKENS = 2**40
     policy_update.checkpointed = lambda train, lengths: train.gradient_checkpointing
 
 
 def measure(case: str, side: str, num: int) -> dict:
     """One case in this process: the peak bytes above the loaded model's resident memory."""
     from grpo_flyte.config.run import RunConfig
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.hf_generator import HFGenerator
+    from grpo_flyte.engine.interface import SamplingRequest
     from grpo_flyte.learning import grpo, policy
     from grpo_flyte.learning import update as policy_update
     from grpo_flyte.models.embedded import embedded_model_dir
@@ -80,9 +81,9 @@ def measure(case: str, side: str, num: int) -> dict:
         _before()
     model_path = str(embedded_model_dir())
     if case == "generate":
-        generator = engines.HFGenerator(model_path, "bfloat16", 1)
+        generator = HFGenerator(model_path, "bfloat16", 1)
         ids = page_ids(generator.tokenizer, num - NEW_TOKENS)
-        request = engines.SamplingRequest(prompt_ids=ids, group_size=1, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, seed=0)
+        request = SamplingRequest(prompt_ids=ids, group_size=1, temperature=1.0, top_p=1.0, max_new_tokens=NEW_TOKENS, seed=0)
 
         def work():
             generator.generate_many([request], None)

@@ -183,15 +183,15 @@ def trl_side(config: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
 
 def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tuple[float, bool]]]:
     """(reward, correct) per held-out question for each adapter, greedily, by one evaluator."""
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.hf_generator import HFGenerator
+    from grpo_flyte.engine.interface import sampling_request
     from grpo_flyte.engine.prompts import tokenize_prompt
     from grpo_flyte.scoring.compose import Group, score_completions
 
     _, held_out = train_eval_split(config)
-    engine = engines.HFGenerator(str(embedded_model_dir()), resolve_dtype(config.base.dtype), max_adapters=1)
+    engine = HFGenerator(str(embedded_model_dir()), resolve_dtype(config.base.dtype), max_adapters=1)
     requests = [
-        engines.sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), seed=0, greedy=True)
-        for ex in held_out
+        sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), seed=0, greedy=True) for ex in held_out
     ]
     results = {}
     for name, adapter in adapters.items():

@@ -48,10 +48,10 @@ TIMINGS = ("_s", "per_s")
 
 def child(batches_file: str, cli_args: list[str]) -> int:
     """One side's process: the command line, with every batcher flush and engine batch recorded."""
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import batching
     from grpo_flyte.launch.cli import main
 
-    process, decode, decode_mixed = engines._process, engines._decode, engines._decode_mixed
+    process, decode, decode_mixed = batching._process, batching._decode, batching._decode_mixed
 
     async def recording_process(calls):
         with open(batches_file, "a") as f:
@@ -69,7 +69,7 @@ def child(batches_file: str, cli_args: list[str]) -> int:
             f.write(json.dumps({"engine_rows": rows, "groups": len(requests), "adapters": len(set(adapter_paths))}) + "\n")
         return decode_mixed(key, requests, adapter_paths)
 
-    engines._process, engines._decode, engines._decode_mixed = recording_process, recording_decode, recording_decode_mixed
+    batching._process, batching._decode, batching._decode_mixed = recording_process, recording_decode, recording_decode_mixed
     return main(cli_args)
 
 

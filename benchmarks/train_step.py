@@ -33,9 +33,10 @@ import _common
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, train_eval_split
-from grpo_flyte.engine import engines
-from grpo_flyte.engine.decoding import sub_seed as rollout_seed
+from grpo_flyte.engine.cache import EngineKey, get_engine
+from grpo_flyte.engine.interface import sampling_request
 from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.engine.sampling import sub_seed as rollout_seed
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.models.embedded import embedded_model_dir
@@ -46,13 +47,11 @@ TARGET = 0.9
 
 def realistic_sequences(config: RunConfig, model_path: str, adapter_dir: Path) -> list[grpo.TrainSequence]:
     """Iteration 0's rollouts of a default run, all of them, as training sequences."""
-    engine = engines.get_engine(
-        engines.EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
-    )
+    engine = get_engine(EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
     dataset, _ = train_eval_split(config)
     prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
     requests = [
-        engines.sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
+        sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
         for i, ex in enumerate(prompts)
     ]
     sequences = []

@@ -76,19 +76,19 @@ def completions_at_full_length(enabled: bool):
     if not enabled:
         yield
         return
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import interface
 
-    original = engines.sampling_request
+    original = interface.sampling_request
 
     def full_length(*args, **kwargs):
         request = original(*args, **kwargs)
         return request.model_copy(update={"min_new_tokens": request.max_new_tokens})
 
-    engines.sampling_request = full_length
+    interface.sampling_request = full_length
     try:
         yield
     finally:
-        engines.sampling_request = original
+        interface.sampling_request = original
 
 
 def trl_reward(prompts, completions, answer, **kwargs) -> list[float]:

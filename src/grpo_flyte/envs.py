@@ -266,7 +266,7 @@ _gpu_vars = {**_settings_vars, "GRPO_FLYTE_REQUIRE_CUDA": "1"}
 def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[int, int], concurrency: int) -> flyte.TaskEnvironment:
     """A warm pool of generators: vLLM (GPU) or transformers (CPU), the engine built once per replica.
     concurrency > 1: several calls run on one replica at once; the replica's batcher
-    (grpo_flyte.engine.engines) hands them to its one engine as one batch, and only the batcher's consumer
+    (grpo_flyte.engine.batching) hands them to its one engine as one batch, and only the batcher's consumer
     ever drives the engine. Each run its own pool (`DeploySettings.pool_id`): a warm engine holds one
     run's model and settings."""
     return flyte.TaskEnvironment(

@@ -2,10 +2,10 @@
 
 One judge prompt per group (RULER-style, see grpo_flyte.scoring.judging): the question once, every
 completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
-model once (its own engine cache, grpo_flyte.engine.engines) and its batcher puts concurrent judge calls in
+model once (its own engine cache, grpo_flyte.engine.cache) and its batcher puts concurrent judge calls in
 one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
 (`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
-grpo_flyte.engine.decoding), so it parses. A reply that still does not (an engine without the constraint,
+grpo_flyte.engine.grammar), so it parses. A reply that still does not (an engine without the constraint,
 or a reply cut at its token budget) is sampled once more, and a chunk still unparsable fails the task
 (on_reward_error='fail') or scores 0 and is counted ('zero').
 
@@ -21,7 +21,9 @@ import time
 from flyte.io import Dir
 
 from grpo_flyte.config.generation import EngineConfig, JudgeConfig, RewardConfig
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.cache import EngineKey
+from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.envs import judge_env
 from grpo_flyte.errors import RewardError, input_errors_not_retried
 from grpo_flyte.runtime.device import resolve_dtype
@@ -62,11 +64,11 @@ def _cut(tokenizer, text: str, max_tokens: int) -> str:
     return text if len(ids) <= max_tokens else tokenizer.decode(ids[: max(1, max_tokens)])
 
 
-async def _ask(key: engines.EngineKey, tokenizer, judging: JudgeConfig, question: str, texts: list[str], chunk: _Chunk) -> None:
+async def _ask(key: EngineKey, tokenizer, judging: JudgeConfig, question: str, texts: list[str], chunk: _Chunk) -> None:
     """One judge prompt for the chunk's completions; once more, sampled, if the reply does not parse."""
     prompt, chat = render_judge_prompt(tokenizer, judging.judge_rubric, question, texts)
     ids = list(tokenizer(prompt, add_special_tokens=not chat)["input_ids"])
-    request = engines.SamplingRequest(
+    request = SamplingRequest(
         prompt_ids=ids,
         group_size=1,
         temperature=RETRY_TEMPERATURE,
@@ -78,7 +80,7 @@ async def _ask(key: engines.EngineKey, tokenizer, judging: JudgeConfig, question
         stop=(REPLY_END,),  # an unconstrained judge stops at the object's end, not at the token budget
     )
     for _ in range(2):
-        [[reply]] = await engines.generate_groups(key, None, [request])
+        [[reply]] = await batching.generate_groups(key, None, [request])
         chunk.reply = reply.text
         chunk.scores = parse_scores(reply.text, len(texts))
         if chunk.scores is not None:
@@ -87,10 +89,10 @@ async def _ask(key: engines.EngineKey, tokenizer, judging: JudgeConfig, question
         request = request.model_copy(update={"greedy": False, "seed": 1})
 
 
-async def judge(key: engines.EngineKey, judging: JudgeConfig, on_error: str, group: RolloutGroup) -> JudgeVerdict:
+async def judge(key: EngineKey, judging: JudgeConfig, on_error: str, group: RolloutGroup) -> JudgeVerdict:
     """The judge's verdict on one group with the engine of `key` (the task body, without Flyte)."""
     started = time.perf_counter()
-    tokenizer = (await run_on_torch_thread(engines.get_engine, key)).tokenizer
+    tokenizer = (await run_on_torch_thread(cache.get_engine, key)).tokenizer
     texts = [r.text for r in group.rollouts]
     question = group.example.question
     fixed = fixed_tokens(tokenizer, judging.judge_rubric, question)
@@ -105,7 +107,7 @@ async def judge(key: engines.EngineKey, judging: JudgeConfig, on_error: str, gro
     def shown(chunk: _Chunk) -> list[str]:
         return [_cut(tokenizer, texts[i], room) if len(chunk.indices) == 1 else texts[i] for i in chunk.indices]
 
-    await engines.all_or_none([_ask(key, tokenizer, judging, question, shown(c), c) for c in chunks])
+    await batching.all_or_none([_ask(key, tokenizer, judging, question, shown(c), c) for c in chunks])
     scores, failed = [0.0] * len(texts), [False] * len(texts)
     for chunk in chunks:
         if chunk.scores is None:
@@ -141,7 +143,7 @@ async def judge_group(
     not retried."""
     with input_errors_not_retried():
         model_path = await _judge_dirs.get(judge_model)
-        key = engines.judge_engine_key(
+        key = cache.judge_engine_key(
             model_path, resolve_dtype("auto"), engine.backend, judging.judge_context_tokens, engine.vllm_memory_fraction
         )
         return await judge(key, judging, scoring.on_reward_error, group)

@@ -2,7 +2,7 @@
 replicas.
 
 A task body fetches its inputs (the base model and adapter folders, cached per replica), hands its
-groups to the replica's engine through the batcher in `grpo_flyte.engine.engines`, and returns them as
+groups to the replica's engine through the batcher in `grpo_flyte.engine.batching`, and returns them as
 `RolloutGroup`s. Warm state is only a cache: the same inputs give the same rollouts on any replica
 (the sampling seed is an input). Each rollout carries the prompt and completion token ids and the
 per-token sampling log-probs, so the trainer never re-tokenizes text.
@@ -16,7 +16,9 @@ from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
 from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching, cache, episodes, interface
+from grpo_flyte.engine.cache import EngineKey
+from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.runtime.device import resolve_dtype
@@ -36,10 +38,10 @@ def _context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: Epi
 
 async def _engine_inputs(
     model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef
-) -> tuple[engines.EngineKey, str]:
+) -> tuple[EngineKey, str]:
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
-    key = engines.engine_key(
+    key = cache.engine_key(
         model_path,
         resolve_dtype(model.dtype),
         engine.backend,
@@ -52,21 +54,21 @@ async def _engine_inputs(
 
 
 async def _sample(
-    key: engines.EngineKey,
+    key: EngineKey,
     adapter_path: str,
     examples: list[Example],
     prompts: list[list[int]],
-    requests: list[engines.SamplingRequest],
+    requests: list[SamplingRequest],
     episode: EpisodeConfig,
     prompt: PromptConfig,
 ) -> list[list[Rollout]]:
     """Each request's rollouts: completions, or with a multi-turn environment, episodes (all played
     at once)."""
     if not episode.multi_turn:
-        return await engines.generate_groups(key, adapter_path, requests)
-    return await engines.all_or_none(
+        return await batching.generate_groups(key, adapter_path, requests)
+    return await batching.all_or_none(
         [
-            engines.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
+            episodes.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
             for example, ids, request in zip(examples, prompts, requests, strict=True)
         ]
     )
@@ -91,9 +93,9 @@ async def generate(
     started = time.perf_counter()
     with input_errors_not_retried():
         key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-        [prompt_ids] = await engines.tokenize(key, [example], prompt)
+        [prompt_ids] = await cache.tokenize(key, [example], prompt)
         [rollouts] = await _sample(
-            key, adapter_path, [example], [prompt_ids], [engines.sampling_request(sampling, prompt_ids, seed)], episode, prompt
+            key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
         )
     return RolloutGroup(
         index=index,
@@ -122,8 +124,8 @@ async def generate_eval(
     started = time.perf_counter()
     with input_errors_not_retried():
         key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-        prompts = await engines.tokenize(key, examples, prompt)
-        requests = [engines.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
+        prompts = await cache.tokenize(key, examples, prompt)
+        requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
         answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
     return [

@@ -385,7 +385,9 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import batching, cache
+    from grpo_flyte.engine.cache import EngineKey
+    from grpo_flyte.engine.interface import sampling_request
     from grpo_flyte.engine.prompts import render_prompt
     from grpo_flyte.learning.grpo import pad_batch
     from grpo_flyte.learning.update import build_sequences
@@ -398,12 +400,12 @@ def test_trainer_sees_exactly_the_generators_token_ids(tmp_path, tiny_model_dir,
         model=str(tiny_model_dir), group_size=3, max_new_tokens=6, prompt_format=prompt_format, dtype="float32", truncated="keep"
     )  # 6 tokens: most completions are cut off
     example = Example(question="What is 12 + 30?", answer="42")
-    key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
+    key = EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
 
     async def generate_one():
-        [prompt_ids] = await engines.tokenize(key, [example], config.prompt)
-        request = engines.sampling_request(config.sampling, prompt_ids, seed=5)
-        [rollouts] = await engines.generate_groups(key, str(tmp_path / "adapter"), [request])
+        [prompt_ids] = await cache.tokenize(key, [example], config.prompt)
+        request = sampling_request(config.sampling, prompt_ids, seed=5)
+        [rollouts] = await batching.generate_groups(key, str(tmp_path / "adapter"), [request])
         return prompt_ids, rollouts
 
     prompt_ids, rollouts = asyncio.run(generate_one())
@@ -773,11 +775,11 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     """The test injects one transient failure into generate and one into train_step; Flyte's task
     retries (retries=2) finish the run. The failing train_step had already written its new adapter
     (half-published): nothing of it is left."""
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import batching
     from grpo_flyte.learning import policy
 
     generate_failures: list[str] = []
-    original_generate_groups = engines.generate_groups
+    original_generate_groups = batching.generate_groups
 
     async def flaky_generate_groups(*args, **kwargs):
         # the generate task's engine call: the first one fails before it generates anything
@@ -797,7 +799,7 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
             train_failures.append(version)
             raise RuntimeError(f"injected transient failure after save_adapter of v{version}")
 
-    monkeypatch.setattr(engines, "generate_groups", flaky_generate_groups)
+    monkeypatch.setattr(batching, "generate_groups", flaky_generate_groups)
     monkeypatch.setattr(policy, "save_adapter", flaky_save_adapter)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "0", "--iterations", "2", "--run-dir", str(run_dir)]

@@ -126,10 +126,10 @@ def test_learning_curve_runs_its_seeds_as_one_sweep_and_reads_each_seeds_figures
     again reads the finished sweep and runs nothing; another set of seeds there is refused."""
     import learning_curve
 
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import cache
     from grpo_flyte.learning import policy
 
-    engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
+    cache._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
     policy.release_models()
     run_dir = tmp_path / "gate"
     argv = ["--quick", "--seeds", "0", "1", "--model", str(tiny_model_dir), "--run-dir", str(run_dir), "--gate", "0.1"]

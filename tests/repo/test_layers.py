@@ -49,7 +49,20 @@ INSIDE = {
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders"),
     "learning": ("grpo", "policy", "update", "data_parallel", "merge"),
-    "engine": ("decoding", "mixed_lora", "prompts", "episodes", "engines"),
+    "engine": (
+        "sampling",
+        "grammar",
+        "prefix_cache",
+        "mixed_lora",
+        "prompts",
+        "interface",
+        "decode_loop",
+        "vllm_generator",
+        "hf_generator",
+        "cache",
+        "batching",
+        "episodes",
+    ),
     "reporting": ("html", "charts", "tracking", "progress", "hub", "sweep_report"),
     "loop": ("metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
     "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
@@ -71,7 +84,7 @@ def _imports(path: Path) -> set[str]:
             below = node.module.split(".")[1:]
             if below and not (PACKAGE.joinpath(*below).is_dir()):
                 found.add(".".join(below))
-            else:  # from grpo_flyte import grpo_module / from grpo_flyte.engine import engines, or a package's re-export
+            else:  # from grpo_flyte import grpo_module / from grpo_flyte.engine import cache, or a package's re-export
                 for alias in node.names:
                     dotted = ".".join([*below, alias.name])
                     is_module = PACKAGE.joinpath(*below, alias.name + ".py").is_file() or PACKAGE.joinpath(*below, alias.name).is_dir()
@@ -86,7 +99,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _dotted(path: Path) -> str:
-    """'engine.engines' for grpo_flyte/engine/engines.py, 'engine' for its __init__, 'driver' for driver.py."""
+    """'engine.cache' for grpo_flyte/engine/cache.py, 'engine' for its __init__, 'driver' for driver.py."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 else ".".join(parts)
 
@@ -198,12 +211,12 @@ def test_the_import_checker_sees_lazy_and_package_imports(tmp_path):
     source = tmp_path / "sample.py"
     source.write_text(
         "from grpo_flyte import driver, envs\n"
-        "from grpo_flyte.engine import engines\n"
+        "from grpo_flyte.engine import batching\n"
         "from grpo_flyte.config import RunConfig\n"
         "def f():\n    from grpo_flyte.rollout import generate\n    import grpo_flyte.learning.grpo\n"
         "if __name__ == '__main__':\n    from grpo_flyte.launch.cli import main\n"
     )
-    assert _imports(source) == {"driver", "envs", "engine.engines", "config", "rollout", "learning.grpo"}
+    assert _imports(source) == {"driver", "envs", "engine.batching", "config", "rollout", "learning.grpo"}
 
 
 # What users and the examples import: these paths keep working whatever moves inside the package.

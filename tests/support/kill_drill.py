@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching
 from grpo_flyte.launch import cli
 from grpo_flyte.learning import policy
 from grpo_flyte.learning import update as policy_update
@@ -44,7 +44,7 @@ def replace_or_die(src, dst, *a, **kw):
 
 os.replace = replace_or_die
 
-generate_groups = engines.generate_groups
+generate_groups = batching.generate_groups
 
 
 async def generate_or_die(*a, **kw):
@@ -52,7 +52,7 @@ async def generate_or_die(*a, **kw):
     return await generate_groups(*a, **kw)
 
 
-engines.generate_groups = generate_or_die
+batching.generate_groups = generate_or_die
 grpo_step, save_adapter = policy_update.grpo_step, policy.save_adapter
 
 

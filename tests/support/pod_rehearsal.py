@@ -417,7 +417,8 @@ async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
     """What the replica's process holds between actions: the models its engine cache and trainer
     built, its batcher's counts, and every cache with its bound."""
     from grpo_flyte import rollout, trainer
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine import batching
+    from grpo_flyte.engine import cache as engine_cache
     from grpo_flyte.learning import policy
 
     def cache(c: Any) -> dict[str, int]:
@@ -425,15 +426,15 @@ async def warm_state(builds: dict[str, list[str]]) -> dict[str, Any]:
         return {"entries": len(c.entries), "on_disk": on_disk, "capacity": c.capacity}
 
     batcher = None
-    if engines.replica_batcher.cache_info().currsize:
-        stats = (await engines.replica_batcher()).stats
+    if batching.replica_batcher.cache_info().currsize:
+        stats = (await batching.replica_batcher()).stats
         batcher = {"submitted": stats.total_submitted, "batches": stats.total_batches}
-    held = list(engines._engines.engines.values())
+    held = list(engine_cache._engines.engines.values())
     return {
         "engine_builds": builds["engine"],
         "trainer_loads": builds["trainer"],
         "batcher": batcher,
-        "batchers": engines.replica_batcher.cache_info().currsize,
+        "batchers": batching.replica_batcher.cache_info().currsize,
         "engine_adapters": [[len(engine.adapters), engine.max_adapters] for engine in held],
         "trainer_models": policy._peft_model.cache_info().currsize,
         "caches": {

@@ -20,8 +20,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 import torch
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.engine import engines
-from grpo_flyte.engine.engines import SamplingRequest
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.episodes import play_episodes
+from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
 
@@ -47,7 +48,7 @@ def main() -> None:
     config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
     peft = policy.peft_model(config.base, config.lora, str(model_dir))
     paths = {name: adapter(peft, config, work / name, scale) for name, scale in (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))}
-    key = engines.engine_key(str(model_dir), "float32", "vllm", 2, paths["v0"], max_model_len=128, memory_fraction=0.2)
+    key = cache.engine_key(str(model_dir), "float32", "vllm", 2, paths["v0"], max_model_len=128, memory_fraction=0.2)
     started = time.perf_counter()
     gen = key.build()
     out: dict = {"max_lora_rank": key.max_lora_rank, "build_s": time.perf_counter() - started}
@@ -109,12 +110,12 @@ def episodes(key, gen, adapter_path: str, peft, config: RunConfig) -> dict:
 
     from grpo_flyte.types import Example, RewardParts, RolloutGroup, ScoredGroup
 
-    engines._engines.engines[key] = gen  # the engine built above, not a second one
+    cache._engines.engines[key] = gen  # the engine built above, not a second one
     run = RunConfig(model=config.base.model, env="chatty_env:Chatty", max_turns=3, max_episode_tokens=96, max_new_tokens=8, temperature=0.8)
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
     played = asyncio.run(
-        engines.play_episodes(
+        play_episodes(
             key, adapter_path, run.episode.env, example, prompt_ids, request(prompt_ids, temperature=0.8), run.episode, run.prompt
         )
     )
@@ -145,7 +146,7 @@ def mixed(key, gen, v0: str, a: str, prompts: list[list[int]], work: Path) -> di
     import asyncio
     import shutil
 
-    engines._engines.engines[key] = gen  # the engine built above, not a second one
+    cache._engines.engines[key] = gen  # the engine built above, not a second one
     calls, step_adapters = [], []
     generate = gen.llm.generate
     gen.llm.generate = lambda *args, **kwargs: calls.append(1) or generate(*args, **kwargs)
@@ -164,9 +165,9 @@ def mixed(key, gen, v0: str, a: str, prompts: list[list[int]], work: Path) -> di
         return max(abs(x - y) for r, s in rows for x, y in zip(r.sampling_logprobs, s.sampling_logprobs, strict=True))
 
     async def together(settings: dict, bad: str | None = None):
-        sends = [engines.generate_groups(key, path, [request(p, **settings)]) for path in adapters for p in prompts]
+        sends = [batching.generate_groups(key, path, [request(p, **settings)]) for path in adapters for p in prompts]
         if bad is not None:
-            sends.append(engines.generate_groups(key, bad, [request(prompts[0], **settings)]))
+            sends.append(batching.generate_groups(key, bad, [request(prompts[0], **settings)]))
         return await asyncio.gather(*sends, return_exceptions=True)
 
     out: dict = {"max_loras": gen.llm.llm_engine.vllm_config.lora_config.max_loras}

@@ -18,7 +18,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 from grpo_flyte.config.generation import JudgeConfig
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import cache
 from grpo_flyte.judge import judge
 from grpo_flyte.types import Example, Rollout, RolloutGroup
 
@@ -32,17 +32,17 @@ def group(index: int) -> RolloutGroup:
     return RolloutGroup(index=index, example=example, adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=0.0)
 
 
-async def judge_all(key: engines.EngineKey, num_groups: int) -> list:
+async def judge_all(key: cache.EngineKey, num_groups: int) -> list:
     judging = JudgeConfig(judge_model="random", judge_context_tokens=512)
     return await asyncio.gather(*(judge(key, judging, "zero", group(i)) for i in range(num_groups)))
 
 
 def main() -> None:
     model_dir, num_groups = sys.argv[1], int(sys.argv[2])
-    key = engines.judge_engine_key(model_dir, "float32", "vllm", max_model_len=512, memory_fraction=0.2)
+    key = cache.judge_engine_key(model_dir, "float32", "vllm", max_model_len=512, memory_fraction=0.2)
     started = time.perf_counter()
     verdicts = asyncio.run(judge_all(key, num_groups))
-    engine = engines.get_engine(key)
+    engine = cache.get_engine(key)
     out = {
         "seconds": time.perf_counter() - started,
         "groups": len(verdicts),
@@ -52,7 +52,7 @@ def main() -> None:
         "invalid": sum(v.invalid for v in verdicts),
         "scores": [v.scores for v in verdicts],
     }
-    engines._judge_engines.clear()
+    cache._judge_engines.clear()
     print(json.dumps(out))
 
 

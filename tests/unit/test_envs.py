@@ -247,7 +247,7 @@ print("FILES", sorted(Path(f).name for f in run.code_bundle.files))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert "MOD grpo_flyte.driver train_rl" in out.stdout
-    for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py", "engines.py", "types.py"):
+    for name in ("driver.py", "rollout.py", "reward.py", "trainer.py", "envs.py", "batching.py", "types.py"):
         assert name in out.stdout
 
 

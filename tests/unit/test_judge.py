@@ -17,7 +17,9 @@ from grpo_flyte import judge as judge_module
 from grpo_flyte.config.errors import make_config
 from grpo_flyte.config.generation import JudgeConfig, RewardConfig
 from grpo_flyte.data import train_eval_split
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.cache import EngineKey
+from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.errors import ConfigError, RewardError
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.launch.cli import parse_args
@@ -59,14 +61,14 @@ def scripted(monkeypatch, embedded_dir):
 
     def install(replies) -> ScriptedJudge:
         fake = ScriptedJudge(tokenizer, replies)
-        monkeypatch.setattr(engines, "get_engine", lambda key: fake)
-        monkeypatch.setattr(engines, "generate_groups", fake.generate_groups)
+        monkeypatch.setattr(cache, "get_engine", lambda key: fake)
+        monkeypatch.setattr(batching, "generate_groups", fake.generate_groups)
         return fake
 
     return install
 
 
-KEY = engines.EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
+KEY = EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
 
 
 def test_one_call_scores_the_whole_group(scripted):
@@ -265,7 +267,7 @@ def test_a_local_run_with_the_judge_makes_one_call_per_group_per_iteration(tmp_p
 
 def test_a_judge_that_cannot_reply_fails_the_run_naming_it_with_on_reward_error_fail(tmp_path, tiny_model_dir, caplog, monkeypatch):
     # an engine that does not constrain the reply: the tiny random model then never writes the JSON
-    monkeypatch.setattr(engines.HFGenerator, "_matchers", lambda self, regexes: None)
+    monkeypatch.setattr(HFGenerator, "_matchers", lambda self, regexes: None)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--run-dir", str(run_dir), "--backend", "hf"]
     assert cli_main([*args, "--rewards", "judge=1.0", "--judge-model", str(tiny_model_dir)]) == 1
@@ -306,7 +308,7 @@ def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(
     from grpo_flyte.driver import train_rl
 
     shares: dict[str, set[float]] = {"generate": set(), "judge": set()}
-    engine_key, judge_engine_key = engines.engine_key, engines.judge_engine_key
+    engine_key, judge_engine_key = cache.engine_key, cache.judge_engine_key
 
     def generate_key(*args, memory_fraction, **kwargs):
         shares["generate"].add(memory_fraction)
@@ -316,8 +318,8 @@ def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(
         shares["judge"].add(args[-1])
         return judge_engine_key(*args)
 
-    monkeypatch.setattr(engines, "engine_key", generate_key)
-    monkeypatch.setattr(engines, "judge_engine_key", judge_key)
+    monkeypatch.setattr(cache, "engine_key", generate_key)
+    monkeypatch.setattr(cache, "judge_engine_key", judge_key)
     config = make_config(
         iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=2, min_informative_groups=0,
         rewards={"judge": 1.0}, judge_model="tiny", on_reward_error="zero", vllm_memory_fraction=0.8,

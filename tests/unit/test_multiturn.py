@@ -16,8 +16,8 @@ import pytest
 
 from grpo_flyte.config.errors import make_config
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.engine.decoding import sub_seed as turn_seed
-from grpo_flyte.engine.episodes import Budgets, Splicer, new_environment, run_episode
+from grpo_flyte.engine.episodes import Budgets, Splicer, new_environment, play_episodes, run_episode
+from grpo_flyte.engine.sampling import sub_seed as turn_seed
 from grpo_flyte.errors import ConfigError, EnvironmentSpecError, EpisodeError
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import grpo
@@ -479,7 +479,10 @@ class _SlowFirstEpisode:
 def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer, monkeypatch):
     """Three episodes of one group: their first turns decode in one engine batch; while the first
     episode's tool is busy, the other two play their next turns together without it."""
-    from grpo_flyte.engine import engines
+    from grpo_flyte import multiturn
+    from grpo_flyte.engine import cache
+    from grpo_flyte.engine.cache import EngineKey
+    from grpo_flyte.engine.interface import sampling_request
 
     class Engine:
         def __init__(self):
@@ -493,14 +496,14 @@ def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_back(tokenizer,
             return [[Rollout(completion_ids=ids, sampling_logprobs=[-0.1] * len(ids), finish_reason="stop", text="7")] for _ in requests]
 
     engine = Engine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
-    monkeypatch.setattr(engines.multiturn, "load_environment", lambda name: _SlowFirstEpisode)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
+    monkeypatch.setattr(multiturn, "load_environment", lambda name: _SlowFirstEpisode)
     _SlowFirstEpisode.created = 0
     config = make_config(env="calculator", group_size=3)
-    request = engines.sampling_request(config.sampling, [1, 2, 3], seed=5)
+    request = sampling_request(config.sampling, [1, 2, 3], seed=5)
     example = Example(question="q", answer="1", prompt=[])
-    key = engines.EngineKey("hf", "/m", "float32", 2, 0, 0)
-    played = asyncio.run(engines.play_episodes(key, "/adapter", "x:Y", example, [1, 2, 3], request, config.episode, config.prompt))
+    key = EngineKey("hf", "/m", "float32", 2, 0, 0)
+    played = asyncio.run(play_episodes(key, "/adapter", "x:Y", example, [1, 2, 3], request, config.episode, config.prompt))
     assert [r.episode.reward for r in played] == [1.0, 1.0, 1.0] and all(r.episode.end == "done" for r in played)
     turn = len(_ids(tokenizer, "7<|im_end|>"))
     reply = len(Splicer(tokenizer, chat=True).reply_ids(Reply("more"), _ids(tokenizer, "7<|im_end|>")))
@@ -591,7 +594,8 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
     replies spliced in): the trainer's log-probs of the model's tokens are the sampler's."""
     import torch
 
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.cache import EngineKey
+    from grpo_flyte.engine.interface import sampling_request
     from grpo_flyte.learning import policy
     from grpo_flyte.learning import update as policy_update
     from grpo_flyte.types import RewardParts as Parts
@@ -606,14 +610,12 @@ def test_an_hf_episode_trains_on_exactly_the_sampled_tokens(tiny_model_dir, tmp_
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
     policy.save_adapter(peft, None, 0, tmp_path / "adapter")
-    key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 2, 0, 0)
+    key = EngineKey("hf", str(tiny_model_dir), "float32", 2, 0, 0)
     example = Example(question="hello", answer="", prompt="Say something.")
     prompt_ids = [1, 17, 29, 41]
-    request = engines.sampling_request(config.sampling, prompt_ids, seed=3)
+    request = sampling_request(config.sampling, prompt_ids, seed=3)
     played = asyncio.run(
-        engines.play_episodes(
-            key, str(tmp_path / "adapter"), config.episode.env, example, prompt_ids, request, config.episode, config.prompt
-        )
+        play_episodes(key, str(tmp_path / "adapter"), config.episode.env, example, prompt_ids, request, config.episode, config.prompt)
     )
     assert any(r.num_model_tokens < len(r.completion_ids) for r in played)  # replies were spliced in
     group = RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=prompt_ids, rollouts=played, generate_s=0.0)
@@ -632,7 +634,8 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
     and sampling log-probs (in float64; lower precisions round differently with the shape of the
     computation, as they do with a row's batch mates), and later turns compute only their new tokens."""
 
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.hf_generator import PREFIX_CACHE_BYTES, HFGenerator
+    from grpo_flyte.engine.interface import SamplingRequest
     from grpo_flyte.learning import policy
 
     monkeypatch.syspath_prepend(str(SUPPORT))
@@ -644,7 +647,7 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
     from chatty_env import Chatty
 
     def play(cache_bytes: int) -> tuple[list[Rollout], int]:
-        engine = engines.HFGenerator(str(tiny_model_dir), "float32", 2, prefix_cache_bytes=cache_bytes)
+        engine = HFGenerator(str(tiny_model_dir), "float32", 2, prefix_cache_bytes=cache_bytes)
         engine.base.double()
         fed = []
         forward = engine.base.forward
@@ -654,8 +657,8 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
 
         def episode(row: int):
             async def sample_turn(context, max_new_tokens, turn):
-                request = engines.SamplingRequest(prompt_ids=context, group_size=1, temperature=0.8, top_p=1.0, max_new_tokens=max_new_tokens,
-                                                  seed=turn_seed(3, row, turn), stop=Chatty.stop, continues=True)  # fmt: skip
+                request = SamplingRequest(prompt_ids=context, group_size=1, temperature=0.8, top_p=1.0, max_new_tokens=max_new_tokens,
+                                        seed=turn_seed(3, row, turn), stop=Chatty.stop, continues=True)  # fmt: skip
                 [[rollout]] = engine.generate_many([request], str(tmp_path / "adapter"))
                 return rollout
 
@@ -664,7 +667,7 @@ def test_an_hf_episode_reusing_its_cache_is_the_episode_computed_from_scratch(ti
 
         return [episode(row) for row in range(2)], sum(fed)
 
-    reused, fed_reused = play(engines.PREFIX_CACHE_BYTES)
+    reused, fed_reused = play(PREFIX_CACHE_BYTES)
     scratch, fed_scratch = play(0)
     assert all(len(r.episode.turns) > 2 for r in reused)  # the cache had a later turn to serve
     for a, b in zip(reused, scratch, strict=True):

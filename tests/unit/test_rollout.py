@@ -8,7 +8,10 @@ import flyte
 from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.cache import EngineCache, EngineKey
+from grpo_flyte.engine.hf_generator import HFGenerator
+from grpo_flyte.engine.interface import sampling_request
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.learning.policy import peft_model, reset_lora, save_adapter
 from grpo_flyte.rollout import generate
@@ -33,13 +36,13 @@ def test_eight_concurrent_generate_calls_decode_in_one_engine_batch(tiny_model_d
     """In local mode, through Flyte's task machinery and the real transformers engine (tiny model),
     the 8 generate calls of an iteration are one `generate_many` call of 8 groups."""
     batches: list[list[int]] = []
-    original = engines.HFGenerator.generate_many
+    original = HFGenerator.generate_many
 
     def spy(self, requests, adapter_path):
         batches.append([r.seed for r in requests])
         return original(self, requests, adapter_path)
 
-    monkeypatch.setattr(engines.HFGenerator, "generate_many", spy)
+    monkeypatch.setattr(HFGenerator, "generate_many", spy)
     config = RunConfig(group_size=3, max_new_tokens=4, backend="hf")
     questions = [f"What is {i} + {i}?" for i in range(8)]
     run = flyte.with_runcontext(mode="local").run(
@@ -54,7 +57,7 @@ def test_eight_concurrent_generate_calls_decode_in_one_engine_batch(tiny_model_d
 def test_a_group_does_not_depend_on_its_batch_mates(tiny_model_dir, tmp_path):
     """The same group (prompt, seed) decoded alone and in a batch of others gives the same tokens:
     each row samples from its own stream (float32, so padding cannot flip a near-tie)."""
-    key = engines.EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
+    key = EngineKey("hf", str(tiny_model_dir), "float32", 4, 0, 0)
     config = RunConfig(group_size=3, max_new_tokens=6, dtype="float32")
 
     def build_adapter() -> None:
@@ -65,9 +68,9 @@ def test_a_group_does_not_depend_on_its_batch_mates(tiny_model_dir, tmp_path):
     on_torch_thread(build_adapter)
 
     async def decode(examples: list[Example]):
-        prompts = await engines.tokenize(key, examples, config.prompt)
-        requests = [engines.sampling_request(config.sampling, ids, seed=7 + i) for i, ids in enumerate(prompts)]
-        return await engines.generate_groups(key, str(tmp_path / "v0"), requests)
+        prompts = await cache.tokenize(key, examples, config.prompt)
+        requests = [sampling_request(config.sampling, ids, seed=7 + i) for i, ids in enumerate(prompts)]
+        return await batching.generate_groups(key, str(tmp_path / "v0"), requests)
 
     target = Example(question="What is 2 + 3?", answer="5")
     others = [Example(question=f"Please compute {i} * {i} and explain every step in detail.", answer="1") for i in range(3)]
@@ -89,7 +92,7 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
     assert best_device() == "cpu"  # this machine: no GPU, none required
     monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
     # a fresh pod: no engine and no base model loaded yet (earlier tests left theirs in this process)
-    monkeypatch.setattr(engines, "_engines", engines.EngineCache(1))
+    monkeypatch.setattr(cache, "_engines", EngineCache(1))
     policy._peft_model.cache_clear()
     with pytest.raises(
         DeviceError, match=r"CUDA is not usable: torch .*; the image's CUDA 13 needs NVIDIA driver >= 580 \(this node's driver: "

@@ -154,7 +154,7 @@ def member_name(overrides: dict[str, Any], short_paths: bool = True) -> str:
 
 def _may_use_vllm(config: RunConfig, local: bool) -> bool:
     """Whether the generate engines may be vLLM's: named, or 'auto' on a cluster's GPUs or on
-    this machine where it would pick vLLM (engines.resolve_backend: vLLM installed and a GPU)."""
+    this machine where it would pick vLLM (engine.cache.resolve_backend: vLLM installed and a GPU)."""
     backend = config.engine.backend
     if backend != "auto":
         return backend == "vllm"

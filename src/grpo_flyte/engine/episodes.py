@@ -1,10 +1,12 @@
-"""Playing a multi-turn episode: the loop that splices the environment's replies into the model's
-token sequence, its budgets, and the environment steps run off the event loop.
+"""Playing multi-turn episodes: the loop that splices the environment's replies into the model's
+token sequence, its budgets, and a group's episodes played at once.
 
 The trainer gets exactly the ids built here: the model's sampled tokens (with their sampling
 log-probs) and the environment's tokens, which a mask keeps out of the loss. The text is never
-re-rendered. Pure Python (the tokenizer is passed in, the model is behind `sample_turn`); the rollout
-task runs the loop next to its engine, `grpo_flyte.engine.engines` batches the turns of concurrent episodes.
+re-rendered. The loop is pure Python (the tokenizer is passed in, the model is behind
+`sample_turn`) and runs the environment's steps off the event loop; `play_episodes` runs a group's
+episodes next to the replica's engine, every model turn through the replica's batcher
+(`grpo_flyte.engine.batching`), so the turns of concurrent episodes decode together.
 What an environment is, and the built-in ones: `grpo_flyte.multiturn`.
 """
 
@@ -17,8 +19,16 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from grpo_flyte import multiturn
+from grpo_flyte.config.generation import EpisodeConfig, PromptConfig
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.cache import EngineKey
+from grpo_flyte.engine.interface import SamplingRequest
+from grpo_flyte.engine.prompts import is_chat
+from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.errors import EpisodeError, quoted
 from grpo_flyte.multiturn import Reply
+from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Episode, EpisodeTurn, Example, Rollout
 
 # --------------------------------------------------------------------------- splicing replies
@@ -246,3 +256,50 @@ def new_environment(cls: type, example: Example):
             f"{type(exc).__name__}: {exc}"
         ) from None
     return env
+
+
+# --------------------------------------------------------------------------- a group's episodes
+
+
+async def play_episodes(
+    key: EngineKey,
+    adapter_path: str,
+    env: str,
+    example: Example,
+    prompt_ids: list[int],
+    request: SamplingRequest,
+    episode: EpisodeConfig,
+    prompt: PromptConfig,
+) -> list[Rollout]:
+    """`request.group_size` episodes of environment `env` from one prompt, played concurrently.
+
+    Every model turn of every episode goes through the replica's batcher on its own, so the turns
+    of episodes that are not waiting on their environment decode together, with other groups'.
+    Each turn is sampled with its own seed (`sampling.sub_seed`): an episode does not depend on
+    which others it was batched with. A turn continues its episode's context: the transformers
+    engine keeps the turn's cache, so the next turn computes only the environment's reply.
+    """
+    cls = multiturn.load_environment(env)
+    engine = await run_on_torch_thread(cache.get_engine, key)
+    splicer = Splicer(engine.tokenizer, is_chat(example, prompt), prompt.enable_thinking)
+    budgets = Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
+    stop = multiturn.stop_strings(cls)
+
+    async def play(row: int) -> Rollout:
+        async def sample_turn(context: list[int], max_new_tokens: int, turn: int) -> Rollout:
+            one = request.model_copy(
+                update={
+                    "prompt_ids": context,
+                    "group_size": 1,
+                    "max_new_tokens": max_new_tokens,
+                    "seed": sub_seed(request.seed, row, turn),
+                    "stop": stop,
+                    "continues": True,
+                }
+            )
+            [[rollout]] = await batching.generate_groups(key, adapter_path, [one])
+            return rollout
+
+        return await run_episode(new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
+
+    return await batching.all_or_none([play(row) for row in range(request.group_size)])

@@ -59,7 +59,7 @@ def resolve_remote_model(model: str, field: str = "model"):
 def check_submission(config: RunConfig) -> None:
     """What only a cluster run needs, checked before anything is submitted: the W&B key as a
     Flyte secret, a LoRA rank vLLM serves, and custom rewards and environments the pods can import."""
-    from grpo_flyte.engine.engines import VLLM_LORA_RANKS
+    from grpo_flyte.engine.vllm_generator import VLLM_LORA_RANKS
     from grpo_flyte.envs import from_source_checkout, settings, train_problem, train_world_size
 
     if train_problem is not None:

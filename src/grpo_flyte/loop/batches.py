@@ -18,7 +18,7 @@ from flyte.io import Dir
 from grpo_flyte.config.generation import EngineConfig
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts
-from grpo_flyte.engine.decoding import sub_seed
+from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.judge import judge_group
 from grpo_flyte.loop.metrics import informative_group
 from grpo_flyte.reward import score_group

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from grpo_flyte.engine.decoding import PrefixCache, Sampling, choose_tokens, decode, kv_bytes, row_stream
+from grpo_flyte.engine.decode_loop import DecodeCall, decode
+from grpo_flyte.engine.prefix_cache import PrefixCache, kv_bytes
+from grpo_flyte.engine.sampling import Sampling, choose_tokens, row_stream
 
 P = [0.1, 0.2, 0.7]
 
@@ -99,7 +101,7 @@ NO_EOS = {49151}  # a real id the random model is vanishingly unlikely to pick: 
 def run(model, prompts, sampling, eos=NO_EOS, seeds=None, prefixes=None, continued=frozenset()):
     seeds = seeds or [(5, row) for row in range(len(prompts))]
     with torch.inference_mode():
-        return decode(model, prompts, seeds, sampling, eos, pad_id=0, prefixes=prefixes, continued=continued)
+        return decode(model, prompts, DecodeCall(seeds, sampling, eos, pad_id=0, prefixes=prefixes, continued=continued))
 
 
 def fed_tokens(model, monkeypatch) -> list[int]:
@@ -228,6 +230,28 @@ def test_the_prefix_cache_is_bounded_and_holds_one_adapters_contexts():
     assert not cache.entries and cache.num_bytes == 0
 
 
+def test_a_decode_calls_rows_keep_their_own_seeds_matchers_adapters_and_continuations():
+    """The engine decodes its rows in parts (within the key/value bound): each part's call holds
+    those rows' own settings, renumbered, and everything the batch shares."""
+    prefixes = PrefixCache(2**20)
+    call = DecodeCall(
+        seeds=[(1, 0), (1, 1), (2, 0), (3, 0)],
+        sampling=Sampling(1.0, 1.0, 4),
+        eos_ids={2},
+        pad_id=0,
+        prefixes=prefixes,
+        continued=frozenset({1, 3}),
+        matchers=["m0", None, "m2", "m3"],
+        adapter_names=["a", "b", "a", "c"],
+    )
+    part = call.rows([3, 0, 1])
+    assert part.seeds == [(3, 0), (1, 0), (1, 1)] and part.continued == frozenset({0, 2})
+    assert part.matchers == ["m3", "m0", None] and part.adapter_names == ["c", "a", "b"]
+    assert (part.sampling, part.eos_ids, part.pad_id, part.prefixes) == (call.sampling, {2}, 0, prefixes)
+    bare = DecodeCall(seeds=[(1, 0), (1, 1)], sampling=Sampling(1.0, 1.0, 4), eos_ids={2}, pad_id=0).rows([1])
+    assert bare.seeds == [(1, 1)] and bare.matchers is None and bare.adapter_names is None and bare.continued == frozenset()
+
+
 # The attention the generator decodes with (attention.attention_for) changes the work, not the rows.
 
 
@@ -297,13 +321,13 @@ def _grouped(tiny_model_dir):
 def test_a_long_context_is_prefilled_in_chunks_with_the_rows_of_one_pass(tiny_model_dir, monkeypatch):
     """A prefill's activations and mask are a chunk's, whatever the context's length; the rows
     are those of one pass."""
-    from grpo_flyte.engine import decoding
+    from grpo_flyte.engine import prefix_cache
 
     model = _grouped(tiny_model_dir)
     sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=5)
     context = [1 + (7 * i) % 500 for i in range(200)]
     one_pass = run(model, [context, context[:150]], sampling, prefixes=PrefixCache(0))
-    monkeypatch.setattr(decoding, "PREFILL_CHUNK_TOKENS", 16)
+    monkeypatch.setattr(prefix_cache, "PREFILL_CHUNK_TOKENS", 16)
     fed = fed_tokens(model, monkeypatch)
     chunked = run(model, [context, context[:150]], sampling, prefixes=PrefixCache(0))
     assert same_rows(chunked, one_pass)
@@ -317,7 +341,7 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
     GROUPED_SCORES_LIMIT a row, and every mask torch's fused kernel is given is at most a prefill
     chunk's queries by the context's keys; the one-pass prefill's would be 4 x 2,400 x 2,400 (a
     7,000-token reply on the embedded model: 9 x 7,000 x 7,000 a layer, ~3.5 GB with its float32 softmax)."""
-    from grpo_flyte.engine import decoding
+    from grpo_flyte.engine import prefix_cache
     from grpo_flyte.models import attention
 
     model = _grouped(tiny_model_dir)
@@ -338,7 +362,7 @@ def test_no_attention_call_of_a_long_prefill_holds_a_context_by_context_matrix(t
     rows = run(model, [context, context], Sampling(temperature=1.0, top_p=1.0, max_new_tokens=3), prefixes=PrefixCache(2**30))
     assert [len(ids) for ids, _ in rows] == [3, 3]
     assert scores and max(scores) <= attention.GROUPED_SCORES_LIMIT
-    assert masks and max(masks) <= decoding.PREFILL_CHUNK_TOKENS * len(context)
+    assert masks and max(masks) <= prefix_cache.PREFILL_CHUNK_TOKENS * len(context)
 
 
 def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
@@ -355,21 +379,21 @@ def test_grouped_and_fused_attention_decode_the_same_rows(tiny_model_dir):
     fused, grouped = models.values()
     assert grouped.config._attn_implementation != fused.config._attn_implementation
     today = run(fused, group, sampling)  # the fused kernel, left padding through the model
-    assert same_rows(run(grouped, group, sampling, prefixes=PrefixCache(2**20)), today)  # as engines.HFGenerator decodes on a CPU
+    assert same_rows(run(grouped, group, sampling, prefixes=PrefixCache(2**20)), today)  # as HFGenerator decodes on a CPU
     # Why it needs the one-context-at-a-time prefill: padding through it poisons the batch.
     padded = run(grouped, group, sampling)
     assert any(math.isnan(lp) for _, lps in padded for lp in lps)
 
 
 def test_the_generator_decodes_on_a_cpu_with_grouped_attention(tiny_model_dir):
-    from grpo_flyte.engine import engines
+    from grpo_flyte.engine.hf_generator import HFGenerator
     from grpo_flyte.models import attention
     from grpo_flyte.models.attention import GROUPED_ATTENTION
 
     assert attention.attention_for("cpu", plain=True) == GROUPED_ATTENTION
     assert attention.attention_for("cuda", plain=True) == attention.attention_for("cpu", plain=False) == "sdpa"
     for dtype in ("bfloat16", "float32"):
-        engine = engines.HFGenerator(str(tiny_model_dir), dtype, 1)
+        engine = HFGenerator(str(tiny_model_dir), dtype, 1)
         assert engine.base.config._attn_implementation == GROUPED_ATTENTION and str(engine.base.dtype) == f"torch.{dtype}"
 
 
@@ -379,7 +403,7 @@ def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
     ends there, and a row without a matcher in the same batch samples as it would alone."""
     import re
 
-    from grpo_flyte.engine.decoding import grammar_tokenizer, regex_matcher
+    from grpo_flyte.engine.grammar import grammar_tokenizer, regex_matcher
     from grpo_flyte.scoring.judging import parse_scores, scores_regex
 
     model, tokenizer = tiny
@@ -390,15 +414,8 @@ def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
         free = run(model, PROMPTS, sampling, eos=eos)
         with torch.inference_mode():
             seeds = [(5, row) for row in range(len(PROMPTS))]
-            held = decode(
-                model,
-                PROMPTS,
-                seeds,
-                sampling,
-                eos,
-                pad_id=0,
-                matchers=[regex_matcher(grammar, regex), None, regex_matcher(grammar, regex)],
-            )
+            matchers = [regex_matcher(grammar, regex), None, regex_matcher(grammar, regex)]
+            held = decode(model, PROMPTS, DecodeCall(seeds, sampling, eos, pad_id=0, matchers=matchers))
         for ids, _ in (held[0], held[2]):
             assert ids[-1] in eos, tokenizer.decode(ids)  # the match, then the end of sequence (nothing else was allowed)
             text = tokenizer.decode(ids[:-1])
@@ -408,7 +425,7 @@ def test_a_row_held_to_a_regex_writes_only_what_matches_it(tiny):
 
 
 def test_a_regex_the_matcher_cannot_use_is_a_clear_error(tiny):
-    from grpo_flyte.engine.decoding import grammar_tokenizer, regex_matcher
+    from grpo_flyte.engine.grammar import grammar_tokenizer, regex_matcher
 
     model, tokenizer = tiny
     grammar = grammar_tokenizer(tokenizer, model.get_output_embeddings().weight.shape[0], {tokenizer.eos_token_id})

@@ -1,5 +1,6 @@
-"""grpo_flyte.engine.engines: EOS cutting, vLLM output conversion, backend choice, the engine cache, and the
-replica batcher (flyte.extras.DynamicBatcher) in front of the engine."""
+"""grpo_flyte.engine's generators, engine cache and batching: EOS cutting, vLLM output conversion,
+backend choice, the engine cache, and the replica batcher (flyte.extras.DynamicBatcher) in front of
+the engine."""
 
 from __future__ import annotations
 
@@ -12,17 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from grpo_flyte.engine import engines
-from grpo_flyte.engine.engines import (
-    EngineCache,
-    EngineKey,
-    SamplingRequest,
-    cut_at_eos,
-    resolve_backend,
-    vllm_completion_to_rollout,
-    vllm_max_lora_rank,
-)
+from grpo_flyte.config.constants import MAX_BASES
+from grpo_flyte.engine import batching, cache, hf_generator, vllm_generator
+from grpo_flyte.engine.cache import EngineCache, EngineKey, resolve_backend
+from grpo_flyte.engine.hf_generator import cut_at_eos
+from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.engine.vllm_generator import vllm_completion_to_rollout, vllm_max_lora_rank
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, Rollout
@@ -187,7 +184,7 @@ def fake_vllm(monkeypatch):
 
 
 def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
-    from grpo_flyte.engine.engines import VLLMGenerator
+    from grpo_flyte.engine.vllm_generator import VLLMGenerator
 
     gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
     llm = fake_vllm.instances[0]
@@ -218,7 +215,7 @@ def test_a_mixed_vllm_batch_gives_each_prompt_its_adapter_and_evicts_none_of_its
     """A sweep's configs on vLLM: one `LLM.generate`, each prompt with its adapter's LoRARequest,
     up to `adapter_cache_size` adapters computed in one step (`max_loras`); making room for a
     batch's new adapter evicts the least recently used adapter the batch does not use."""
-    from grpo_flyte.engine.engines import VLLMGenerator
+    from grpo_flyte.engine.vllm_generator import VLLMGenerator
 
     gen = VLLMGenerator("/m", "bfloat16", max_adapters=2, max_lora_rank=16, max_model_len=640)
     llm = fake_vllm.instances[0]
@@ -242,7 +239,12 @@ def test_a_mixed_vllm_batch_gives_each_prompt_its_adapter_and_evicts_none_of_its
 
 
 def test_vllm_lora_slots_follow_the_adapter_cache_within_a_bound():
-    assert [engines.vllm_lora_slots(n) for n in (1, 2, 4, engines.VLLM_MAX_LORA_SLOTS, 64)] == [1, 2, 4, *[engines.VLLM_MAX_LORA_SLOTS] * 2]
+    assert [vllm_generator.vllm_lora_slots(n) for n in (1, 2, 4, vllm_generator.VLLM_MAX_LORA_SLOTS, 64)] == [
+        1,
+        2,
+        4,
+        *[vllm_generator.VLLM_MAX_LORA_SLOTS] * 2,
+    ]
 
 
 def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vllm, monkeypatch):
@@ -252,12 +254,12 @@ def test_the_judges_vllm_engine_serves_no_adapter_and_constrains_replies(fake_vl
     sampling_params = types.ModuleType("vllm.sampling_params")
     sampling_params.StructuredOutputsParams = lambda **kw: SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_params)
-    from grpo_flyte.engine.engines import VLLMGenerator
+    from grpo_flyte.engine.vllm_generator import VLLMGenerator
 
-    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
-    key = engines.judge_engine_key("/judge", "bfloat16", "vllm", max_model_len=4096)
+    monkeypatch.setattr(cache, "resolve_backend", lambda backend: backend)
+    key = cache.judge_engine_key("/judge", "bfloat16", "vllm", max_model_len=4096)
     assert (key.slot, key.max_lora_rank, key.max_model_len) == ("judge", 0, 4096)
-    assert engines.judge_engine_key("/judge", "bfloat16", "hf", max_model_len=4096).slot == "judge"
+    assert cache.judge_engine_key("/judge", "bfloat16", "hf", max_model_len=4096).slot == "judge"
     gen = VLLMGenerator("/judge", "bfloat16", max_adapters=0, max_lora_rank=0, max_model_len=4096)
     llm = fake_vllm.instances[0]
     assert "enable_lora" not in llm.kwargs and "max_lora_rank" not in llm.kwargs
@@ -273,13 +275,13 @@ def test_the_judge_has_its_own_engine_cache(monkeypatch):
     """A local run holds the policy's engines and the judge's at once: the policy's bases, as many
     as a sweep may have, never evict the judge's engine, nor it theirs."""
     built = []
-    monkeypatch.setattr(engines.EngineKey, "build", lambda self: built.append(self) or SimpleNamespace(close=lambda: None))
-    policies = [engines.EngineKey("hf", f"/policy-{i}", "float32", 4, 0, 0) for i in range(engines.MAX_BASES)]
-    judge = engines.EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
-    monkeypatch.setattr(engines, "_engines", engines.EngineCache(engines.MAX_BASES))
-    monkeypatch.setattr(engines, "_judge_engines", engines.EngineCache(1))
+    monkeypatch.setattr(EngineKey, "build", lambda self: built.append(self) or SimpleNamespace(close=lambda: None))
+    policies = [EngineKey("hf", f"/policy-{i}", "float32", 4, 0, 0) for i in range(MAX_BASES)]
+    judge = EngineKey("hf", "/judge", "float32", 0, 0, 0, slot="judge")
+    monkeypatch.setattr(cache, "_engines", EngineCache(MAX_BASES))
+    monkeypatch.setattr(cache, "_judge_engines", EngineCache(1))
     for key in (*policies, judge, *policies, judge):
-        engines.get_engine(key)
+        cache.get_engine(key)
     assert built == [*policies, judge]
 
 
@@ -298,18 +300,18 @@ def test_vllm_max_lora_rank_above_vllms_largest_names_the_field():
 
 def test_engine_key_reads_the_rank_from_the_adapter(tmp_path, monkeypatch):
     (tmp_path / "adapter_config.json").write_text('{"r": 24, "lora_alpha": 48}')
-    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
-    vllm = engines.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
+    monkeypatch.setattr(cache, "resolve_backend", lambda backend: backend)
+    vllm = cache.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
     assert (vllm.backend, vllm.max_lora_rank, vllm.max_model_len) == ("vllm", 32, 576)
     # the HF engine does not depend on the rank or the length: one engine serves every adapter
-    hf = engines.engine_key("/m", "bfloat16", "hf", 4, str(tmp_path), max_model_len=576)
-    assert hf == engines.engine_key("/m", "bfloat16", "hf", 4, "/elsewhere", max_model_len=1024)
+    hf = cache.engine_key("/m", "bfloat16", "hf", 4, str(tmp_path), max_model_len=576)
+    assert hf == cache.engine_key("/m", "bfloat16", "hf", 4, "/elsewhere", max_model_len=1024)
 
 
 def test_engine_key_without_adapter_config_is_an_adapter_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(engines, "resolve_backend", lambda backend: backend)
+    monkeypatch.setattr(cache, "resolve_backend", lambda backend: backend)
     with pytest.raises(AdapterError, match=str(tmp_path)):
-        engines.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
+        cache.engine_key("/m", "bfloat16", "vllm", 4, str(tmp_path), max_model_len=576)
 
 
 # --------------------------------------------------------------------------- the engine slot
@@ -408,12 +410,12 @@ def test_concurrent_groups_decode_in_one_engine_batch_in_seed_order(monkeypatch)
     cores) land in one engine batch through the DynamicBatcher, ordered by seed whatever order they
     arrived in, and each caller gets its own group back."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
     seeds = [50, 10, 40, 30, 20, 70, 60, 80, 90, 15, 25, 35]
 
     async def run_all():
-        groups = await asyncio.gather(*[engines.generate_groups(KEY, "/adapters/v1", [_request(s)]) for s in seeds])
-        return groups, (await engines.replica_batcher()).stats
+        groups = await asyncio.gather(*[batching.generate_groups(KEY, "/adapters/v1", [_request(s)]) for s in seeds])
+        return groups, (await batching.replica_batcher()).stats
 
     groups, stats = asyncio.run(run_all())
     assert engine.batches == [sorted(seeds)]
@@ -427,13 +429,13 @@ def test_groups_that_arrive_while_the_torch_thread_works_join_one_engine_batch(m
     steps, one after another): groups that arrive meanwhile, further apart than the batcher's
     window, are decoded in one engine batch, not one each."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
 
     async def run_all():
         busy = asyncio.ensure_future(run_on_torch_thread(time.sleep, 2.0))
-        first = asyncio.ensure_future(engines.generate_groups(KEY, "/adapters/a", [_request(1)]))
-        await asyncio.sleep(6 * engines.BATCH_WINDOW_S)
-        await asyncio.gather(busy, first, engines.generate_groups(KEY, "/adapters/b", [_request(2)]))
+        first = asyncio.ensure_future(batching.generate_groups(KEY, "/adapters/a", [_request(1)]))
+        await asyncio.sleep(6 * batching.BATCH_WINDOW_S)
+        await asyncio.gather(busy, first, batching.generate_groups(KEY, "/adapters/b", [_request(2)]))
 
     asyncio.run(run_all())
     assert engine.batches == [[1, 2]]
@@ -443,18 +445,18 @@ def test_groups_with_other_settings_get_their_own_engine_batch_and_other_adapter
     """Other adapters (a sweep's configs) share a transformers engine batch, as many as the engine
     holds at once (KEY: 4); a multi-turn context or a regex keeps a group to its adapter's batch."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
 
     async def run_all():
         return await asyncio.gather(
-            engines.generate_groups(KEY, "/adapters/v1", [_request(1)]),
-            engines.generate_groups(KEY, "/adapters/v1", [_request(2)]),
-            engines.generate_groups(KEY, "/adapters/v2", [_request(3)]),
-            *[engines.generate_groups(KEY, f"/adapters/other{i}", [_request(10 + i)]) for i in range(4)],
-            engines.generate_groups(KEY, "/adapters/v1", [_request(4, temperature=1.0)]),
-            engines.generate_groups(KEY, "/adapters/v1", [_request(5, group_size=1, greedy=True)]),
-            engines.generate_groups(KEY, "/adapters/v3", [_request(6, continues=True)]),
-            engines.generate_groups(KEY, "/adapters/v4", [_request(7, regex="[0-9]+")]),
+            batching.generate_groups(KEY, "/adapters/v1", [_request(1)]),
+            batching.generate_groups(KEY, "/adapters/v1", [_request(2)]),
+            batching.generate_groups(KEY, "/adapters/v2", [_request(3)]),
+            *[batching.generate_groups(KEY, f"/adapters/other{i}", [_request(10 + i)]) for i in range(4)],
+            batching.generate_groups(KEY, "/adapters/v1", [_request(4, temperature=1.0)]),
+            batching.generate_groups(KEY, "/adapters/v1", [_request(5, group_size=1, greedy=True)]),
+            batching.generate_groups(KEY, "/adapters/v3", [_request(6, continues=True)]),
+            batching.generate_groups(KEY, "/adapters/v4", [_request(7, regex="[0-9]+")]),
         )
 
     asyncio.run(run_all())
@@ -466,11 +468,11 @@ def test_on_a_gpu_the_transformers_engine_decodes_one_adapter_a_batch(monkeypatc
     """PEFT's mixed adapter batches cost more than they save on a GPU (device_check on an H200):
     there the sweep's groups share the engine but each engine batch holds one adapter."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
-    monkeypatch.setattr(engines, "best_device", lambda: "cuda")
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
+    monkeypatch.setattr(batching, "best_device", lambda: "cuda")
 
     async def run_all():
-        return await asyncio.gather(*[engines.generate_groups(KEY, f"/adapters/v{s % 2}", [_request(s)]) for s in (1, 2, 3, 4)])
+        return await asyncio.gather(*[batching.generate_groups(KEY, f"/adapters/v{s % 2}", [_request(s)]) for s in (1, 2, 3, 4)])
 
     asyncio.run(run_all())
     assert sorted(engine.batches) == [[1, 3], [2, 4]]
@@ -481,17 +483,17 @@ def test_on_vllm_every_adapters_groups_share_a_batch_regexes_and_multi_turn_cont
     batch (as many adapters as the engine keeps, VKEY: 2), multi-turn turns and regex-held
     requests included; other sampling settings and the base model (no adapter) batch apart."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
     vkey = EngineKey("vllm", "/m", "bfloat16", 2, 8, 640)
 
     async def run_all():
         return await asyncio.gather(
-            engines.generate_groups(vkey, "/adapters/v1", [_request(1)]),
-            engines.generate_groups(vkey, "/adapters/v2", [_request(2, continues=True)]),
-            engines.generate_groups(vkey, "/adapters/v1", [_request(3, regex="[0-9]+")]),
-            engines.generate_groups(vkey, "/adapters/v3", [_request(4)]),
-            engines.generate_groups(vkey, "/adapters/v1", [_request(5, temperature=1.0)]),
-            engines.generate_groups(vkey, None, [_request(6)]),
+            batching.generate_groups(vkey, "/adapters/v1", [_request(1)]),
+            batching.generate_groups(vkey, "/adapters/v2", [_request(2, continues=True)]),
+            batching.generate_groups(vkey, "/adapters/v1", [_request(3, regex="[0-9]+")]),
+            batching.generate_groups(vkey, "/adapters/v3", [_request(4)]),
+            batching.generate_groups(vkey, "/adapters/v1", [_request(5, temperature=1.0)]),
+            batching.generate_groups(vkey, None, [_request(6)]),
         )
 
     asyncio.run(run_all())
@@ -505,13 +507,13 @@ def test_on_vllm_every_adapters_groups_share_a_batch_regexes_and_multi_turn_cont
 
 def test_an_engine_failure_reaches_every_group_of_its_batch_and_no_other(monkeypatch):
     engine = FakeEngine(fail_on_adapter="/adapters/bad")
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
 
     async def run_all():
         return await asyncio.gather(
-            engines.generate_groups(KEY, "/adapters/bad", [_request(1)]),
-            engines.generate_groups(KEY, "/adapters/bad", [_request(2)]),
-            engines.generate_groups(KEY, "/adapters/good", [_request(3)]),
+            batching.generate_groups(KEY, "/adapters/bad", [_request(1)]),
+            batching.generate_groups(KEY, "/adapters/bad", [_request(2)]),
+            batching.generate_groups(KEY, "/adapters/good", [_request(3)]),
             return_exceptions=True,
         )
 
@@ -533,16 +535,16 @@ def _adapter(folder, weights: bytes) -> str:
 
 def test_identical_calls_merge_the_same_request_on_adapters_of_the_same_content():
     calls = [
-        engines.EngineCall(KEY, "/run1/v0", _request(1)),
-        engines.EngineCall(KEY, "/run0/v0", _request(1)),  # the same content and request: decoded once, under the least path
-        engines.EngineCall(KEY, "/run2/v0", _request(1)),  # other content
-        engines.EngineCall(KEY, "/run1/v0", _request(2)),  # another seed
-        engines.EngineCall(KEY, "/run1/v0", _request(1, continues=True)),  # multi-turn contexts stay apart
-        engines.EngineCall(KEY, "/run0/v0", _request(1, continues=True)),
-        engines.EngineCall(KEY, None, _request(1, regex="[0-9]+")),  # the judge's (no adapter): the same regex merges
-        engines.EngineCall(KEY, None, _request(1, regex="[0-9]+")),
+        batching.EngineCall(KEY, "/run1/v0", _request(1)),
+        batching.EngineCall(KEY, "/run0/v0", _request(1)),  # the same content and request: decoded once, under the least path
+        batching.EngineCall(KEY, "/run2/v0", _request(1)),  # other content
+        batching.EngineCall(KEY, "/run1/v0", _request(2)),  # another seed
+        batching.EngineCall(KEY, "/run1/v0", _request(1, continues=True)),  # multi-turn contexts stay apart
+        batching.EngineCall(KEY, "/run0/v0", _request(1, continues=True)),
+        batching.EngineCall(KEY, None, _request(1, regex="[0-9]+")),  # the judge's (no adapter): the same regex merges
+        batching.EngineCall(KEY, None, _request(1, regex="[0-9]+")),
     ]
-    decoded, owners = engines.identical_calls(calls, ["A", "A", "B", "A", "A", "A", None, None])
+    decoded, owners = batching.identical_calls(calls, ["A", "A", "B", "A", "A", "A", None, None])
     assert owners == [0, 0, 1, 2, 3, 4, 5, 5]
     assert [(c.adapter_path, c.request) for c in decoded] == [
         ("/run0/v0", calls[0].request),
@@ -559,15 +561,15 @@ def test_identical_groups_on_identical_adapters_decode_once_and_each_caller_gets
     paths, the same prompts and seeds. Their groups decode once, on one adapter; another content
     or another seed is decoded apart, and a folder replaced at the same path is read again."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
     a, b, c = (_adapter(tmp_path / name, w) for name, w in (("a", b"w0"), ("b", b"w0"), ("c", b"w1")))
 
     async def run_all():
         return await asyncio.gather(
-            engines.generate_groups(KEY, b, [_request(1)]),
-            engines.generate_groups(KEY, a, [_request(1)]),
-            engines.generate_groups(KEY, c, [_request(1)]),
-            engines.generate_groups(KEY, b, [_request(2)]),
+            batching.generate_groups(KEY, b, [_request(1)]),
+            batching.generate_groups(KEY, a, [_request(1)]),
+            batching.generate_groups(KEY, c, [_request(1)]),
+            batching.generate_groups(KEY, b, [_request(2)]),
         )
 
     on_b, on_a, on_c, seed2 = asyncio.run(run_all())
@@ -596,12 +598,12 @@ def test_a_damaged_adapter_fails_only_its_callers_when_others_are_merged(tmp_pat
     good0, good1 = _adapter(tmp_path / "good0", b"w0"), _adapter(tmp_path / "good1", b"w0")
     bad = _adapter(tmp_path / "bad", b"truncated")
     engine = FakeEngine(fail_on_adapter=bad)
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
 
     async def run_all():
         return await asyncio.gather(
-            *[engines.generate_groups(KEY, path, [_request(1)]) for path in (good0, bad, good1)],
-            engines.generate_groups(KEY, str(tmp_path / "missing"), [_request(1)]),
+            *[batching.generate_groups(KEY, path, [_request(1)]) for path in (good0, bad, good1)],
+            batching.generate_groups(KEY, str(tmp_path / "missing"), [_request(1)]),
             return_exceptions=True,
         )
 
@@ -616,9 +618,9 @@ def test_a_damaged_adapter_fails_only_its_callers_when_others_are_merged(tmp_pat
 def test_the_batcher_survives_a_new_event_loop(monkeypatch):
     """Each asyncio.run is a new loop: the batcher started in the first is replaced, not reused."""
     engine = FakeEngine()
-    monkeypatch.setattr(engines, "get_engine", lambda key: engine)
+    monkeypatch.setattr(cache, "get_engine", lambda key: engine)
     for seed in (1, 2):
-        assert asyncio.run(engines.generate_groups(KEY, "/a", [_request(seed)]))[0][0].completion_ids == [seed]
+        assert asyncio.run(batching.generate_groups(KEY, "/a", [_request(seed)]))[0][0].completion_ids == [seed]
     assert engine.batches == [[1], [2]]
 
 
@@ -650,9 +652,9 @@ def test_rows_past_the_cache_bound_decode_in_batches_within_it_with_the_same_rol
     """The key/value cache a decode batch holds is bounded (64 episodes of long contexts would
     not fit): rows past it decode in further batches of similar lengths, each within the bound,
     and every row is what one batch gives (float64; a row does not depend on its batch mates)."""
-    from grpo_flyte.engine import decoding
+    from grpo_flyte.engine import decode_loop, prefix_cache
 
-    gen = engines.HFGenerator(str(tiny_model_dir), "float32", 1)
+    gen = hf_generator.HFGenerator(str(tiny_model_dir), "float32", 1)
     gen.base.double()
     requests = [
         SamplingRequest(prompt_ids=[1 + (5 * i + j) % 300 for j in range(40 + 10 * i)], group_size=2, temperature=1.0, top_p=1.0,
@@ -660,12 +662,12 @@ def test_rows_past_the_cache_bound_decode_in_batches_within_it_with_the_same_rol
         for i in range(3)
     ]  # fmt: skip
     one_batch = gen.generate_many(requests, None)
-    per_token = decoding.kv_bytes_per_token(gen.base)
+    per_token = prefix_cache.kv_bytes_per_token(gen.base)
     gen.batch_kv_bytes = 160 * per_token
     batches = []
-    decode = decoding.decode
+    decode = decode_loop.decode
     monkeypatch.setattr(
-        decoding, "decode", lambda model, prompts, *a, **k: batches.append([len(p) for p in prompts]) or decode(model, prompts, *a, **k)
+        decode_loop, "decode", lambda model, prompts, *a, **k: batches.append([len(p) for p in prompts]) or decode(model, prompts, *a, **k)
     )
     split = gen.generate_many(requests, None)
     assert [[r.completion_ids for r in g] for g in split] == [[r.completion_ids for r in g] for g in one_batch]

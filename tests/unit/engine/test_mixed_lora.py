@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_flyte.engine import mixed_lora
-from grpo_flyte.engine.engines import HFGenerator, SamplingRequest
+from grpo_flyte.engine.hf_generator import HFGenerator
+from grpo_flyte.engine.interface import SamplingRequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import batching, cache
+from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.launch import sweep_folder
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import policy
@@ -45,7 +46,7 @@ def _outcomes(sweep_dir: Path) -> dict[str, dict]:
 
 
 def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_path, tiny_model_dir, caplog, monkeypatch):
-    engines._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
+    cache._engines.clear()  # a cold replica: what this process built for earlier tests would hide the count
     policy.release_models()
     bars = []
     monkeypatch.setattr(progress, "RunProgress", lambda *a, **kw: bars.append(progress_class(*a, **kw)) or bars[-1])
@@ -104,7 +105,7 @@ def test_a_sweep_over_two_bases_builds_each_ones_engine_and_base_once_and_runs_e
     from tests.support.tiny_model import build_tiny_model
 
     other = build_tiny_model(tmp_path / "tiny-b", embedded_dir, seed=1, hidden_size=48)
-    engines._engines.clear()  # a cold replica
+    cache._engines.clear()  # a cold replica
     policy.release_models()
     bases = (tiny_model_dir, other)
     sweep_dir = tmp_path / "sweep"
@@ -151,10 +152,10 @@ def wide_batch_window(monkeypatch):
     """Identical groups merge when they meet in one batcher flush: a window that what one config
     does before the other's request (its init_adapter, its report) fits in, however busy the
     machine. A batcher of its own, so the tests after it get the usual window."""
-    monkeypatch.setattr(engines, "BATCH_WINDOW_S", 2.0)
-    engines.replica_batcher.cache_clear()
+    monkeypatch.setattr(batching, "BATCH_WINDOW_S", 2.0)
+    batching.replica_batcher.cache_clear()
     yield
-    engines.replica_batcher.cache_clear()
+    batching.replica_batcher.cache_clear()
 
 
 def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_once(tmp_path, tiny_model_dir, monkeypatch, wide_batch_window):
@@ -164,13 +165,13 @@ def test_configs_that_start_alike_decode_their_first_evaluation_and_rollouts_onc
     after an iteration that changed neither adapter; each config's metrics are exactly its lone
     run's."""
     decoded_rows: list[int] = []
-    generate_mixed = engines.HFGenerator.generate_mixed
+    generate_mixed = HFGenerator.generate_mixed
 
     def counted(self, requests, adapter_paths):
         decoded_rows.append(sum(r.group_size for r in requests))
         return generate_mixed(self, requests, adapter_paths)
 
-    monkeypatch.setattr(engines.HFGenerator, "generate_mixed", counted)
+    monkeypatch.setattr(HFGenerator, "generate_mixed", counted)
     one_iteration = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1"]
     assert cli_main([*one_iteration, "--sweep", "learning_rate=1e-4,5e-3", "--run-dir", str(tmp_path / "sweep")]) == 0
     sweep_rows = sum(decoded_rows)
@@ -218,19 +219,19 @@ def test_a_sweeps_configs_ask_for_each_iterations_rollouts_and_evaluations_toget
 
     monkeypatch.setattr(driver, "run_iteration", late_for_one)
     flushes: dict[str, list[set[str]]] = {"rollouts": [], "evaluations": []}
-    process = engines._process
+    process = batching._process
 
     async def recorded(calls):
         kind = "rollouts" if calls[0].request.group_size == 3 else "evaluations"  # TINY's groups of 3; a question each
         flushes[kind].append({Path(c.adapter_path).relative_to(tmp_path / "sweep").parts[0] for c in calls})
         return await process(calls)
 
-    monkeypatch.setattr(engines, "_process", recorded)
-    engines.replica_batcher.cache_clear()  # a batcher whose function is the recording one
+    monkeypatch.setattr(batching, "_process", recorded)
+    batching.replica_batcher.cache_clear()  # a batcher whose function is the recording one
     try:
         assert cli_main(_args(tiny_model_dir, tmp_path / "sweep", "--sweep", "learning_rate=1e-4,5e-3", iterations=3)) == 0
     finally:
-        engines.replica_batcher.cache_clear()
+        batching.replica_batcher.cache_clear()
     both = {"learning_rate=1e-4", "learning_rate=5e-3"}
     assert flushes["rollouts"] == [both] * 3
     evaluations = [row for row in _metrics(tmp_path / "sweep" / "learning_rate=1e-4") if "eval_accuracy" in row]

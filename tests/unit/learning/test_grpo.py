@@ -501,7 +501,7 @@ def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
 
 
 def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept_mass():
-    from grpo_flyte.engine.decoding import Sampling, choose_tokens
+    from grpo_flyte.engine.sampling import Sampling, choose_tokens
     from grpo_flyte.learning.grpo import nucleus_log_mass
 
     # p = 0.1, 0.2, 0.7 and top_p 0.8: the nucleus is {2, 1}, kept mass 0.9

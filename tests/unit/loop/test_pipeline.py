@@ -104,7 +104,7 @@ def test_each_batch_is_generated_in_the_group_of_the_iteration_it_trains(tmp_pat
     names their actions, so a retried driver reuses them), not in the group open when it started."""
     import flyte
 
-    from grpo_flyte.engine.decoding import sub_seed
+    from grpo_flyte.engine.sampling import sub_seed
 
     groups: dict[int, str | None] = {}  # the generate call's seed -> the group it ran in
 

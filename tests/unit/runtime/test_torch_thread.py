@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_flyte.engine import engines
+from grpo_flyte.engine import cache
+from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import merge, policy
 from grpo_flyte.runtime.torch_thread import (
@@ -85,11 +86,11 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    engines._engines.clear()  # so this run builds its engine
+    cache._engines.clear()  # so this run builds its engine
     for owner, name in [
-        (engines, "get_engine"),
-        (engines, "HFGenerator"),
-        (engines.HFGenerator, "generate_many"),
+        (cache, "get_engine"),
+        (cache, "HFGenerator"),  # where EngineKey.build reads it
+        (HFGenerator, "generate_many"),
         (policy, "peft_model"),
         (policy, "load_adapter_state"),  # grpo_step runs beside it (not here: the tiny model earns no advantage)
         (policy, "save_adapter"),
@@ -99,7 +100,7 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
     argv = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--max-new-tokens", "4"]
     argv += ["--prompts-per-iter", "2", "--group-size", "2", "--eval-size", "2", "--min-informative-groups", "0"]
     assert cli_main([*argv, "--backend", "hf", "--export-merged", "--run-dir", str(tmp_path / "run")]) == 0
-    engines._engines.clear()
+    cache._engines.clear()
 
     assert set(seen) == {
         "get_engine",

@@ -1,0 +1,134 @@
+"""A replica's engines: which one a call needs (`EngineKey`), built on first use and kept warm, the
+least recently used freed first.
+
+One engine for a run, one per base model for a sweep over bases (at most `MAX_BASES`). Past that,
+or past the GPU share vLLM engines may reserve together (`VLLM_MEMORY_BUDGET`), the least recently
+used is freed before the new one is built (a vLLM engine holds most of the GPU). The LLM judge
+(grpo_flyte.judge) has a cache of its own: a judge engine serves the model without an adapter, and
+a local run, one process, holds it beside the policy's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+from grpo_flyte.config.constants import MAX_BASES, VLLM_MEMORY_BUDGET
+from grpo_flyte.config.generation import PromptConfig
+from grpo_flyte.engine.hf_generator import HFGenerator
+from grpo_flyte.engine.interface import Generator
+from grpo_flyte.engine.prompts import tokenize_prompt
+from grpo_flyte.engine.vllm_generator import VLLMGenerator, adapter_rank, vllm_max_lora_rank
+from grpo_flyte.runtime.device import cuda_available
+from grpo_flyte.runtime.torch_thread import run_on_torch_thread
+from grpo_flyte.types import Example
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend."""
+    if backend != "auto":
+        return backend
+    cuda = cuda_available()  # where a GPU was given, no usable CUDA is an error here
+    return "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+@dataclass(frozen=True)
+class EngineKey:
+    """What an engine is built from. Sampling settings and seeds are per request, not part of it."""
+
+    backend: Literal["hf", "vllm"]
+    model_path: str
+    dtype: str
+    max_adapters: int
+    max_lora_rank: int  # vLLM only (0 for hf)
+    max_model_len: int  # vLLM only (0 for hf)
+    memory_fraction: float = 0.85  # vLLM only: gpu_memory_utilization
+    # Which of the process's engine caches holds it: the judge's engine never evicts the policy's
+    # (one process runs both in a local run).
+    slot: Literal["generate", "judge"] = "generate"
+
+    def build(self) -> Generator:
+        logger.info("building the %s generator for %s (once per replica)", self.backend, self.model_path)
+        if self.backend == "vllm":
+            return VLLMGenerator(
+                self.model_path, self.dtype, self.max_adapters, self.max_lora_rank, self.max_model_len, self.memory_fraction
+            )
+        return HFGenerator(self.model_path, self.dtype, self.max_adapters)
+
+
+class EngineCache:
+    """A replica's engines, one per key, built on first use; the least recently used is freed
+    (before the new one is built) past `capacity` engines, or where a new vLLM engine's share of
+    the GPU would take the vLLM engines held past `VLLM_MEMORY_BUDGET`. A run uses one key; a sweep
+    over base models one per base, which `sweep_grid` keeps within both bounds, so that calls that
+    interleave the bases never rebuild an engine.
+
+    Hand-written rather than `functools.lru_cache`: that evicts after building the new entry, and
+    two vLLM engines cannot be on one GPU at once. Used only on the torch thread, which serializes
+    every use; warm state is a cache: any engine built from the same key produces the same rollouts.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.engines: OrderedDict[EngineKey, Generator] = OrderedDict()
+
+    def get(self, key: EngineKey) -> Generator:
+        if key in self.engines:
+            self.engines.move_to_end(key)
+            return self.engines[key]
+        while self.engines and not self._fits(key):
+            old_key, old = self.engines.popitem(last=False)
+            logger.info("freeing the %s generator for %s, least recently used, for %s", old_key.backend, old_key.model_path, key.model_path)
+            old.close()
+        self.engines[key] = engine = key.build()
+        return engine
+
+    def _fits(self, key: EngineKey) -> bool:
+        if len(self.engines) >= self.capacity:
+            return False
+        reserved = sum(k.memory_fraction for k in self.engines if k.backend == "vllm")
+        return key.backend != "vllm" or reserved + key.memory_fraction <= VLLM_MEMORY_BUDGET
+
+    def clear(self) -> None:
+        while self.engines:
+            _, engine = self.engines.popitem(last=False)
+            engine.close()
+
+
+_engines = EngineCache(MAX_BASES)
+_judge_engines = EngineCache(1)  # a sweep shares its judge (sweep_grid refuses judge_model)
+
+
+def engine_key(
+    model_path: str, dtype: str, backend: str, max_adapters: int, adapter_path: str, max_model_len: int, memory_fraction: float = 0.85
+) -> EngineKey:
+    """The engine for these settings; vLLM's LoRA capacity comes from the adapter's own rank."""
+    resolved = resolve_backend(backend)
+    if resolved == "vllm":
+        rank = vllm_max_lora_rank(adapter_rank(adapter_path))
+        return EngineKey("vllm", model_path, dtype, max_adapters, rank, max_model_len, memory_fraction)
+    return EngineKey("hf", model_path, dtype, max_adapters, 0, 0)
+
+
+def judge_engine_key(model_path: str, dtype: str, backend: str, max_model_len: int, memory_fraction: float = 0.85) -> EngineKey:
+    """The judge's engine: the model as it is, no adapter, in the judge's cache."""
+    resolved = resolve_backend(backend)
+    if resolved == "vllm":
+        return EngineKey("vllm", model_path, dtype, 0, 0, max_model_len, memory_fraction, slot="judge")
+    return EngineKey("hf", model_path, dtype, 0, 0, 0, slot="judge")
+
+
+def get_engine(key: EngineKey) -> Generator:
+    """This replica's engine for `key` (call on the torch thread)."""
+    return (_judge_engines if key.slot == "judge" else _engines).get(key)
+
+
+async def tokenize(key: EngineKey, examples: list[Example], prompt: PromptConfig) -> list[list[int]]:
+    """The prompt token ids of each example, with the engine's tokenizer (the engine is built if needed)."""
+    engine = await run_on_torch_thread(get_engine, key)
+    return [tokenize_prompt(engine.tokenizer, example, prompt) for example in examples]
