@@ -1,5 +1,5 @@
-"""The replica's batching: concurrent groups meet in one `flyte.extras.DynamicBatcher` and decode in
-as few engine batches as their settings allow.
+"""This module batches a replica's generation: concurrent groups meet in one
+`flyte.extras.DynamicBatcher` and decode in as few engine batches as their settings allow.
 
 Concurrent `generate` calls on one replica (local mode, or a reusable pool with `concurrency > 1`)
 land in one engine batch, even when their adapters differ (a sweep's configs, a pipelined run's
@@ -81,9 +81,9 @@ class EngineCall:
 def mixed_batches_pay(backend: str) -> bool:
     """Whether one engine batch of several adapters' rows decodes faster than one batch per adapter.
     On transformers, on a CPU only: PEFT's mixed batches run each LoRA layer once per adapter, on
-    its rows. On a CPU the shared base layers' larger matmuls win (4 adapters' rows in one batch:
-    0.51-0.54x the CPU time of 4 batches); on a GPU the extra small kernels lose (an H200: 1.6-2.0x
-    the time, benchmarks/device_check_h200.json), so there the batcher keeps one adapter a batch."""
+    its rows. On a CPU the shared base layers' larger matmuls win; on a GPU the extra small kernels
+    lose (an H200, benchmarks/device_check_h200.json), so there the batcher keeps one adapter a
+    batch (docs/measurements.md#sweeps-on-one-warm-pool-issue-39-2026-11-26)."""
     return backend == "hf" and best_device() == "cpu"
 
 

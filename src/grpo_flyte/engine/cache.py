@@ -1,5 +1,5 @@
-"""A replica's engines: which one a call needs (`EngineKey`), built on first use and kept warm, the
-least recently used freed first.
+"""This module keeps a replica's engines: the one a call needs (`EngineKey`) is built on first use
+and kept warm, and the least recently used is freed first.
 
 One engine for a run, one per base model for a sweep over bases (at most `MAX_BASES`). Past that,
 or past the GPU share vLLM engines may reserve together (`VLLM_MEMORY_BUDGET`), the least recently
@@ -65,7 +65,7 @@ class EngineCache:
     """A replica's engines, one per key, built on first use; the least recently used is freed
     (before the new one is built) past `capacity` engines, or where a new vLLM engine's share of
     the GPU would take the vLLM engines held past `VLLM_MEMORY_BUDGET`. A run uses one key; a sweep
-    over base models one per base, which `sweep_grid` keeps within both bounds, so that calls that
+    over base models one per base, which `config.grid` keeps within both bounds, so that calls that
     interleave the bases never rebuild an engine.
 
     Hand-written rather than `functools.lru_cache`: that evicts after building the new entry, and
@@ -101,7 +101,7 @@ class EngineCache:
 
 
 _engines = EngineCache(MAX_BASES)
-_judge_engines = EngineCache(1)  # a sweep shares its judge (sweep_grid refuses judge_model)
+_judge_engines = EngineCache(1)  # a sweep shares its judge (config.grid refuses judge_model)
 
 
 def engine_key(

@@ -1,8 +1,8 @@
-"""The transformers backend's batched decode loop: one batch of rows sampled step by step, each row
-leaving the batch once it ends.
+"""This module is the transformers backend's batched decode loop: one batch of rows sampled step by
+step, each row leaving the batch once it ends.
 
-Why not `model.generate`: on the CPU this loop is faster for the same tokens (docs/measurements.md),
-for three reasons.
+Why not `model.generate`: on the CPU this loop is faster for the same tokens
+(docs/measurements.md#the-race-against-trl-2026-11-25), for three reasons.
 - The prompt pass computes logits for the last position only, through a contiguous copy of it.
   `generate` asks for `logits_to_keep=1`, a strided slice that torch's matmul turns into a batched
   product against one copy of the vocabulary matrix per row.

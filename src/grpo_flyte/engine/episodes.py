@@ -1,5 +1,5 @@
-"""Playing multi-turn episodes: the loop that splices the environment's replies into the model's
-token sequence, its budgets, and a group's episodes played at once.
+"""This module plays multi-turn episodes: the loop that splices the RL environment's replies into the
+model's token sequence, its budgets, and a group's episodes played at once.
 
 The trainer gets exactly the ids built here: the model's sampled tokens (with their sampling
 log-probs) and the environment's tokens, which a mask keeps out of the loss. The text is never

@@ -1,5 +1,5 @@
-"""A row held to a regular expression on the transformers backend (the LLM judge's reply), as vLLM's
-structured outputs hold it.
+"""This module holds a row to a regular expression on the transformers backend (the LLM judge's
+reply), as vLLM's structured outputs hold it.
 
 llguidance computes each step's allowed tokens, and `decode_loop.decode` masks the others out of
 the step's logits. Chosen over the other structured-output libraries vLLM uses (it is vLLM's own
@@ -19,8 +19,9 @@ GRAMMAR_INSTALL = "pip install 'grpo-flyte[local]'"
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: set[int]):
-    """llguidance's view of a transformers tokenizer, for `regex_matcher` (about 0.4 s to build:
-    once per engine). `vocab_size` is the model's logits width (it may exceed the tokenizer's)."""
+    """llguidance's view of a transformers tokenizer, for `regex_matcher` (built once per engine:
+    docs/measurements.md#an-llm-judge-as-a-reward-2026-11-25). `vocab_size` is the model's logits
+    width (it may exceed the tokenizer's)."""
     try:
         import llguidance.hf
     except ImportError as exc:

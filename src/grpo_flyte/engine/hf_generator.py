@@ -1,5 +1,5 @@
-"""The transformers backend's engine: PEFT adapters on the base model, decoded by our own loop
-(`decode_loop`).
+"""This module is the transformers backend's engine: PEFT adapters on the base model, decoded by our
+own loop (`decode_loop`).
 
 One adapter is active at a time and a few are kept loaded; a batch of several adapters' rows runs
 every row's base layers in one batch and its LoRA layers with its adapter (PEFT's mixed adapter

@@ -1,5 +1,5 @@
-"""The engines' interface: what a group of completions asks an engine for, and the methods every
-engine answers it through.
+"""This module defines what a group of completions asks an engine for, and the methods every engine
+answers it through.
 
 A `SamplingRequest` is one prompt's group: its token ids, its sampling settings and its seed. Both
 engines (`hf_generator.HFGenerator`, `vllm_generator.VLLMGenerator`) are `Generator`s:

@@ -1,9 +1,9 @@
-"""A batch whose rows use different LoRA adapters, in two matmuls per LoRA layer.
+"""This module computes a batch whose rows use different LoRA adapters in two matmuls per LoRA layer.
 
 PEFT's mixed adapter batches (the forward's `adapter_names=`, one name per row) run each LoRA
 layer once per adapter on that adapter's rows: an index, two small matmuls, a scale and a scatter,
-per adapter, per layer, per decode step. On a CPU that made a 4-adapter batch cost 1.2-1.45x a
-batch of as many rows on one adapter (`benchmarks/sweep_throughput.py`, the sweep's engine batches).
+per adapter, per layer, per decode step, which made a mixed batch on a CPU cost clearly more than
+a batch of as many rows on one adapter (docs/measurements.md#sweeps-on-one-warm-pool-issue-39-2026-11-26).
 
 `install(model)` gives each plain LoRA `Linear` of a PEFT model another way: the batch's adapters'
 A matrices stacked, so one matmul gives every row every adapter's low-rank projection; a 0/1

@@ -1,5 +1,5 @@
-"""The key/value caches of contexts a later call extends, and the prefill that starts a decode batch
-from them.
+"""This module keeps the key/value caches of contexts a later call extends, and prefills a decode
+batch from them.
 
 Every distinct context is prefilled once, on its own and without padding (models whose cache is
 plain keys and values per layer, `models.attention.plain_cache`): the rows of a group share their
@@ -78,7 +78,7 @@ def kv_bytes(kv: KV) -> int:
 
 def kv_bytes_per_token(model) -> int:
     """What one token of context holds in the model's key/value cache: keys and values of every
-    layer and key/value head (23 KB on the embedded model in bfloat16)."""
+    layer and key/value head."""
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -1,4 +1,4 @@
-"""Prompts: a dataset row rendered as the text the model sees, and as its token ids.
+"""This module renders a dataset row as the text the model sees, and as its token ids.
 
 A row without a TRL `prompt` gets the run's prompt around its question (`prompt_format` 'chat':
 the system prompt and the question with the answer instruction through the chat template; 'plain':
@@ -12,7 +12,7 @@ from grpo_flyte.config.constants import ANSWER_INSTRUCTION, SYSTEM_PROMPT
 from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.types import Example, Message
 
-# The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config.py.
+# The prompt wording is configurable (--system-prompt, --answer-instruction); defaults in config/constants.py.
 PLAIN_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:"
 
 

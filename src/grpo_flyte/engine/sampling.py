@@ -1,11 +1,11 @@
-"""How the transformers backend chooses each token: derived seeds, a row's random stream, the draw,
-and stop strings.
+"""This module chooses each token for the transformers backend: derived seeds, a row's random stream,
+the draw, and stop strings.
 
 The choice is a pure function of the step's logits and one uniform number per row, drawn from the
 row's own stream, seeded by (request seed, row): a row's tokens do not depend on which other rows
 shared its batch or when they finished. The draw inverts the cumulative distribution with that one
 number instead of `torch.multinomial`, which draws an exponential variate for every vocabulary
-entry (docs/measurements.md).
+entry (docs/measurements.md#the-race-against-trl-2026-11-25).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def choose_tokens(
     the first token always stays), renormalizes, and returns the first token whose cumulative
     probability exceeds u * total, for u in [0, 1) from `uniforms` (rows,). The log-prob is that
     of the distribution the token was drawn from, the one the trainer recomputes
-    (`grpo.token_logprobs_and_entropy`): log softmax(logits / temperature) at the token, minus the
+    (`learning.grpo.token_logprobs_and_entropy`): log softmax(logits / temperature) at the token, minus the
     log of the nucleus' mass when top_p < 1 (as vLLM's processed log-probs). `banned` shapes the
     draw only. Greedy takes the argmax and reports its full-distribution log-prob.
     """

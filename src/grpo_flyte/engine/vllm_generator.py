@@ -1,5 +1,5 @@
-"""The vLLM backend's engine: the LoRA adapter attached per request, and vLLM's settings and outputs
-in our terms.
+"""This module is the vLLM backend's engine: the LoRA adapter attached per request, and vLLM's
+settings and outputs in our terms.
 
 vLLM takes a LoRARequest per prompt, so one `LLM.generate` decodes several adapters' groups, each
 row computed with its own; adapters are loaded before a batch runs, so that a damaged one fails
@@ -139,8 +139,8 @@ class VLLMGenerator:
 
 def vllm_lora_slots(max_adapters: int) -> int:
     """vLLM's `max_loras`: how many of the loaded adapters one engine step computes. Each slot holds
-    GPU buffers of `max_lora_rank` for every adapted layer (~80 MB at rank 16 on a 7B model, taken
-    from the KV cache), so the adapters past `VLLM_MAX_LORA_SLOTS` wait for a slot within the same
+    GPU buffers of `max_lora_rank` for every adapted layer (taken from the KV cache; docs/architecture.md
+    sizes them), so the adapters past `VLLM_MAX_LORA_SLOTS` wait for a slot within the same
     `LLM.generate` instead."""
     return max(1, min(max_adapters, VLLM_MAX_LORA_SLOTS))
 
