@@ -445,7 +445,7 @@ def test_an_environment_returning_the_wrong_type_fails_its_task_with_the_episode
         str(tiny_model_dir),
         *TINY,
         "--env",
-        "test_multiturn:_ReturnsText",
+        "tests.unit.test_multiturn:_ReturnsText",
         "--iterations",
         "1",
         "--run-dir",
