@@ -6,10 +6,12 @@ the W&B run's link, and `--resume-run` (a rerun with recovery).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
+import pkgutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -124,6 +126,15 @@ def code_version() -> str:
     return f"{importlib.metadata.version('grpo-flyte')}-{digest.hexdigest()[:12]}"
 
 
+def import_whole_package() -> None:
+    """Import every module of grpo_flyte in this process. A checkout's code bundle holds the modules
+    the submitting process loaded (flyte's `loaded_modules`), and the tasks import some of theirs
+    only when they run on a pod (the engine's decode loop, the trainer's data-parallel step): those
+    would be missing from the bundle. Importing them loads no torch (tests/repo/test_layers.py)."""
+    for info in pkgutil.walk_packages(grpo_flyte.__path__, "grpo_flyte."):
+        importlib.import_module(info.name)
+
+
 def run_context_options(custom_context: dict[str, str] | None = None) -> dict[str, Any]:
     """`flyte.with_runcontext` options of a submission: a checkout's code travels in the code
     bundle; an installed wheel is in the image already (envs._with_package), and bundling
@@ -131,6 +142,7 @@ def run_context_options(custom_context: dict[str, str] | None = None) -> dict[st
     from grpo_flyte.envs import from_source_checkout
 
     if from_source_checkout():
+        import_whole_package()
         return {"copy_style": "loaded_modules", "custom_context": custom_context}
     return {"copy_style": "none", "version": code_version(), "custom_context": custom_context}
 

@@ -176,3 +176,32 @@ def test_an_installed_wheel_submits_naming_its_code_by_version(tmp_path):
     assert result["options"]["copy_style"] == "none"
     assert result["options"]["version"].startswith("0.1.0-") and len(result["options"]["version"]) == len("0.1.0-") + 12
     assert "grpo_flyte.driver" in result["args"]
+
+
+_CHECKOUT_SUBMISSION = """
+import json
+from pathlib import Path
+import flyte
+from flyte.io import Dir
+from grpo_flyte.launch import submit
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.driver import train_rl
+
+flyte.init(root_dir=submit.BUNDLE_ROOT)
+runner = flyte.with_runcontext(mode="remote", dry_run=True, **submit.run_context_options())
+run = runner.run(train_rl, config=RunConfig(iterations=1), base_model=Dir(path="s3://bucket/model"))
+print(json.dumps(sorted(str(Path(f).resolve().relative_to(submit.BUNDLE_ROOT)) for f in run.code_bundle.files)))
+"""
+
+
+def test_a_checkout_submission_bundles_every_module_of_the_package(tmp_path):
+    """The bundle holds the modules the submitting process loaded; a pod imports some only when a
+    task runs (the engine's decode loop and prefix cache, the data-parallel step), so every module
+    of the package is in it, not only those the driver imports (a fresh interpreter, as the CLI)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _CHECKOUT_SUBMISSION], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    bundled = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    package = {str(p.relative_to(submit.BUNDLE_ROOT)) for p in submit.PACKAGE_DIR.rglob("*.py")}
+    assert package - bundled == set()
