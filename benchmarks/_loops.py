@@ -60,7 +60,9 @@ def bare_iteration(config: RunConfig, model_dir: Path, out_dir: Path) -> dict[st
     key = EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0)
     engine = get_engine(key)
     scored: list[ScoredGroup] = []
-    prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
+    prompts = sample_prompts(
+        dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter, shuffle=config.data.shuffle_dataset
+    )
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)
         requests = [

@@ -357,10 +357,11 @@ def topup_prompts(examples: list[Example], *, seed: int, iteration: int, round_:
     return [examples[i] for i in rng.sample(range(len(examples)), min(num, len(examples)))]
 
 
-def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: int) -> list[Example]:
-    """The prompts of one iteration: consecutive slices of a seeded permutation, epoch after epoch.
+def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: int, shuffle: bool = True) -> list[Example]:
+    """The prompts of one iteration: consecutive slices of a seeded permutation, epoch after epoch
+    (with `shuffle=False`, of the examples in their order).
 
-    Each example is seen once per epoch, and the result depends only on (seed, iteration, num).
+    Each example is seen once per epoch, and the result depends only on (seed, iteration, num, shuffle).
     """
     if not examples:
         raise ValueError("cannot sample prompts from an empty dataset")
@@ -371,6 +372,7 @@ def sample_prompts(examples: list[Example], *, seed: int, iteration: int, num: i
         epoch, pos = divmod(k, n)
         if epoch not in orders:
             orders[epoch] = list(range(n))
-            random.Random(f"{seed}:{epoch}").shuffle(orders[epoch])
+            if shuffle:
+                random.Random(f"{seed}:{epoch}").shuffle(orders[epoch])
         picked.append(examples[orders[epoch][pos]])
     return picked

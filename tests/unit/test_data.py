@@ -528,3 +528,9 @@ def test_duplicate_prompts_are_dropped_before_the_split_with_a_warning(tmp_path,
     listed = [Example(question=r["question"], answer=r["answer"]) for r in rows]  # rows passed from Python
     train, held_out = train_eval_split(config, listed)
     assert len(train) == 2 and len(held_out) == 2 and not set(train) & set(held_out)
+
+
+def test_sample_prompts_without_shuffling_walks_the_dataset_in_its_order():
+    ex = _examples(5)
+    picked = [sample_prompts(ex, seed=s, iteration=i, num=2, shuffle=False) for s, i in ((0, 0), (7, 1), (0, 2))]
+    assert [[e.question for e in batch] for batch in picked] == [["q0", "q1"], ["q2", "q3"], ["q4", "q0"]]

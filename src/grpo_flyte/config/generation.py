@@ -96,6 +96,14 @@ class DataConfig(Part):
         ),
     )
 
+    shuffle_dataset: bool = Field(
+        True,
+        description=(
+            "Each iteration's prompts are the next slice of a seeded permutation of the dataset, epoch after epoch "
+            "(TRL's name); false: of the dataset in its own order. Top-up prompts are drawn at random either way."
+        ),
+    )
+
     @field_validator("dataset")
     @classmethod
     def _readable_dataset(cls, dataset: str) -> str:

@@ -31,6 +31,13 @@ class LoraConfig(Part):
         ),
     )
 
+    disable_dropout: bool = Field(
+        False,
+        description=(
+            "Switch off every dropout layer of the trained model (the base's and LoRA's), so that the train step's "
+            "log-probs are those of the policy that generated (TRL's name). Needs --lora-dropout 0."
+        ),
+    )
     load_in_4bit: bool = Field(
         False,
         description=(
@@ -47,6 +54,12 @@ class LoraConfig(Part):
             "trainer's distribution further from the generator's 16-bit one."
         ),
     )
+
+    @model_validator(mode="after")
+    def _no_dropout_means_none(self) -> LoraConfig:
+        if self.disable_dropout and self.lora_dropout:
+            raise ValueError(f"{flag('disable_dropout')} with {flag('lora_dropout')} {self.lora_dropout}: expected --lora-dropout 0")
+        return self
 
     @model_validator(mode="after")
     def _embeddings_need_4bit(self) -> LoraConfig:

@@ -30,7 +30,7 @@ from grpo_flyte.config.files import SWEEP_SECTION, load_config_file
 from grpo_flyte.config.grid import expand_sweep, sweep_grid
 from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.config.table import shown_default
-from grpo_flyte.config.trl_names import NUM_ITERATIONS_REFUSED, TRL_ALIASES
+from grpo_flyte.config.trl_names import TRL_ALIASES, TRL_REFUSED, TRL_TRANSLATED, refused
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
 from grpo_flyte.launch.local_run import run_local
 from grpo_flyte.launch.submit import resume_remote, run_remote
@@ -158,8 +158,11 @@ def canonical_flags(argv: list[str]) -> list[str]:
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg[2:].partition("=")
             key = name.replace("-", "_")
-            if key == "num_iterations":
-                raise UserError(NUM_ITERATIONS_REFUSED)
+            if key in TRL_REFUSED:
+                raise UserError(refused(key))
+            if key in TRL_TRANSLATED:
+                ours = TRL_TRANSLATED[key]
+                raise UserError(f"--{name} is TRL's name for {flag(ours)} in config files and Python; as a flag, give {flag(ours)}")
             arg = flag(TRL_ALIASES.get(key, key)) + eq + value
         out.append(arg)
     return out

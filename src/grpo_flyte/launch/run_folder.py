@@ -45,8 +45,10 @@ LOG_FILE = "run.log"  # Flyte's log lines in full (tracebacks included), appende
 
 
 def saved_run_config(text: str) -> Any:
-    """A run folder's saved config as data; a folder saved before 'num_iterations' became
-    'iterations' names the loop's length the old way (unambiguous in our own file)."""
+    """A run folder's saved config as data. The file is nested (each part's fields under its name),
+    so a top-level 'num_iterations' is the loop's length of a folder saved before 2026-11, when it
+    became 'iterations'; TRL's 'num_iterations' (each batch trained on that many times) is saved
+    under 'train'."""
     data = json.loads(text)
     if isinstance(data, dict) and "num_iterations" in data:
         data["iterations"] = data.pop("num_iterations")

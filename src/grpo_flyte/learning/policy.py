@@ -39,6 +39,7 @@ def _peft_model(
     targets: tuple[str, ...],
     load_in_4bit: bool = False,
     embeddings_in_4bit: bool = False,
+    disable_dropout: bool = False,
 ):
     quiet_bitsandbytes()
     from peft import LoraConfig, get_peft_model
@@ -54,7 +55,18 @@ def _peft_model(
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     model.config.use_cache = False
+    if disable_dropout:
+        _without_dropout(model)
     return model
+
+
+def _without_dropout(model) -> None:
+    """Every torch dropout layer of `model` set to drop nothing (TRL's disable_dropout)."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
@@ -67,6 +79,7 @@ def peft_model(model: ModelConfig, lora: LoraConfig, model_path: str):
         tuple(lora.lora_target_modules),
         lora.load_in_4bit,
         lora.embeddings_in_4bit,
+        lora.disable_dropout,
     )
 
 

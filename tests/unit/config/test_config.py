@@ -498,7 +498,6 @@ def test_trl_names_set_the_same_options():
 @pytest.mark.parametrize(
     ("values", "expected"),
     [
-        ({"num_iterations": 2}, "'num_iterations' is ambiguous, so it is refused: in TRL it is how many times each generated batch"),
         ({"num_generations": 4, "group_size": 6}, "num_generations (TRL's name for group_size) is 4 but group_size is 6; give one of them"),
         ({"reward_funcs": ["correct", "format"], "reward_weights": [1.0]}, "reward_weights has 1 weights for 2 rewards (correct, format)"),
         ({"scale_rewards": "batch"}, "'batch' (TRL's batch-level std) is not supported"),
@@ -521,6 +520,11 @@ def test_a_trl_style_config_file(tmp_path):
         0.04,
         "dr_grpo",
     )
-    path.write_text("num_generations: 6\nnum_iterations: 2\n")
-    with pytest.raises(ConfigError, match=r"grpo.yaml': 'num_iterations' is ambiguous"):
-        load_config_file(path)
+    path.write_text("num_generations: 6\nnum_iterations: 2\nuse_vllm: true\nvllm_gpu_memory_utilization: 0.3\n")
+    config = make_config(**load_config_file(path))  # num_iterations: TRL's mu, not the loop's length
+    assert (config.train.num_iterations, config.iterations, config.engine.backend, config.engine.vllm_memory_fraction) == (
+        2,
+        10,
+        "vllm",
+        0.3,
+    )

@@ -718,20 +718,25 @@ def test_flags_take_underscores_and_trl_names():
 
 
 @pytest.mark.parametrize("arg", ["--num-iterations", "--num_iterations"])
-def test_num_iterations_is_refused_with_both_meanings(arg, capsys):
-    from grpo_flyte.launch import cli
-
-    assert cli.main([arg, "2", "--local"]) == 2
-    err = capsys.readouterr().err
-    assert "'num_iterations' is ambiguous" in err and "--iterations" in err and "--updates-per-iter" in err
+def test_num_iterations_is_trls_mu_and_the_loops_length_stays_iterations(arg):
+    _, config, explicit = parse_args([arg, "2", "--iterations", "5"])
+    assert (config.train.num_iterations, config.iterations) == (2, 5)
+    assert {"num_iterations", "iterations"} <= explicit
 
 
 def test_a_run_folder_saved_before_the_rename_resumes_with_its_length():
+    """Saved configs are nested: a top-level 'num_iterations' is the loop's length of a folder saved
+    before 2026-11, TRL's mu is train.num_iterations."""
     from grpo_flyte.launch.run_folder import saved_run_config
 
     old = RunConfig(iterations=7).model_dump(mode="json")
     old["num_iterations"] = old.pop("iterations")
-    assert RunConfig.model_validate(saved_run_config(json.dumps(old))).iterations == 7
+    del old["train"]["num_iterations"]  # that folder's code had no mu
+    restored = RunConfig.model_validate(saved_run_config(json.dumps(old)))
+    assert (restored.iterations, restored.train.num_iterations) == (7, 1)
+    new = RunConfig(iterations=7, num_iterations=3).model_dump(mode="json")
+    restored = RunConfig.model_validate(saved_run_config(json.dumps(new)))
+    assert (restored.iterations, restored.train.num_iterations) == (7, 3)
 
 
 def test_help_speaks_in_words_with_one_default_per_flag():
