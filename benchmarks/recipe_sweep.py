@@ -7,11 +7,15 @@ one run: the mean paired accuracy gain with its t-interval over the seeds, the w
 the lowest held-out accuracy any seed saw during its run, and how many seeds pass the gate
 (`learning_curve.gate_failures` at +10 points).
 
-    python benchmarks/recipe_sweep.py                         # every cell, seeds 0 1 2, two runs at a time
+    python benchmarks/recipe_sweep.py                         # every cell, seeds 0 1 2, each cell one sweep over its seeds
     python benchmarks/recipe_sweep.py --cells center lr=2e-4  # some cells
     python benchmarks/recipe_sweep.py --run-dir runs/sweep    # reuses the runs a folder already holds
     python benchmarks/recipe_sweep.py --run-dir runs/sweep --report   # the table of what it holds, running nothing
     python benchmarks/recipe_sweep.py --quick                 # the plumbing: 2 cells, 1 seed, tiny runs
+
+Each cell runs as one sweep over its seeds (`learning_curve.run_seeds`: every seed at once in one
+process, on one engine and one loaded base), in <run-dir>/<cell>/, a run folder per seed (`seed=N`);
+a cell's sweep stopped halfway is resumed, a finished one is read.
 
 The center is RunConfig's default recipe, written out here so that the table keeps its meaning
 when a default changes. Writes benchmarks/recipe_sweep.json (every run's curve) and prints the
@@ -28,7 +32,7 @@ import time
 from pathlib import Path
 
 import _common
-from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, combine, driver_args, run_parallel, summarize
+from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, combine, run_seeds
 
 # The default recipe (RunConfig's defaults), the sweep's center: flag -> value. The sweep began at
 # learning rate 5e-4 (the old default); that center collapsed on one seed in three and 2e-4 did not,
@@ -53,6 +57,15 @@ CELLS: dict[str, dict[str, str]] = {
     "beta=0.04": {"--beta": "0.04"},
     "lr=1e-3": {"--learning-rate": "1e-3"},
     "max_new_tokens=128": {"--max-new-tokens": "128"},
+    # TRL's objectives (issue 51): each with the center's settings otherwise
+    "GSPO (sequence-level ratio)": {"--importance-sampling-level": "sequence"},
+    "loss cispo": {"--loss-type": "cispo", "--epsilon-high": "5.0"},
+    "loss sapo": {"--loss-type": "sapo"},
+    "num_iterations=2": {"--num-iterations": "2"},
+    "scale_rewards batch": {"--scale-rewards": "batch"},
+    "loss bnpo": {"--loss-type": "bnpo"},
+    "loss luspo, sequence": {"--loss-type": "luspo", "--importance-sampling-level": "sequence"},
+    "loss vespo": {"--loss-type": "vespo"},
     "old recipe (lr=5e-4, format=0.2, temperature=0.7)": {
         "--learning-rate": "5e-4",
         "--rewards": "correct=1.0,format=0.2",
@@ -95,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "recipe_sweep.json")
     p.add_argument("--cells", nargs="+", default=None, choices=list(CELLS), metavar="CELL", help="default: every cell")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time, each a process with its share of the cores")
-    p.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder; a run already there is reused")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder; a cell's sweep already there is reused")
     p.add_argument(
         "--report",
         action="store_true",
@@ -111,27 +123,26 @@ def main(argv: list[str] | None = None) -> int:
         cells, args.seeds = cells[:2], args.seeds[:1]
         iterations, eval_every, eval_size, extra = 2, 1, 4, QUICK
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-"))
-    settings = argparse.Namespace(iterations=iterations, eval_every=eval_every, eval_size=eval_size)
-    jobs, folders = [], {}
-    for cell in cells:
-        for seed in args.seeds:
-            folder = folders[cell, seed] = run_dir / folder_name(cell) / f"seed-{seed}"
-            if not (folder / "learning_curve.json").exists() and not args.report:
-                jobs.append((f"{cell} seed {seed}", folder, driver_args(folder, settings, [*cell_flags(cell), *extra], seed)))
-    print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, {len(jobs)} runs to make, {args.jobs} at a time; runs in {run_dir}")
+    settings = argparse.Namespace(iterations=iterations, eval_every=eval_every, eval_size=eval_size, seeds=args.seeds)
+    print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, each cell one sweep over its seeds; runs in {run_dir}")
     _common.flush()
     started = time.perf_counter()
-    # each run's summary is written as it ends: a sweep stopped halfway keeps the runs it finished
-    run_parallel(
-        jobs,
-        args.jobs,
-        lambda _, folder, wall: (folder / "learning_curve.json").write_text(json.dumps(summarize(folder, wall), indent=2) + "\n"),
-    )
     results = {}
     for cell in cells:
-        done = [seed for seed in args.seeds if (folders[cell, seed] / "learning_curve.json").exists()]
-        if done:  # every seed, unless --report: then the seeds finished so far
-            per_seed = {seed: json.loads((folders[cell, seed] / "learning_curve.json").read_text()) for seed in done}
+        folder = run_dir / folder_name(cell)
+        if args.report:  # the seeds whose summary a finished sweep wrote
+            per_seed = {
+                seed: json.loads((folder / f"seed={seed}" / "learning_curve.json").read_text())
+                for seed in args.seeds
+                if (folder / f"seed={seed}" / "learning_curve.json").is_file()
+            }
+        else:
+            print(f"\n== {cell}: {' '.join(cell_flags(cell))}", flush=True)
+            per_seed, code = run_seeds(folder, settings, [*cell_flags(cell), *extra])
+            if code != 0:
+                print(f"{cell}: the sweep exited {code}; see {folder}", file=sys.stderr)
+                return code
+        if per_seed:
             results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
     print("\n" + table(results))
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min; runs in {run_dir}")

@@ -177,15 +177,14 @@ def test_recipe_sweep_reports_the_seeds_a_stopped_sweep_finished_and_runs_nothin
     # center: seeds 0, 1 and 2 finished (+16, +14, +15 points); lr=5e-4: seed 0 only, the rest never ran
     for cell, gains in (("center", (0.16, 0.14, 0.15)), ("lr=5e-4", (0.02,))):
         for seed, gain in enumerate(gains):
-            folder = tmp_path / recipe_sweep.folder_name(cell) / f"seed-{seed}"
+            folder = tmp_path / recipe_sweep.folder_name(cell) / f"seed={seed}"
             folder.mkdir(parents=True)
             (folder / "learning_curve.json").write_text(json.dumps(seed_summary(0.18, 0.18 + gain)))
 
-    def no_run(jobs, *_args):
-        assert jobs == [], "--report started a run"
-        return {}
+    def no_run(*_args):
+        raise AssertionError("--report started a run")
 
-    monkeypatch.setattr(recipe_sweep, "run_parallel", no_run)
+    monkeypatch.setattr(recipe_sweep, "run_seeds", no_run)
     out = tmp_path / "sweep.json"
     assert (
         recipe_sweep.main(["--run-dir", str(tmp_path), "--report", "--cells", "center", "lr=5e-4", "cosine, warmup 0.1", "--out", str(out)])
