@@ -77,13 +77,16 @@ def test_the_adapter_is_attached_per_request_and_the_cache_is_bounded(contract):
     assert contract["max_lora_rank"] == 8  # a rank-4 adapter: vLLM takes 1, 8, 16, ... only
 
 
-@pytest.mark.parametrize("case", ["v0_top_p_1.0", "v0_top_p_0.9", "a_top_p_1.0", "a_top_p_0.9"])
+@pytest.mark.parametrize("case", ["v0_top_p_1.0", "v0_top_p_0.9", "a_top_p_1.0", "a_top_p_0.9", "a_rules", "a_rules_top_p"])
 def test_vllms_sampling_logprobs_are_the_trainers(contract, case):
     """exp(trainer - sampler) per token: the importance ratio of the same tokens, near 1, with top_p
-    too (vLLM's processed log-probs and the trainer's are both of the nucleus)."""
+    too (vLLM's processed log-probs and the trainer's are both of the nucleus), and with top_k, min_p
+    and repetition_penalty, with and without top_p ('rules': vllm_contract.RULES)."""
     ratio = contract[f"ratio_{case}"]
     assert ratio["tokens"] > 0
     assert abs(ratio["mean"] - 1.0) < 1e-3 and 0.99 < ratio["min"] <= ratio["max"] < 1.01
+    if "rules" in case:  # the rules changed the distribution: both sides ignoring them would agree too
+        assert ratio["off_plain"] > 1e-2
 
 
 def test_multi_turn_episodes_on_vllm_train_on_exactly_the_models_tokens(contract):

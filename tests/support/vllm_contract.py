@@ -43,16 +43,54 @@ def request(prompt: list[int], **settings) -> SamplingRequest:
     return SamplingRequest(**{**base, **settings})
 
 
+def ratio_of(gen, peft, config: RunConfig, path: str, prompts: list[list[int]], settings: dict) -> dict:
+    """exp(trainer - vLLM) of vLLM's sampled tokens under the sampling `settings` (RunConfig's
+    field names, which SamplingRequest shares): mean, min, max and the number of tokens."""
+    groups = gen.generate_many([request(p, **settings) for p in prompts], path)
+    sequences = [grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g]
+    policy.load_adapter_state(peft, path, config.train)
+    with torch.no_grad():
+        logprobs, _, _ = policy_update._completion_logprobs(peft, sequences, RunConfig(**settings).sampling)
+        plain, _, _ = policy_update._completion_logprobs(peft, sequences, RunConfig(temperature=settings["temperature"]).sampling)
+    samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
+    ratio = torch.exp(logprobs - samp)
+    return {
+        "mean": float(ratio.mean()),
+        "min": float(ratio.min()),
+        "max": float(ratio.max()),
+        "tokens": ratio.numel(),
+        "off_plain": float((plain - samp).abs().max()),  # from softmax(logits / T): what the rules changed
+    }
+
+
+# The sampling rules beyond top_p (grpo_flyte.learning.distribution): vLLM's processed log-probs are
+# the trainer's. A low temperature makes the random model's nearly flat distribution peaked, so the
+# rules cut it where little mass is (a token on the edge of the kept set, where two float32
+# computations may disagree, moves the kept mass by its own probability only).
+RULES = {
+    "rules": {"temperature": 0.1, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3},
+    "rules_top_p": {"temperature": 0.1, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3, "top_p": 0.9},
+}
+
+
 def main() -> None:
     model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
+    only_rules = sys.argv[3:] == ["rules"]  # the RULES cases alone: a minute instead of several
     config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
     peft = policy.peft_model(config.base, config.lora, str(model_dir))
-    paths = {name: adapter(peft, config, work / name, scale) for name, scale in (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))}
+    scales = (("v0", 0.0), ("a", 0.5)) if only_rules else (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))
+    paths = {name: adapter(peft, config, work / name, scale) for name, scale in scales}
     key = cache.engine_key(str(model_dir), "float32", "vllm", 2, paths["v0"], max_model_len=128, memory_fraction=0.2)
     started = time.perf_counter()
     gen = key.build()
     out: dict = {"max_lora_rank": key.max_lora_rank, "build_s": time.perf_counter() - started}
     prompts = [[1, 17, 29, 41], [1, 99, 3]]
+    for case, settings in RULES.items():
+        out[f"ratio_a_{case}"] = ratio_of(gen, peft, config, paths["a"], [[1, 17, 29, 17, 41, 29], [1, 99, 3, 99]], settings)
+    if only_rules:
+        gen.close()
+        print(json.dumps(out))
+        return
 
     started = time.perf_counter()
     sampled = gen.generate_many([request(p) for p in prompts], paths["v0"])
@@ -81,22 +119,7 @@ def main() -> None:
 
     # the trainer's log-probs of vLLM's tokens, at top_p 1 and 0.9, with and without an adapter
     for name, top_p in (("v0", 1.0), ("v0", 0.9), ("a", 1.0), ("a", 0.9)):
-        groups = gen.generate_many([request(p, top_p=top_p, temperature=0.8) for p in prompts], paths[name])
-        sequences = [
-            grpo.TrainSequence(p, r.completion_ids, 1.0, r.sampling_logprobs) for p, g in zip(prompts, groups, strict=True) for r in g
-        ]
-        policy.load_adapter_state(peft, paths[name], config.train)
-        sampling = RunConfig(temperature=0.8, top_p=top_p).sampling
-        with torch.no_grad():
-            logprobs, _, _ = policy_update._completion_logprobs(peft, sequences, sampling)
-        samp = torch.tensor([x for s in sequences for x in s.sampling_logprobs])
-        ratio = torch.exp(logprobs - samp)
-        out[f"ratio_{name}_top_p_{top_p}"] = {
-            "mean": float(ratio.mean()),
-            "min": float(ratio.min()),
-            "max": float(ratio.max()),
-            "tokens": ratio.numel(),
-        }
+        out[f"ratio_{name}_top_p_{top_p}"] = ratio_of(gen, peft, config, paths[name], prompts, {"top_p": top_p, "temperature": 0.8})
     out["episodes"] = episodes(key, gen, paths["v0"], peft, config)
     out["mixed"] = mixed(key, gen, paths["v0"], paths["a"], prompts, work)
     gen.close()

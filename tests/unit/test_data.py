@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from grpo_flyte.config.constants import ANSWER_INSTRUCTION, SYSTEM_PROMPT
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import (
     ARITHMETIC_EVAL_SIZE,
@@ -257,8 +258,31 @@ class FakeChatTokenizer:
 @pytest.mark.parametrize(("setting", "kwargs"), [("auto", {}), ("on", {"enable_thinking": True}), ("off", {"enable_thinking": False})])
 def test_render_prompt_passes_enable_thinking_only_when_set(setting, kwargs):
     tok = FakeChatTokenizer()
-    render_prompt("What is 2 + 3?", "chat", tok, enable_thinking=setting)
+    render_prompt("What is 2 + 3?", "chat", tok, PromptConfig(enable_thinking=setting).template_kwargs)
     assert tok.kwargs == kwargs
+
+
+def test_chat_template_kwargs_reach_the_template_with_the_thinking_switch():
+    tok = FakeChatTokenizer()
+    prompt = PromptConfig(enable_thinking="off", chat_template_kwargs={"reasoning_effort": "low", "enable_thinking": False})
+    render_prompt("What is 2 + 3?", "chat", tok, prompt.template_kwargs)
+    assert tok.kwargs == {"reasoning_effort": "low", "enable_thinking": False}
+    # the template's own switch given as a kwarg, with --enable-thinking left at 'auto'
+    render_prompt("Q?", "chat", tok, PromptConfig(chat_template_kwargs={"enable_thinking": True}).template_kwargs)
+    assert tok.kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"enable_thinking": "on", "chat_template_kwargs": {"enable_thinking": False}}, "contradicts enable_thinking='on'"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "key 'tokenize' is apply_chat_template's own argument"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "key 'add_generation_prompt'"),
+    ],
+)
+def test_chat_template_kwargs_that_conflict_are_refused(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PromptConfig(**settings)
 
 
 def test_render_prompt_plain_needs_no_tokenizer():

@@ -8,9 +8,9 @@ uses. The training side's parts are in grpo_flyte.config.training.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_flyte.config.constants import (
     ANSWER_INSTRUCTION,
@@ -139,6 +139,14 @@ class PromptConfig(Part):
             "template; 'auto' passes nothing (the template's default)."
         ),
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "More keyword arguments for the chat template, as JSON on the command line (TRL's chat_template_kwargs), "
+            "wherever the model's prompts and multi-turn replies are rendered (not the judge's); an 'enable_thinking' "
+            "key is allowed only when --enable-thinking is 'auto' or agrees with it."
+        ),
+    )
     max_prompt_tokens: int = Field(
         512, ge=8, le=131_072, description="Longest prompt, in tokens (see --overlong-prompts); checked before a run starts."
     )
@@ -150,9 +158,92 @@ class PromptConfig(Part):
         ),
     )
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if key in TEMPLATE_ARGUMENTS:
+                raise ValueError(f"key {key!r} is apply_chat_template's own argument, set by grpo_flyte; expected template variables")
+        return kwargs
+
+    @model_validator(mode="after")
+    def _thinking_agrees(self) -> PromptConfig:
+        given = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if given is not None and self.enable_thinking != "auto" and given != (self.enable_thinking == "on"):
+            raise ValueError(
+                f"chat_template_kwargs enable_thinking={given!r} contradicts enable_thinking={self.enable_thinking!r}; "
+                "set one of them (or make them agree)"
+            )
+        return self
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every chat template call of the model's prompts gets:
+        chat_template_kwargs, and enable_thinking True/False when it is 'on'/'off'."""
+        extra = dict(self.chat_template_kwargs or {})
+        if self.enable_thinking != "auto":
+            extra["enable_thinking"] = self.enable_thinking == "on"
+        return extra
+
+
+# apply_chat_template's own arguments, which grpo_flyte sets: not template variables.
+TEMPLATE_ARGUMENTS = (
+    "conversation",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+)
+
+# generation_kwargs: the keys both backends honour, and the refused ones said precisely.
+GENERATION_KWARGS = ("stop", "stop_token_ids")
+GENERATION_OPTION_FIELDS = {
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "n": "--group-size",
+    "num_return_sequences": "--group-size",
+    "max_tokens": "--max-new-tokens",
+    "max_new_tokens": "--max-new-tokens",
+    "seed": "--seed (each group's seed is derived from it)",
+    "logprobs": "none: the sampled tokens' log-probs are always returned",
+    "include_stop_str_in_output": "none: a stop string is always kept in the completion",
+}
+GENERATION_KWARGS_CHANGE_DISTRIBUTION = (
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "bad_words",
+    "bad_words_ids",
+    "allowed_token_ids",
+    "min_tokens",
+    "min_new_tokens",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "no_repeat_ngram_size",
+    "typical_p",
+    "epsilon_cutoff",
+    "eta_cutoff",
+    "do_sample",
+    "num_beams",
+    "logits_processors",
+    "structured_outputs",
+    "guided_decoding",
+)
+
 
 class SamplingConfig(Part):
-    """How completions are sampled (the trainer's log-probs use the same temperature)."""
+    """How completions are sampled: the trainer's log-probs are those of the same distribution
+    (grpo_flyte.learning.distribution)."""
 
     group_size: int = Field(8, ge=2, le=512, description="Completions per prompt; rewards are normalized within each group.")
     max_new_tokens: int = Field(
@@ -163,7 +254,75 @@ class SamplingConfig(Part):
         "(ended/turn_tokens: the environment never sees a half-written turn).",
     )
     temperature: float = Field(0.5, gt=0.0, le=5.0, description="Sampling temperature (the trainer's log-probs use the same).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Top-p (nucleus): the most likely tokens until their mass reaches top_p, after min_p and top_k (1: off).",
+    )
+    top_k: int = Field(
+        0,
+        ge=-1,
+        le=1_000_000,
+        description="Top-k: only the k most likely tokens (and any tied with the k-th) can be drawn; 0 or -1: off (TRL's top_k).",
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Min-p: tokens less likely than min_p x the most likely one's probability are not drawn (none or 0: off; typical 0.01-0.2).",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description=(
+            "vLLM's repetition penalty on every token already in the prompt or the completion: its logit is divided by it "
+            "when positive, multiplied when not, before the temperature (1: off; > 1 discourages repeats)."
+        ),
+    )
+    generation_kwargs: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "More generation settings, as JSON on the command line (TRL's generation_kwargs); both backends honour the "
+            "keys 'stop' (strings that end a completion, kept in it; with an environment, added to its own) and "
+            "'stop_token_ids' (token ids that end a completion, kept). Any other key is refused before the run starts: "
+            "the trainer must recompute the distribution tokens were drawn from, so settings that change it are their own "
+            "options (temperature, top_p, top_k, min_p, repetition_penalty) or not supported."
+        ),
+    )
+
+    @field_validator("generation_kwargs")
+    @classmethod
+    def _known_generation_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if kwargs is None:
+            return None
+        for key, value in kwargs.items():
+            if key in GENERATION_OPTION_FIELDS:
+                raise ValueError(f"key {key!r}: set it with its own option, {GENERATION_OPTION_FIELDS[key]}")
+            if key in GENERATION_KWARGS_CHANGE_DISTRIBUTION:
+                raise ValueError(
+                    f"key {key!r} is not supported: it changes the distribution tokens are drawn from, which the trainer "
+                    "recomputes; supported keys: " + ", ".join(GENERATION_KWARGS)
+                )
+            if key not in GENERATION_KWARGS:
+                raise ValueError(f"key {key!r} is unknown or not supported; supported keys: " + ", ".join(GENERATION_KWARGS))
+            if key == "stop" and isinstance(value, str):
+                value = [value]
+            kind = str if key == "stop" else int
+            if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"key {key!r}: {value!r}; expected a list of {'strings' if kind is str else 'token ids'}")
+            if kind is str and not all(value):
+                raise ValueError(f"key 'stop': {value!r}; expected non-empty strings")
+            if kind is int and any(v < 0 for v in value):
+                raise ValueError(f"key 'stop_token_ids': {value!r}; expected token ids >= 0")
+            kwargs = {**kwargs, key: value}
+        return kwargs
+
+    @property
+    def generation_options(self) -> dict[str, Any]:
+        """generation_kwargs, {} when unset."""
+        return self.generation_kwargs or {}
 
 
 class EpisodeConfig(Part):

@@ -63,8 +63,8 @@ class DecodeCall:
 def decode(model, prompts: list[list[int]], call: DecodeCall) -> list[tuple[list[int], list[float]]]:
     """Sample a completion for each prompt in one batch; returns (token ids, log-probs) per row.
 
-    A row ends at its first end-of-sequence token (kept), at the token that completes one of
-    `call.sampling.stop` (kept) or after `max_new_tokens`. A row held to a regex has the tokens its
+    A row ends at its first end-of-sequence token or one of `call.sampling.stop_token_ids` (kept),
+    at the token that completes one of `call.sampling.stop` (kept) or after `max_new_tokens`. A row held to a regex has the tokens its
     matcher does not allow masked out of every step's logits before the draw, and its matcher is
     fed each token drawn.
     """
@@ -90,11 +90,12 @@ def decode(model, prompts: list[list[int]], call: DecodeCall) -> list[tuple[list
         cache = DynamicCache(config=model.config)
         last = torch.tensor([width - 1], device=device)  # a tensor index, so the kept hidden state is a copy
     streams = [row_stream(seed, row) for seed, row in call.seeds]
-    eos_list = sorted(call.eos_ids)
+    eos_list = sorted(call.eos_ids | set(sampling.stop_token_ids))
     eos = torch.tensor(eos_list, device=device)
     out_ids: list[list[int]] = [[] for _ in prompts]
     out_lps: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))  # batch row -> output row
+    seen = None  # with a repetition penalty: (batch rows, V) the tokens in each row's context
 
     def store(batch_rows: list[int]) -> None:
         """The rows' cache (context and every sampled token but the last, never fed) for a later call."""
@@ -122,7 +123,13 @@ def decode(model, prompts: list[list[int]], call: DecodeCall) -> list[tuple[list
             logits = logits.masked_fill(~allowed, float("-inf"))
         uniforms = None if sampling.greedy else torch.tensor([streams[r].random() for r in active], dtype=torch.float64)
         banned = eos_list if step < sampling.min_new_tokens else None
-        tokens, logprobs = choose_tokens(logits, sampling, uniforms, banned)
+        if sampling.repetition_penalty != 1.0 and seen is None:  # each row's context: its prompt, then its tokens
+            seen = torch.zeros((len(active), logits.shape[-1]), dtype=torch.bool, device=logits.device)
+            for b, r in enumerate(active):
+                seen[b, torch.tensor(prompts[r], dtype=torch.long, device=logits.device)] = True
+        tokens, logprobs = choose_tokens(logits, sampling, uniforms, banned, seen)
+        if seen is not None:
+            seen[torch.arange(len(active), device=seen.device), tokens] = True
         for r, t, lp in zip(active, tokens.tolist(), logprobs.tolist(), strict=True):
             out_ids[r].append(t)
             out_lps[r].append(lp)
@@ -140,6 +147,8 @@ def decode(model, prompts: list[list[int]], call: DecodeCall) -> list[tuple[list
             cache.batch_select_indices(keep_rows)
             active = [active[i] for i in keep_rows.tolist()]
             tokens, mask, positions = tokens[keep_rows], mask[keep_rows], positions[keep_rows]
+            if seen is not None:
+                seen = seen[keep_rows]
         input_ids = tokens.unsqueeze(-1)
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
         positions = positions[:, -1:] + 1

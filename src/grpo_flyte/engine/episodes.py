@@ -46,10 +46,10 @@ class Splicer:
 
     _MODEL, _REPLY = "\x00model-turn\x00", "\x00env-reply\x00"
 
-    def __init__(self, tokenizer, chat: bool, enable_thinking: str = "auto"):
+    def __init__(self, tokenizer, chat: bool, template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.chat = chat and bool(getattr(tokenizer, "chat_template", None))
-        self.extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
+        self.extra = dict(template_kwargs or {})  # PromptConfig.template_kwargs, as the prompt's
         self._frames: dict[str, tuple[str, str]] = {}
         self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
 
@@ -281,7 +281,7 @@ async def play_episodes(
     """
     cls = multiturn.load_environment(env)
     engine = await run_on_torch_thread(cache.get_engine, key)
-    splicer = Splicer(engine.tokenizer, is_chat(example, prompt), prompt.enable_thinking)
+    splicer = Splicer(engine.tokenizer, is_chat(example, prompt), prompt.template_kwargs)
     budgets = Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
     stop = multiturn.stop_strings(cls)
 
@@ -293,7 +293,7 @@ async def play_episodes(
                     "group_size": 1,
                     "max_new_tokens": max_new_tokens,
                     "seed": sub_seed(request.seed, row, turn),
-                    "stop": stop,
+                    "stop": tuple(dict.fromkeys((*request.stop, *stop))),  # the environment's and generation_kwargs' own
                     "continues": True,
                 }
             )

@@ -186,8 +186,9 @@ class HFGenerator:
                 for i, row in zip(part, decoded, strict=True):
                     rows[i] = row
         rollouts = []
+        ends = self.eos_ids | set(sampling.stop_token_ids)
         for ids, lps in rows:
-            ids, lps, finish = cut_at_eos(ids, lps, self.eos_ids)
+            ids, lps, finish = cut_at_eos(ids, lps, ends)
             if finish == "length" and hits_stop(self.tokenizer, ids, sampling.stop):
                 finish = "stop"
             text = self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -33,10 +33,25 @@ class SamplingRequest(BaseModel):
     # The judge: a regular expression the completion must match (vLLM's structured outputs; the
     # transformers backend masks each step's logits to it, grammar.regex_matcher).
     regex: str | None = None
+    top_k: int = 0  # 0 or -1: off
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # also end a completion (kept), as its end-of-sequence token
 
     def sampling(self) -> Sampling:
         """The settings a batch shares: requests batch together only when these are equal."""
-        return Sampling(self.temperature, self.top_p, self.max_new_tokens, self.greedy, self.min_new_tokens, self.stop)
+        return Sampling(
+            self.temperature,
+            self.top_p,
+            self.max_new_tokens,
+            self.greedy,
+            self.min_new_tokens,
+            self.stop,
+            self.top_k,
+            self.min_p,
+            self.repetition_penalty,
+            self.stop_token_ids,
+        )
 
 
 class Generator(Protocol):
@@ -59,4 +74,9 @@ def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int,
         max_new_tokens=sampling.max_new_tokens,
         seed=seed,
         greedy=greedy,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        stop=tuple(sampling.generation_options.get("stop", ())),
+        stop_token_ids=tuple(sampling.generation_options.get("stop_token_ids", ())),
     )

@@ -20,14 +20,15 @@ def render_prompt(
     question: str,
     prompt_format: str,
     tokenizer,
-    enable_thinking: str = "auto",
+    template_kwargs: dict | None = None,
     system_prompt: str = SYSTEM_PROMPT,
     instruction: str = ANSWER_INSTRUCTION,
 ) -> str:
     """The prompt text for one question; token ids come from the generator's tokenizer.
 
-    The instruction follows the question; enable_thinking 'on'/'off' is passed to the chat template
-    (Qwen3's switch), 'auto' passes nothing. An empty system prompt or instruction is left out.
+    The instruction follows the question; `template_kwargs` (PromptConfig.template_kwargs: the
+    chat_template_kwargs and the enable_thinking switch) go to the chat template. An empty system
+    prompt or instruction is left out.
     """
     user = f"{question} {instruction}".strip()
     if prompt_format == "plain":
@@ -36,24 +37,22 @@ def render_prompt(
         raise ValueError("prompt_format='chat' but the model's tokenizer has no chat template: use prompt_format='plain'")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": user})
-    return _chat(tokenizer, messages, enable_thinking)
+    return _chat(tokenizer, messages, template_kwargs)
 
 
-def _chat(tokenizer, messages: list[dict[str, str]], enable_thinking: str) -> str:
-    """The chat template applied with the assistant's turn opened; enable_thinking 'on'/'off' is
-    passed to it (Qwen3's switch), 'auto' passes nothing."""
-    extra = {} if enable_thinking == "auto" else {"enable_thinking": enable_thinking == "on"}
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+def _chat(tokenizer, messages: list[dict[str, str]], template_kwargs: dict | None) -> str:
+    """The chat template applied with the assistant's turn opened, given `template_kwargs`."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
 
 
-def render_trl_prompt(prompt: str | list[Message], tokenizer, enable_thinking: str = "auto") -> str:
+def render_trl_prompt(prompt: str | list[Message], tokenizer, template_kwargs: dict | None = None) -> str:
     """A prompt in TRL's format: text is used as it is; chat messages go through the chat template
     with the assistant's turn opened (the run's system prompt and instruction are not added)."""
     if isinstance(prompt, str):
         return prompt
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the dataset's prompts are chat messages but the model's tokenizer has no chat template")
-    return _chat(tokenizer, [m.model_dump() for m in prompt], enable_thinking)
+    return _chat(tokenizer, [m.model_dump() for m in prompt], template_kwargs)
 
 
 def is_chat(example: Example, prompt: PromptConfig) -> bool:
@@ -64,10 +63,10 @@ def is_chat(example: Example, prompt: PromptConfig) -> bool:
 def tokenize_prompt(tokenizer, example: Example, prompt: PromptConfig) -> list[int]:
     if example.prompt is None:
         text = render_prompt(
-            example.question, prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+            example.question, prompt.prompt_format, tokenizer, prompt.template_kwargs, prompt.system_prompt, prompt.answer_instruction
         )
     else:  # TRL's format: text as it is, chat messages through the chat template
-        text = render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking)
+        text = render_trl_prompt(example.prompt, tokenizer, prompt.template_kwargs)
     # The chat template already wrote the special tokens; other text gets the tokenizer's.
     ids = tokenizer(text, add_special_tokens=not is_chat(example, prompt))["input_ids"]
     if len(ids) > prompt.max_prompt_tokens:
@@ -97,12 +96,12 @@ def overlong_prompts(tokenizer, examples: list[Example], prompt: PromptConfig) -
         if example.prompt is None:
             if frame is None:
                 empty = render_prompt(
-                    "", prompt.prompt_format, tokenizer, prompt.enable_thinking, prompt.system_prompt, prompt.answer_instruction
+                    "", prompt.prompt_format, tokenizer, prompt.template_kwargs, prompt.system_prompt, prompt.answer_instruction
                 )
                 frame = len(empty.encode()) + 1  # the space between question and instruction
             bound = frame + len(example.question.encode())
         else:
-            bound = len(render_trl_prompt(example.prompt, tokenizer, prompt.enable_thinking).encode())
+            bound = len(render_trl_prompt(example.prompt, tokenizer, prompt.template_kwargs).encode())
         if bound + _TOKEN_SLACK > limit:
             length = len(tokenize_prompt(tokenizer, example, untruncated))
             if length > limit:

@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_flyte.learning.distribution import Rules, kept_count, penalize
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,6 +36,15 @@ class Sampling:
     greedy: bool = False
     min_new_tokens: int = 0  # end-of-sequence tokens are not drawn before this many tokens
     stop: tuple[str, ...] = ()  # a row also ends once its text contains one of these (kept)
+    top_k: int = 0  # 0 or -1: off
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # a row also ends at one of these tokens (kept), as at its end of sequence
+
+    @property
+    def rules(self) -> Rules:
+        """The rules of the distribution tokens are drawn from (`learning.distribution`)."""
+        return Rules(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty)
 
 
 # A stop string is looked for in the text of a row's last tokens: at least this many, and more than
@@ -57,21 +68,32 @@ def row_stream(seed: int, row: int) -> random.Random:
 
 
 def choose_tokens(
-    logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor | None, banned: list[int] | None = None
+    logits: torch.Tensor,
+    sampling: Sampling,
+    uniforms: torch.Tensor | None,
+    banned: list[int] | None = None,
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (token ids, their log-probs), both of shape (rows,).
 
-    Sampling keeps the top-p nucleus (the most likely tokens until their mass reaches `top_p`;
-    the first token always stays), renormalizes, and returns the first token whose cumulative
-    probability exceeds u * total, for u in [0, 1) from `uniforms` (rows,). The log-prob is that
-    of the distribution the token was drawn from, the one the trainer recomputes
-    (`learning.grpo.token_logprobs_and_entropy`): log softmax(logits / temperature) at the token, minus the
-    log of the nucleus' mass when top_p < 1 (as vLLM's processed log-probs). `banned` shapes the
-    draw only. Greedy takes the argmax and reports its full-distribution log-prob.
+    The distribution is `learning.distribution`'s: the repetition penalty on the tokens `seen`
+    (rows, V) bool, each row's prompt and tokens so far; softmax(logits / temperature); then
+    min-p, top-k and top-p keep the most likely tokens (`distribution.kept_count`). The draw
+    returns the first token whose cumulative probability exceeds u * total, for u in [0, 1) from
+    `uniforms` (rows,), over the kept tokens in descending order when a rule truncates, else over
+    the vocabulary in order. The log-prob is that of the distribution the token was drawn from,
+    the one the trainer recomputes (`learning.grpo.token_logprobs_and_entropy`): log softmax at the
+    token, minus the log of the kept mass when a rule truncates (as vLLM's processed log-probs).
+    `banned` shapes the draw only. Greedy takes the argmax and reports its log-prob before truncation.
     """
     import torch
 
+    rules = sampling.rules
     logits = logits.float()
+    if rules.penalizes:
+        if seen is None:
+            raise ValueError("a repetition penalty needs the tokens each row has seen; got seen=None")
+        logits = penalize(logits, seen, rules.repetition_penalty)
     logprobs = torch.log_softmax(logits / sampling.temperature, dim=-1)
     draw = logprobs
     if banned:
@@ -82,12 +104,13 @@ def choose_tokens(
     else:
         if uniforms is None:
             raise ValueError("sampling needs one uniform number per row; got uniforms=None")
-        probs = draw.exp().double()
         order = None
-        if sampling.top_p < 1.0:
-            probs, order = probs.sort(dim=-1, descending=True)
-            mass_before = probs.cumsum(dim=-1) - probs
-            probs = probs.masked_fill(mass_before >= sampling.top_p, 0.0)
+        if rules.truncates:
+            ordered, order = draw.sort(dim=-1, descending=True)
+            kept = torch.arange(ordered.shape[-1], device=ordered.device) < kept_count(ordered, rules).unsqueeze(-1)
+            probs = ordered.exp().double().masked_fill(~kept, 0.0)
+        else:
+            probs = draw.exp().double()
         cdf = probs.cumsum(dim=-1)
         targets = uniforms.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, targets, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)

@@ -4,8 +4,8 @@ settings and outputs in our terms.
 vLLM takes a LoRARequest per prompt, so one `LLM.generate` decodes several adapters' groups, each
 row computed with its own; adapters are loaded before a batch runs, so that a damaged one fails
 alone instead of inside a decode step (whose failure ends the engine). Sampling log-probs are the
-processed ones (after temperature, of the distribution actually sampled from), which is what the
-trainer computes.
+processed ones (after the repetition penalty, temperature, min-p, top-k and top-p: of the
+distribution actually sampled from), which is what the trainer computes (grpo_flyte.learning.distribution).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class VLLMGenerator:
             **(lora if max_lora_rank else {}),
             max_model_len=max_model_len,
             gpu_memory_utilization=memory_fraction,
-            # Sampling log-probs after temperature, i.e. of the distribution actually sampled
-            # from, which is what the trainer computes.
+            # Sampling log-probs after penalties, temperature, min-p, top-k and top-p, i.e. of the
+            # distribution actually sampled from, which is what the trainer computes.
             logprobs_mode="processed_logprobs",
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -116,12 +116,15 @@ class VLLMGenerator:
                 n=r.group_size,
                 temperature=0.0 if r.greedy else r.temperature,
                 top_p=r.top_p,
-                top_k=-1,
+                top_k=r.top_k if r.top_k > 0 else -1,
+                min_p=r.min_p or 0.0,
+                repetition_penalty=r.repetition_penalty,
                 max_tokens=r.max_new_tokens,
                 min_tokens=r.min_new_tokens,
                 logprobs=0,
                 seed=r.seed,
                 stop=list(r.stop) or None,
+                stop_token_ids=list(r.stop_token_ids) or None,
                 include_stop_str_in_output=True,
                 structured_outputs=structured_outputs(r.regex),
             )

@@ -100,7 +100,7 @@ def _metavar(name: str, annotation: Any) -> str | None:
     if typing.get_origin(annotation) is typing.Literal:
         return "{" + ",".join(map(str, args)) + "}"
     if typing.get_origin(annotation) is dict:
-        return "NAME=WEIGHT,..."
+        return "NAME=WEIGHT,..." if typing.get_args(annotation)[1] is float else "JSON"
     if typing.get_origin(annotation) is tuple:
         return "NAME,..."
     if len(args) == 1:  # X | None

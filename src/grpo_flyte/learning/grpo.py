@@ -10,9 +10,10 @@ Notation, per completion token t of rollout i (all log-probs at the sampling tem
     ref      the reference policy: the same base model with the LoRA adapter disabled
     A_i      the rollout's advantage (`group_advantages`)
 
-With top_p < 1 every log-prob above is that of the nucleus-renormalized distribution the tokens
-were drawn from (`nucleus_log_mass`), on both sides: the generators report it and the trainer
-computes it, so the importance ratio compares one distribution with itself.
+With a sampling rule on (top_p, top_k, min_p, repetition_penalty) every log-prob above is that of
+the processed distribution the tokens were drawn from (grpo_flyte.learning.distribution), on both
+sides: the generators report it and the trainer computes it, so the importance ratio compares one
+distribution with itself.
 
 The per-token loss is `grpo_token_loss`, the aggregation over tokens and rollouts is
 `aggregate_loss` (one formula per `loss_type`); each formula is written once, in the docstring of
@@ -29,6 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from grpo_flyte.learning import distribution
 
 if TYPE_CHECKING:
     import torch
@@ -207,47 +210,29 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def nucleus_log_mass(logp: torch.Tensor, targets: torch.Tensor, top_p: float, chunk: int = 256) -> torch.Tensor:
-    """log of the probability mass the top-p nucleus keeps, per position: (N, V), (N,) -> (N,).
-
-    `logp` is log softmax(logits / T). The nucleus is the rule the HF decoder samples with: the
-    most likely tokens until their mass reaches `top_p` (the first always stays). The target is
-    always counted in it, so its nucleus log-prob `logp[target] - nucleus_log_mass` is finite.
-    The kept set is chosen without gradients; the mass is differentiable. 0 when top_p >= 1.
-    """
-    import torch
-
-    if top_p >= 1.0:
-        return torch.zeros(targets.shape, dtype=logp.dtype, device=logp.device)
-    keep = torch.empty(logp.shape, dtype=torch.bool, device=logp.device)
-    with torch.no_grad():
-        for start in range(0, logp.shape[0], chunk):  # sorting all of (N, V) at once doubles peak memory
-            probs, order = logp[start : start + chunk].exp().sort(dim=-1, descending=True)
-            kept_sorted = (probs.cumsum(dim=-1) - probs) < top_p
-            keep[start : start + chunk] = torch.zeros_like(kept_sorted).scatter_(-1, order, kept_sorted)
-        keep[torch.arange(len(targets), device=keep.device), targets] = True
-    return torch.logsumexp(logp.masked_fill(~keep, float("-inf")), dim=-1)
-
-
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float = 1.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seen: distribution.SeenTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` and the entropy H_t = -sum_v p_v log p_v of softmax(logits / T) per
     position: (N, V), (N,) -> (N,), (N,). The entropy is detached.
 
-    With top_p < 1 the log-probs are those of the nucleus-renormalized distribution the token was
-    sampled from: logp[target] - nucleus_log_mass (the entropy stays the full distribution's).
-    With top_p = 1 (the default) it is `_vocab_chunks`' arithmetic, a few rows at a time.
+    With a sampling rule on (top_p < 1, top_k > 0, min_p, repetition_penalty != 1) the log-probs
+    are those of the processed distribution the token was sampled from, and the entropy that of the
+    penalized distribution before truncation (`distribution.processed_logprobs_and_entropy`;
+    `seen`: each position's context, needed with a repetition penalty). With none (the default) it
+    is `_vocab_chunks`' arithmetic, a few rows at a time.
     """
-    import torch
-
-    if top_p >= 1.0:
+    rules = distribution.Rules(temperature, top_p, top_k, min_p, repetition_penalty)
+    if rules.plain:
         return _vocab_chunks().apply(logits, targets, temperature)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return chosen - nucleus_log_mass(logp, targets, top_p), entropy
+    return distribution.processed_logprobs_and_entropy(logits, targets, rules, seen)
 
 
 # Rows of (N, V) logits `_vocab_chunks` takes at a time: about 4 MB of float32, so that each

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from grpo_flyte.config.generation import SamplingConfig
 from grpo_flyte.config.training import TrainConfig
-from grpo_flyte.learning import grpo
+from grpo_flyte.learning import distribution, grpo
 from grpo_flyte.learning.policy import trainable
 from grpo_flyte.types import ScoredGroup, StepStats
 
@@ -95,12 +95,21 @@ def _completion_logits(model, batch: grpo.PaddedBatch):
 
 def _completion_logprobs(model, sequences: list[grpo.TrainSequence], sampling: SamplingConfig):
     """Forward one micro-batch: (log-probs, entropies) of its completion tokens, row after row,
-    under the sampling distribution (temperature, and the top-p nucleus when top_p < 1)."""
+    under the sampling distribution (temperature, repetition penalty, min-p, top-k and top-p:
+    `grpo_flyte.learning.distribution`; a position's context for the penalty is its row's prompt
+    and completion before the token)."""
     device = next(model.parameters()).device
     batch = grpo.pad_batch(sequences, pad_id=0)
     logits = _completion_logits(model, batch)  # (N, V)
     targets = batch.targets.to(device)[batch.predict_mask.to(device)]
-    logprobs, entropy = grpo.token_logprobs_and_entropy(logits, targets, sampling.temperature, sampling.top_p)
+    seen = None
+    if sampling.repetition_penalty != 1.0:
+        seen = distribution.SeenTokens.of_batch(
+            batch.input_ids.to(device), batch.attention_mask.to(device), batch.predict_mask.to(device), logits.shape[-1]
+        )
+    logprobs, entropy = grpo.token_logprobs_and_entropy(
+        logits, targets, sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p, sampling.repetition_penalty, seen
+    )
     return logprobs, entropy, batch.row_of_token.to(device)
 
 

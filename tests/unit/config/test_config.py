@@ -258,6 +258,8 @@ CUSTOM_CHECKS = {
     "env": ["calc", "my_env.Class", "a:b:c"],
     "push_to_hub": ["no-slash", "a/b/c"],
     "judge_rubric": ["no-such-rubric.txt", "rubrics/missing.md"],
+    "generation_kwargs": [{"temperature": 1.0}, {"no_such_key": 1}],
+    "chat_template_kwargs": [{"tokenize": False}],
 }
 
 
@@ -528,3 +530,45 @@ def test_a_trl_style_config_file(tmp_path):
         "vllm",
         0.3,
     )
+
+
+# --------------------------------------------------------------------------- sampling rules and generation_kwargs
+
+
+def test_the_sampling_rules_default_off_and_reach_each_request():
+    from grpo_flyte.engine.interface import sampling_request
+
+    default = RunConfig().sampling
+    assert (default.top_k, default.min_p, default.repetition_penalty, default.generation_kwargs) == (0, None, 1.0, None)
+    assert default.generation_options == {}
+    config = RunConfig(top_k=40, min_p=0.05, repetition_penalty=1.1, generation_kwargs={"stop": "</answer>", "stop_token_ids": [7]})
+    request = sampling_request(config.sampling, [1, 2], seed=3)
+    assert (request.top_k, request.min_p, request.repetition_penalty) == (40, 0.05, 1.1)
+    assert (request.stop, request.stop_token_ids) == (("</answer>",), (7,))  # a single stop string becomes a list of one
+    assert request.sampling().rules.truncates and request.sampling().rules.penalizes
+    assert not sampling_request(default, [1, 2], seed=3).sampling().rules.truncates
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": 0.3}, "key 'temperature': set it with its own option, --temperature"),
+        ({"n": 4}, "key 'n': set it with its own option, --group-size"),
+        ({"logprobs": 5}, "key 'logprobs': set it with its own option, none: the sampled tokens' log-probs are always returned"),
+        ({"presence_penalty": 0.5}, "key 'presence_penalty' is not supported: it changes the distribution tokens are drawn from"),
+        ({"num_beams": 4}, "key 'num_beams' is not supported"),
+        ({"frobnicate": 1}, "key 'frobnicate' is unknown or not supported; supported keys: stop, stop_token_ids"),
+        ({"stop": [3]}, "key 'stop': [3]; expected a list of strings"),
+        ({"stop_token_ids": ["a"]}, "key 'stop_token_ids': ['a']; expected a list of token ids"),
+        ({"stop_token_ids": [-1]}, "expected token ids >= 0"),
+    ],
+)
+def test_generation_kwargs_that_the_trainer_could_not_follow_are_refused_naming_the_key(kwargs, message):
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        RunConfig(generation_kwargs=kwargs)
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0)])
+def test_out_of_range_sampling_rules_are_refused(field, value):
+    with pytest.raises(ValidationError, match=field):
+        RunConfig(**{field: value})

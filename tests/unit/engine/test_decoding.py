@@ -167,6 +167,16 @@ def test_a_row_ends_at_its_first_eos_and_the_others_go_on_unchanged(tiny):
     assert len(stopped[0][0]) == 3
 
 
+def test_a_stop_token_id_ends_a_row_as_its_eos_does(tiny):
+    model, _ = tiny
+    sampling = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10)
+    free = run(model, PROMPTS, sampling)
+    stop = free[0][0][2]
+    assert run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10, stop_token_ids=(stop,))) == run(
+        model, PROMPTS, sampling, eos=NO_EOS | {stop}
+    )
+
+
 def test_min_new_tokens_holds_off_the_eos(tiny):
     model, _ = tiny
     free = run(model, PROMPTS, Sampling(temperature=1.0, top_p=1.0, max_new_tokens=10))

@@ -191,6 +191,11 @@ def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
     assert llm.kwargs["enable_lora"] is True and llm.kwargs["logprobs_mode"] == "processed_logprobs"
     sampled = SamplingRequest(prompt_ids=[1, 7], group_size=3, temperature=0.7, top_p=0.9, max_new_tokens=16, seed=11)
     greedy = sampled.model_copy(update={"prompt_ids": [1, 8], "group_size": 1, "greedy": True})
+    ruled = sampled.model_copy(update={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.2, "stop": ("##",), "stop_token_ids": (5, 6)})
+    gen.generate_many([ruled], None)
+    _, [params], _ = llm.calls.pop()
+    assert (params.top_k, params.min_p, params.repetition_penalty) == (40, 0.05, 1.2)
+    assert (params.stop, params.stop_token_ids) == (["##"], [5, 6])
     groups = gen.generate_many([sampled, greedy], "/adapters/v1")
     assert [len(g) for g in groups] == [3, 1]
     assert groups[0][0].completion_ids == [7, 2] and groups[0][0].sampling_logprobs == [-0.5, -0.25]
@@ -198,6 +203,7 @@ def test_vllm_generator_sampling_and_greedy_params_and_lora_ids(fake_vllm):
     _, params, lora = llm.calls[0]
     assert (params[0].n, params[0].temperature, params[0].top_p, params[0].seed, params[0].logprobs) == (3, 0.7, 0.9, 11, 0)
     assert params[0].top_k == -1 and params[0].max_tokens == 16
+    assert (params[0].min_p, params[0].repetition_penalty, params[0].stop_token_ids) == (0.0, 1.0, None)  # the rules off
     assert (params[1].n, params[1].temperature) == (1, 0.0)  # greedy
     assert [(r.id, r.path) for r in lora] == [(1, "/adapters/v1")] * 2  # one LoRARequest per prompt
     # a new adapter gets a new id; the third evicts the oldest (max_adapters=2) from the engine

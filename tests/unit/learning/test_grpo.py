@@ -502,7 +502,6 @@ def test_micro_batch_losses_sum_to_full_batch_loss(loss_type):
 
 def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept_mass():
     from grpo_flyte.engine.sampling import Sampling, choose_tokens
-    from grpo_flyte.learning.grpo import nucleus_log_mass
 
     # p = 0.1, 0.2, 0.7 and top_p 0.8: the nucleus is {2, 1}, kept mass 0.9
     logits = torch.tensor([[0.1, 0.2, 0.7]] * 4).log()
@@ -519,9 +518,8 @@ def test_nucleus_logprobs_match_the_decoders_and_give_weight_one_at_a_known_kept
     # differentiable through the kept mass; a token outside the nucleus is counted in, never -inf
     trained.sum().backward()
     assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
-    outside = nucleus_log_mass(torch.log_softmax(logits.detach(), -1), torch.tensor([0, 0, 0, 0]), 0.8)
-    assert outside.tolist() == pytest.approx([0.0] * 4, abs=1e-6)  # {2, 1} plus the target 0: all the mass
-    assert nucleus_log_mass(torch.log_softmax(logits.detach(), -1), tokens, 1.0).tolist() == [0.0] * 4
+    outside, _ = token_logprobs_and_entropy(logits.detach(), torch.tensor([0, 0, 0, 0]), 1.0, top_p=0.8)
+    assert outside.tolist() == pytest.approx([math.log(0.1)] * 4, abs=1e-6)  # {2, 1} plus the target 0: all the mass
 
 
 def test_log_ratios_are_clamped_so_nothing_overflows():
