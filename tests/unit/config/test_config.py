@@ -258,6 +258,7 @@ CUSTOM_CHECKS = {
     "env": ["calc", "my_env.Class", "a:b:c"],
     "push_to_hub": ["no-slash", "a/b/c"],
     "judge_rubric": ["no-such-rubric.txt", "rubrics/missing.md"],
+    "report_to": ["comet", "all", "wandb,nope", "none,wandb"],
 }
 
 
