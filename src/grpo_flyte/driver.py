@@ -36,12 +36,13 @@ from grpo_flyte.loop import lockstep, observers
 from grpo_flyte.loop.batches import run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
-from grpo_flyte.loop.metrics import best_completion, iteration_metrics
+from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics
 from grpo_flyte.loop.pipeline import BatchesAhead
 from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
 from grpo_flyte.reporting.progress import eta_seconds, progress_line
-from grpo_flyte.reporting.tracking import Tracker, WandbRun, new_run_id
+from grpo_flyte.reporting.trackers import Trackers
+from grpo_flyte.reporting.tracking import WandbRun, new_run_id
 from grpo_flyte.reward import start_reward_workers
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
@@ -127,7 +128,7 @@ async def _train_rl(
         workers.cancel()
         raise
     await started(workers)
-    tracker = Tracker(config.wandb_project, state.tracking_id, config.flat(), entity=chosen.entity if chosen else None)
+    tracker = Trackers(config, state.tracking_id, observers.run_folder(), chosen)
 
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
@@ -138,7 +139,8 @@ async def _train_rl(
         if checkpoint is not None:
             await save_checkpoint(checkpoint, checkpoint_payload(new_state))
         observers.recorded(new_state, row, answers)
-        tracker.log(row.flat(), [answer.model_dump() for answer in answers] if answers else None)
+        sample = [c.model_dump() for c in new_state.completions if c.iteration == row.iteration]
+        tracker.log(row.flat(), [answer.model_dump() for answer in answers] if answers else None, sample)
         await publish_report(config, new_state, "running")
         logger.info(progress_line(row, config.iterations, eta_seconds(config, new_state.history, new_state.iterations_done)))
         return new_state
@@ -207,6 +209,7 @@ async def _train_rl(
                     best_completion=best_completion(scored),
                     tracking_id=state.tracking_id,
                     held_out_sample=state.held_out_sample,
+                    completions=completion_sample(config, scored, it + 1) if config.log_completions else [],
                     recent_adapters=ahead.recent(adapter.version) if ahead else [],
                     in_flight=dict(ahead.versions) if ahead else {},
                     guard=guard,

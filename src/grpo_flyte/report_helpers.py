@@ -268,6 +268,33 @@ def _held_out(answers: Sequence[Mapping] | None) -> str:
     )
 
 
+# Completions of the last iteration shown in the report (--log-completions; the run folder has the whole sample).
+_COMPLETIONS_SHOWN = 12
+
+
+def _completions(sample: Sequence[Mapping] | None) -> str:
+    """The latest iteration's completions (--log-completions): question, completion, reward and
+    advantage, every text escaped (completions are the model's output: untrusted)."""
+    if not sample:
+        return ""
+    shown = sample[:_COMPLETIONS_SHOWN]
+    rows = "".join(
+        "<tr>"
+        f"<td>{format_value(c.get('group'), 'int')}</td><td>{_text(c.get('question'))}</td>"
+        f"<td><pre>{escape(_cut(str(c.get('completion', ''))))}</pre></td>"
+        f"<td>{format_value(c.get('reward'), 'num')}</td><td>{format_value(c.get('advantage'), 'num')}</td>"
+        "</tr>"
+        for c in shown
+    )
+    head = "".join(f'<th scope="col">{h}</th>' for h in ("Group", "Question", "Completion", "Reward", "Advantage"))
+    iteration = format_value(shown[0].get("iteration"), "int")
+    more = f", {len(shown)} of {len(sample)}" if len(sample) > len(shown) else ""
+    return (
+        f'<h2>Completions of iteration {iteration} <span class="meta">(a sample{more})</span></h2>'
+        f'<div class="scroll"><table class="kv completions"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
+    )
+
+
 def _cut(text: str) -> str:
     return text if len(text) <= _ANSWER_CHARS else text[:_ANSWER_CHARS] + " \u2026"
 
@@ -299,6 +326,7 @@ def render_report_fragment(
     best_completion: dict[str, object] | None = None,
     message: str | None = None,
     held_out_answers: list[dict[str, object]] | None = None,
+    completions: list[dict[str, object]] | None = None,
 ) -> str:
     """The report as an HTML fragment (its style and its content, no document around them): what
     `flyte.report.replace` puts inside the report tab's own page, and the body of `render_report`."""
@@ -308,6 +336,6 @@ def render_report_fragment(
         progress = _cards(history) + _charts(history) + _table(history)
     else:
         progress = '<p class="placeholder empty">No iterations finished yet.</p>'
-    body = progress + _best_completion(best_completion) + _held_out(held_out_answers) + _config(config)
+    body = progress + _best_completion(best_completion) + _completions(completions) + _held_out(held_out_answers) + _config(config)
     n_rows = sum(1 for row in history if "mean_reward" in row)
     return render_page(title, status, message, body, n_rows=n_rows, whole=False)

@@ -454,6 +454,21 @@ class BestCompletion(TaskValue):
     index: int | None = None
 
 
+class CompletionSample(TaskValue):
+    """One completion of an iteration's sample (--log-completions): its prompt's question and
+    answer, the completion (an episode's transcript), its reward and its advantage in the train step."""
+
+    iteration: int
+    group: int  # the prompt's position in its iteration
+    question: str
+    answer: str
+    completion: str
+    reward: float
+    advantage: float
+    scores: dict[str, float]
+    finish_reason: Literal["stop", "length"]
+
+
 class RunResult(TaskValue):
     """What `train_rl` returns: the final adapter, every metrics row, the final report (a folder
     holding report.html), the best adapter by the held-out evaluations (None when nothing was

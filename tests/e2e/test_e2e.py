@@ -756,6 +756,73 @@ def test_wandb_offline_gets_the_same_metrics_rows(tmp_path, tiny_model_dir, monk
     assert [row[2] for row in table["data"]] == [a["completion"] for a in answers]
 
 
+def test_trackio_mlflow_and_tensorboard_get_the_metrics_rows_and_a_resume_continues_them(tmp_path, tiny_model_dir, monkeypatch):
+    """A local run logs to the three trackers offline, then a resume extends it; each tracker's own
+    reader finds every number of metrics.jsonl under its key at step = iteration, once, in one
+    tracker run, and the completions sample (--log-completions) where the tracker has tables."""
+    import mlflow
+    import trackio
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from trackio import sqlite_storage
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setattr(sqlite_storage, "TRACKIO_DIR", tmp_path / "trackio")  # read at trackio's import
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir), "--report-to", "trackio,mlflow,tensorboard"]
+    args += ["--log-completions", "--num-completions-to-log", "4", "--tracking-project", "grpo-test"]
+    assert cli_main([*args, "--iterations", "2"]) == 0
+    assert cli_main([*args, "--iterations", "3", "--resume"]) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3]
+    assert "failed on attempt" not in (run_dir / "run.log").read_text()  # no tracker failed the driver
+    # every number of every row, by key: [(step, value)]
+    want: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                want.setdefault(key, []).append((row["iteration"], float(value)))
+    assert {"mean_reward", "eval_reward", "loss", "reward/correct", "eval_reward/correct"} <= set(want)
+    samples = {i: [json.loads(x) for x in (run_dir / "completions" / f"iter-{i:04d}.jsonl").read_text().splitlines()] for i in (1, 2, 3)}
+    assert sorted(p.name for p in (run_dir / "completions").iterdir()) == ["iter-0001.jsonl", "iter-0002.jsonl", "iter-0003.jsonl"]
+    assert all(len(s) == 4 and {c["iteration"] for c in s} == {i} for i, s in samples.items())
+    assert [c["group"] for c in samples[3]] == [0, 0, 0, 1]  # --group-size 3: the first group whole, then the next
+    assert "Completions of iteration 3" in (run_dir / "report.html").read_text()
+
+    # MLflow: one run (found again by its tag on resume) in the run folder's file store
+    client = mlflow.MlflowClient((run_dir / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("grpo-test")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["iterations"] == "2"  # the params it started with
+    for key, points in want.items():  # the file store writes a key's '/' as '.'
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key.replace("/", ".")))
+        assert history == [(step, pytest.approx(value)) for step, value in points], key
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions/iter-0003.json", str(tmp_path))).read_text())
+    assert table["columns"] == ["group", "question", "answer", "completion", "reward", "advantage"]
+    assert [r[3] for r in table["data"]] == [c["completion"] for c in samples[3]]
+    assert [r[5] for r in table["data"]] == pytest.approx([c["advantage"] for c in samples[3]])
+
+    # TensorBoard: an event file per attempt, read as one run; 32-bit floats
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(want)
+    for key, points in want.items():
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [(step, pytest.approx(value, rel=1e-6)) for step, value in points], key
+
+    # trackio: one run in the project, named by the tracking id, continued on resume
+    (name,) = sqlite_storage.SQLiteStorage.get_runs("grpo-test")
+    logs = sqlite_storage.SQLiteStorage.get_logs("grpo-test", name)
+    for key, points in want.items():
+        got = [(log["step"], log[key]) for log in logs if key in log]
+        assert got == [(step, pytest.approx(value)) for step, value in points], key
+    tables = {log["step"]: log["completions"]["_value"] for log in logs if "completions" in log}
+    assert sorted(tables) == [1, 2, 3] and [r["completion"] for r in tables[2]] == [c["completion"] for c in samples[2]]
+    assert sqlite_storage.SQLiteStorage.get_run_config("grpo-test", name)["report_to"] == ["trackio", "mlflow", "tensorboard"]
+    assert trackio  # imported above with TRACKIO_DIR set, if first
+
+
 def test_the_curriculum_example_drives_the_tasks_from_a_user_workflow(tiny_model_dir, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(REPO))
     from examples.my_loop import STAGES, curriculum

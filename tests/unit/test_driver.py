@@ -8,7 +8,7 @@ import pytest
 from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig, eval_due
-from grpo_flyte.loop.metrics import iteration_metrics, mean_ci95, reward_means
+from grpo_flyte.loop.metrics import completion_sample, iteration_metrics, mean_ci95, reward_means
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
@@ -243,3 +243,27 @@ def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(mo
     got = asyncio.run(batches.train_batch(config, Dir(path="/base"), adapter, [], 0))
     assert got == ("train_step_distributed" if distributed else "train_step")
     assert calls == [(got, config.train, {"total_iterations": 3})]
+
+
+def test_the_completion_sample_keeps_groups_in_prompt_order_with_their_advantages():
+    """Group 1's rewards [1, 0, 0]: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3),
+    so advantages (2/3) / sqrt(1/3) = 2/sqrt(3) and -(1/3) / sqrt(1/3) = -1/sqrt(3) (eps 1e-4 aside);
+    group 0's rewards are equal: advantages 0."""
+    scored = [_scored(1, [1.0, 0.0, 0.0], ["stop", "stop", "length"], [2, 2, 2]), _scored(0, [0.2, 0.2, 0.2], ["stop"] * 3, [1, 1, 1])]
+    config = RunConfig(group_size=3, prompts_per_iter=2, truncated="keep", log_completions=True)
+    sample = completion_sample(config, scored, iteration=7)
+    assert [(c.iteration, c.group, c.reward) for c in sample] == [(7, 0, 0.2)] * 3 + [(7, 1, 1.0), (7, 1, 0.0), (7, 1, 0.0)]
+    assert [c.advantage for c in sample[:3]] == [0.0, 0.0, 0.0]
+    root3 = math.sqrt(3)
+    assert [c.advantage for c in sample[3:]] == pytest.approx([2 / root3, -1 / root3, -1 / root3], rel=1e-3)
+    assert sample[5].finish_reason == "length" and sample[3].scores == {"correct": 1.0, "format": 0.0}
+    # the first N of them, whole groups first; one per prompt with log_unique_prompts
+    assert [(c.group, c.reward) for c in completion_sample(config.model_copy(update={"num_completions_to_log": 4}), scored, 7)] == [
+        (0, 0.2), (0, 0.2), (0, 0.2), (1, 1.0),
+    ]  # fmt: skip
+    unique = completion_sample(config.model_copy(update={"log_unique_prompts": True}), scored, 7)
+    assert [(c.group, c.reward) for c in unique] == [(0, 0.2), (1, 1.0)]
+    assert unique[1].advantage == pytest.approx(2 / root3, rel=1e-3)  # still the whole group's advantage
+    # the truncation policy as the train step applies it: min_reward floors the cut completion at min(0, min r) = 0
+    floored = completion_sample(config.model_copy(update={"train": config.train.model_copy(update={"truncated": "min_reward"})}), scored, 7)
+    assert [c.advantage for c in floored[3:]] == [c.advantage for c in sample[3:]]  # its reward was 0 already

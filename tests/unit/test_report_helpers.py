@@ -444,3 +444,27 @@ def test_the_guards_events_are_marked_on_the_charts_and_the_best_adapter_has_a_c
     from grpo_flyte.reporting.charts import _BEST_COLOUR, _MARKER_COLOUR, _SERIES_COLOURS
 
     assert {_MARKER_COLOUR, _BEST_COLOUR}.isdisjoint(_SERIES_COLOURS)
+
+
+def test_the_completions_sample_is_shown_escaped_and_capped():
+    evil = "</pre><script>alert(1)</script>"
+    sample = [
+        {
+            "iteration": 3,
+            "group": i // 2,
+            "question": f"<q{i}>",
+            "answer": "4",
+            "completion": evil,
+            "reward": 1.0 - i / 10,
+            "advantage": -0.5,
+        }
+        for i in range(14)
+    ]
+    document = render_report(title="t", status="running", config={}, history=[_row(1)], completions=sample)
+    assert "<script" not in document.lower()
+    assert "Completions of iteration 3" in document and "12 of 14" in document
+    section = _section(document, "Completions of iteration", "</table>")
+    assert section.count("<tr>") == 1 + 12  # the header and the first 12
+    assert "&lt;q0&gt;" in section and "&lt;q11&gt;" in section and "&lt;q12&gt;" not in section
+    assert "&lt;/pre&gt;&lt;script&gt;" in section and "<td>-0.5</td>" in section  # the advantage
+    assert "Completions of" not in render_report(title="t", status="running", config={}, history=[_row(1)])

@@ -26,6 +26,8 @@ MAX_BASES = 3
 # The share of a generate replica's GPU its vLLM engines may reserve together (their
 # vllm_memory_fraction summed): a sweep over base models holds one engine per base.
 VLLM_MEMORY_BUDGET = 0.9
+# The experiment trackers --report-to names (TRL's report_to), each an optional extra of its own.
+TRACKERS = ("wandb", "trackio", "mlflow", "tensorboard")
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."

@@ -22,10 +22,10 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_flyte.config.constants import MAX_STALENESS
+from grpo_flyte.config.constants import MAX_STALENESS, TRACKERS
 from grpo_flyte.config.defaults import env_defaults, staleness_defaults
 from grpo_flyte.config.generation import (
     DataConfig,
@@ -79,7 +79,44 @@ class RunConfig(Part):
     )
     wandb_project: str | None = Field(
         None,
-        description="Also log each iteration's metrics to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline works).",
+        description=(
+            "Also log each iteration's metrics to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline "
+            "works); implies report_to wandb."
+        ),
+    )
+    report_to: tuple[str, ...] = Field(
+        (),
+        description=(
+            "Experiment trackers that get every metrics row (TRL's name): a comma-separated list of wandb, trackio, mlflow, "
+            "tensorboard, or none. Each needs its extra (pip install 'grpo-flyte[mlflow]'); docs/metrics.md#trackers."
+        ),
+    )
+    tracking_project: str = Field(
+        "grpo_flyte",
+        min_length=1,
+        description=(
+            "The trackio project and the MLflow experiment (MLFLOW_EXPERIMENT_NAME wins) the run logs to; also the W&B "
+            "project under report_to wandb when neither wandb_project nor WANDB_PROJECT is set."
+        ),
+    )
+    log_completions: bool = Field(
+        False,
+        description=(
+            "Keep a sample of each iteration's completions with their question, reward and advantage (TRL's name): "
+            "<run-dir>/completions/iter-NNNN.jsonl, the report, and a table in W&B, trackio and MLflow."
+        ),
+    )
+    num_completions_to_log: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description=(
+            "How many completions log_completions keeps per iteration: the first groups' completions, in prompt order "
+            "(TRL: num_completions_to_print). Default: all of them."
+        ),
+    )
+    log_unique_prompts: bool = Field(
+        False, description="log_completions keeps one completion per prompt (each group's first), not the whole group (TRL's name)."
     )
     adapters_to_keep: int = Field(
         3,
@@ -123,6 +160,23 @@ class RunConfig(Part):
                 nested[name] = out.pop(name)
                 out[part] = nested
         return staleness_defaults(env_defaults(out))
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _known_trackers(cls, value: Any) -> Any:
+        """A comma-separated string or a list of tracker names; 'none' alone is no tracker."""
+        if isinstance(value, str):
+            value = value.split(",")
+        if not isinstance(value, (list, tuple)):
+            return value  # pydantic's own type error
+        names = [str(name).strip() for name in value if str(name).strip()]
+        if names == ["none"]:
+            return ()
+        for name in names:
+            if name not in TRACKERS:
+                why = " (TRL's 'all', every installed tracker, would change with the environment: name them)" if name == "all" else ""
+                raise ValueError(f"{name!r}{why}; expected a comma-separated list of {', '.join(TRACKERS)}, or none")
+        return tuple(dict.fromkeys(names))
 
     @model_validator(mode="after")
     def _room_for_stale_adapters(self) -> RunConfig:
@@ -176,6 +230,11 @@ class RunConfig(Part):
     def flat(self) -> dict[str, Any]:
         """Every leaf field by its flat name: the report's config card, W&B, comparisons on resume."""
         return {name: getattr(getattr(self, part) if part else self, name) for name, (part, _) in leaf_index().items()}
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """The trackers this run logs to: report_to, and wandb with wandb_project."""
+        return tuple(dict.fromkeys((*self.report_to, *(("wandb",) if self.wandb_project else ()))))
 
     @property
     def rollouts_per_iter(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from pathlib import Path
 
 from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
@@ -14,6 +15,7 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
+from grpo_flyte.reporting.tracking import PACKAGES, missing_package
 from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward
 from grpo_flyte.types import Example
 
@@ -27,7 +29,7 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     Every row must have a usable answer (when the 'correct' reward is weighted) and --eval-size must
     fit. The rows of a file or a local dataset folder travel to the driver as an input; 'gsm8k' and
     Hub ids are loaded where the driver runs (here too, in a local run, to check them first). Custom
-    rewards must import, and --wandb-project needs wandb.
+    rewards must import, and each tracker its package (`check_trackers`).
     """
     examples = split = None
     data = config.data
@@ -49,16 +51,54 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
             )
     if config.episode.multi_turn:
         load_environment(config.episode.env)
-    if config.wandb_project and not _installed("wandb"):
-        raise UserError(f"--wandb-project {config.wandb_project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'")
-    if config.wandb_project and not local and not _installed("flyteplugins.wandb"):
-        raise UserError(
-            f"--wandb-project {config.wandb_project!r} on a cluster needs flyteplugins-wandb (the run's W&B link in the "
-            "Flyte UI): pip install 'grpo-flyte[wandb]'"
-        )
+    check_trackers(config, local)
     if config.lora.load_in_4bit and local:
         check_bitsandbytes()
     return examples, split
+
+
+# Where a cluster driver's trackers send their runs (read where you submit, given to the driver):
+# a pod's own files are lost with it.
+CLUSTER_TRACKING_ENV = {"mlflow": ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"), "trackio": ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")}
+
+
+def check_trackers(config: RunConfig, local: bool) -> None:
+    """Every tracker the run logs to (`RunConfig.trackers`) must import here; on a cluster, each must
+    log somewhere that outlives the driver's pod: W&B (its link needs flyteplugins-wandb), MLflow to
+    a tracking server, trackio to a Space or a server; TensorBoard's files are local, so refused."""
+    for name in config.trackers:
+        if not _installed(PACKAGES[name][0]):
+            where = f"--wandb-project {config.wandb_project!r}" if name == "wandb" and name not in config.report_to else "--report-to"
+            raise UserError(f"{where} {missing_package(name)}")
+    if local:
+        return
+    if "wandb" in config.trackers and not _installed("flyteplugins.wandb"):
+        where = f"--wandb-project {config.wandb_project!r}" if config.wandb_project else "--report-to wandb"
+        raise UserError(
+            f"{where} on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): pip install 'grpo-flyte[wandb]'"
+        )
+    if "tensorboard" in config.report_to:
+        raise UserError(
+            "--report-to tensorboard writes event files under the local run folder, which a cluster driver does not have "
+            "(its pod's files are lost); expected a local run, or --report-to wandb, mlflow (a tracking server) or trackio (a Space)"
+        )
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in config.report_to and not uri.startswith(("http://", "https://", "databricks")):
+        raise UserError(
+            f"--report-to mlflow on a cluster needs MLFLOW_TRACKING_URI set here to a tracking server (http(s)://... or "
+            f"databricks), given to the driver; got {uri or 'none'}: a store in the driver's pod is lost with it"
+        )
+    if "trackio" in config.report_to and not (os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL")):
+        raise UserError(
+            "--report-to trackio on a cluster needs TRACKIO_SPACE_ID (a Hugging Face Space; the driver's HF token writes to it) "
+            "or TRACKIO_SERVER_URL set here, given to the driver: a local trackio database in the driver's pod is lost with it"
+        )
+
+
+def tracking_env(config: RunConfig) -> dict[str, str]:
+    """The tracker settings (CLUSTER_TRACKING_ENV) a cluster driver gets from where you submit."""
+    names = [name for tracker in config.report_to for name in CLUSTER_TRACKING_ENV.get(tracker, ())]
+    return {name: os.environ[name] for name in names if os.environ.get(name)}
 
 
 def check_bitsandbytes() -> None:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
+from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
 from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
@@ -38,6 +38,10 @@ class LocalRunFiles:
         if answers is not None:
             rows = "".join(json.dumps({"iteration": row.iteration, **a.model_dump(exclude_none=True)}) + "\n" for a in answers)
             write_text_atomic(self.root / EVAL_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
+        sample = [c for c in state.completions if c.iteration == row.iteration]
+        if sample:  # --log-completions; a file per iteration, so a resumed run rewrites an iteration's whole
+            rows = "".join(json.dumps(c.model_dump()) + "\n" for c in sample)
+            write_text_atomic(self.root / COMPLETIONS_DIR / f"iter-{row.iteration:04d}.jsonl", rows)
         self.prune_adapters(state.adapter, keep=state.guard.best.adapter if state.guard.best else None)
         # batches that travelled as files (storage.as_payload) are consumed once the step is checkpointed
         for payload in (self.root / FLYTE_DATA / "payloads").glob("scored-*"):

@@ -35,6 +35,7 @@ CONFIG_FILE = "config.json"
 FLYTE_DATA = "flyte"  # Flyte's raw data (adapters, checkpoint) inside a local run dir
 METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
+COMPLETIONS_DIR = "completions"  # --log-completions: each iteration's sample
 ADAPTER_DIR = "adapter"
 BEST_DIR = "best"  # the best adapter by the held-out evaluations (grpo_flyte.loop.guard)
 MERGED_DIR = "merged"
@@ -138,7 +139,7 @@ def _holdings(run_dir: Path) -> str:
     parts = [f"{METRICS_FILE} (iterations {min(done)}-{max(done)})"] if done else []
     parts += [
         name + "/" if (run_dir / name).is_dir() else name
-        for name in (ADAPTER_DIR, BEST_DIR, REPORT_FILE, EVAL_DIR)
+        for name in (ADAPTER_DIR, BEST_DIR, REPORT_FILE, EVAL_DIR, COMPLETIONS_DIR)
         if (run_dir / name).exists()
     ]
     return ", ".join(parts) or "nothing but its config"
@@ -213,7 +214,13 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     (`files.leftovers`), never a file of the user's. Only the lock holder calls this."""
     flyte_data = run_dir / FLYTE_DATA
     return remove_leftovers_in(
-        run_dir, run_dir / EVAL_DIR, flyte_data, flyte_data / "adapters", flyte_data / "reports", flyte_data / "payloads"
+        run_dir,
+        run_dir / EVAL_DIR,
+        run_dir / COMPLETIONS_DIR,
+        flyte_data,
+        flyte_data / "adapters",
+        flyte_data / "reports",
+        flyte_data / "payloads",
     )
 
 

@@ -21,7 +21,8 @@ import grpo_flyte
 from grpo_flyte.config.constants import EMBEDDED_MODEL
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
-from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
+from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits, tracking_env
+from grpo_flyte.reporting.tracking import wandb_project_of
 from grpo_flyte.runtime.storage import payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
 
@@ -77,9 +78,10 @@ def check_submission(config: RunConfig) -> None:
             f"{settings.train_nodes}) with {config.rollouts_per_step_given()}: expected at most {config.rollouts_per_step} processes"
         )
 
-    if config.wandb_project and not settings.wandb_secret:
+    if "wandb" in config.trackers and not settings.wandb_secret:
+        where = f"--wandb-project {config.wandb_project!r}" if config.wandb_project else "--report-to wandb"
         raise UserError(
-            f"--wandb-project {config.wandb_project!r} on a cluster needs your W&B API key as a Flyte secret: create it "
+            f"{where} on a cluster needs your W&B API key as a Flyte secret: create it "
             "(flyte create secret wandb-api-key) and name it in GRPO_FLYTE_WANDB_SECRET=wandb-api-key"
         )
     if config.engine.backend != "hf" and config.lora.lora_rank > max(VLLM_LORA_RANKS):
@@ -135,16 +137,18 @@ def import_whole_package() -> None:
         importlib.import_module(info.name)
 
 
-def run_context_options(custom_context: dict[str, str] | None = None) -> dict[str, Any]:
+def run_context_options(custom_context: dict[str, str] | None = None, env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     """`flyte.with_runcontext` options of a submission: a checkout's code travels in the code
     bundle; an installed wheel is in the image already (envs._with_package), and bundling
-    site-packages would ship every loaded library, so it names its code with `code_version`."""
+    site-packages would ship every loaded library, so it names its code with `code_version`.
+    `env_vars`: the run's tasks' environment (the trackers' settings, `preflight.tracking_env`)."""
     from grpo_flyte.envs import from_source_checkout
 
+    shared = {"custom_context": custom_context, **({"env_vars": env_vars} if env_vars else {})}
     if from_source_checkout():
         import_whole_package()
-        return {"copy_style": "loaded_modules", "custom_context": custom_context}
-    return {"copy_style": "none", "version": code_version(), "custom_context": custom_context}
+        return {"copy_style": "loaded_modules", **shared}
+    return {"copy_style": "none", "version": code_version(), **shared}
 
 
 def require_cluster() -> None:
@@ -173,17 +177,17 @@ def examples_inputs(examples: list[Example] | None, staging: Path, upload: Calla
     return {"examples": [], "examples_file": [upload(str(folder), payload_key(text))]}
 
 
-def _connect(custom_context: dict[str, str] | None = None):
+def _connect(custom_context: dict[str, str] | None = None, env_vars: dict[str, str] | None = None):
     """flyte.init for this package's code; returns the run context to submit with."""
     import flyte
 
     require_cluster()
     flyte.init_from_config(root_dir=BUNDLE_ROOT)
-    return flyte.with_runcontext(**run_context_options(custom_context))
+    return flyte.with_runcontext(**run_context_options(custom_context, env_vars))
 
 
 def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
-    """For --wandb-project on a cluster: the run context naming a new W&B run, and the W&B link
+    """For W&B on a cluster (--wandb-project, or --report-to wandb): the run context naming a new W&B run, and the W&B link
     (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B.
 
     The run is chosen here, before submitting, because the link is made when the task is
@@ -222,8 +226,9 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     examples = checked[0][0]
     for c in configs:
         check_submission(c)
-    context, links = wandb_submission(config.wandb_project)
-    runner = _connect(context)
+    wandb = "wandb" in config.trackers
+    context, links = wandb_submission(wandb_project_of(config.wandb_project, config.tracking_project) if wandb else None)
+    runner = _connect(context, {name: value for c in configs for name, value in tracking_env(c).items()})
     for c, (_, c_split) in zip(configs, checked, strict=True):
         if not is_repo_id(c.base.model):  # a Hub model is checked where it is fetched, by the trainer
             check_model_fits(c, resolve_local_model(c.base.model), c_split)

@@ -19,6 +19,13 @@ from grpo_flyte.learning.policy import trainable
 from grpo_flyte.types import ScoredGroup, StepStats
 
 
+def advantages(sg: ScoredGroup, train: TrainConfig) -> list[float]:
+    """Each rollout's advantage in the train step: `grpo.group_advantages` of the group's training
+    rewards (`grpo.training_rewards`: the truncation policy applied)."""
+    rewards = grpo.training_rewards(sg.reward_values, sg.truncated, train.truncated)
+    return grpo.group_advantages(rewards, train.advantage_eps, train.scale_rewards == "group", train.advantage_std)
+
+
 def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list[grpo.TrainSequence], int]:
     """Every rollout as a training sequence, in a deterministic order, and the rollout count.
 
@@ -28,11 +35,8 @@ def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list
     """
     sequences = []
     total = 0
-    scale_by_std = train.scale_rewards == "group"
     for sg in sorted(scored, key=lambda s: s.group.index):
-        rewards = grpo.training_rewards(sg.reward_values, sg.truncated, train.truncated)
-        advantages = grpo.group_advantages(rewards, train.advantage_eps, scale_by_std, train.advantage_std)
-        for rollout, adv, cut in zip(sg.group.rollouts, advantages, sg.truncated, strict=True):
+        for rollout, adv, cut in zip(sg.group.rollouts, advantages(sg, train), sg.truncated, strict=True):
             total += 1
             if rollout.num_model_tokens:
                 masked = train.truncated == "mask" and cut

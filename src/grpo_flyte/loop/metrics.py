@@ -11,8 +11,9 @@ from typing import Any
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
+from grpo_flyte.learning.update import advantages
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import BestCompletion, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+from grpo_flyte.types import BestCompletion, CompletionSample, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -146,6 +147,30 @@ def best_completion(scored: list[ScoredGroup]) -> BestCompletion:
         group_texts=[r.text[:SHOWN_CHARS] for r in sg.group.rollouts] if judged else None,
         index=i if judged else None,
     )
+
+
+def completion_sample(config: RunConfig, scored: list[ScoredGroup], iteration: int) -> list[CompletionSample]:
+    """The completions --log-completions keeps of an iteration: the groups in prompt order, each
+    group's completions in order (its first only, with --log-unique-prompts), the first
+    --num-completions-to-log of them (all when unset), each with its advantage in the train step."""
+    sample = []
+    for sg in sorted(scored, key=lambda s: s.group.index):
+        group = zip(sg.group.rollouts, sg.rewards, advantages(sg, config.train), strict=True)
+        for rollout, parts, advantage in list(group)[: 1 if config.log_unique_prompts else None]:
+            sample.append(
+                CompletionSample(
+                    iteration=iteration,
+                    group=sg.group.index,
+                    question=sg.group.example.question,
+                    answer=sg.group.example.answer,
+                    completion=rollout.text,
+                    reward=parts.reward,
+                    advantage=advantage,
+                    scores=parts.scores,
+                    finish_reason=rollout.finish_reason,
+                )
+            )
+    return sample[: config.num_completions_to_log]
 
 
 def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) -> tuple[EvalMetrics, list[EvalAnswer]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -55,6 +56,16 @@ def current_run() -> str | None:
 def _watching() -> list[RunObserver]:
     run = current_run() if any(wanted is not None for _, wanted in _observers) else None
     return [observer for observer, wanted in _observers if wanted is None or wanted == run]
+
+
+def run_folder() -> Path | None:
+    """The local run folder the caller's run writes (an observer's `root`: `launch.run_files.LocalRunFiles`),
+    or None (a cluster driver; a run started without the command line)."""
+    for observer in _watching():
+        root = getattr(observer, "root", None)
+        if isinstance(root, Path):
+            return root
+    return None
 
 
 def recorded(state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> None:

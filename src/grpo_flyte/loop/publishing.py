@@ -31,6 +31,7 @@ async def publish_report(config: RunConfig, state: LoopState, status: str, messa
         "history": [row.flat() for row in state.history],
         "best_completion": state.best_completion.model_dump() if state.best_completion else None,
         "held_out_answers": [answer.model_dump() for answer in state.held_out_sample],
+        "completions": [c.model_dump() for c in state.completions],
         "message": message,
     }
     html = render_report(**parts)

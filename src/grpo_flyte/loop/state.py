@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from grpo_flyte.loop.guard import GuardState
 from grpo_flyte.runtime.storage import located_path, portable_path, save_checkpoint
-from grpo_flyte.types import AdapterRef, BestCompletion, EvalAnswer, MetricsRow
+from grpo_flyte.types import AdapterRef, BestCompletion, CompletionSample, EvalAnswer, MetricsRow
 
 
 class LoopState(BaseModel):
@@ -26,6 +26,8 @@ class LoopState(BaseModel):
     tracking_id: str = ""
     # A few answers of the latest held-out evaluation, for the report.
     held_out_sample: list[EvalAnswer] = []
+    # --log-completions: the latest iteration's sample, for the run folder, the trackers and the report.
+    completions: list[CompletionSample] = []
     # A pipelined run (max_staleness K): the adapters before `adapter` that batches in flight use
     # (the K newest), and the batches in flight: iteration (0-based) -> the adapter version
     # generating it. A resumed run regenerates exactly those, with those versions.

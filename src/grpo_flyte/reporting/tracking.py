@@ -1,9 +1,11 @@
-"""This module tracks experiments: it also sends the per-iteration metrics rows to Weights & Biases.
+"""This module holds what every experiment tracker shares: the interface its adapter implements
+(`Tracker`, in `reporting.trackers`), the package and extra each needs, the values a metrics row
+gives it, and the W&B run a cluster run's submitter chooses.
 
-Optional: only `--wandb-project NAME` imports wandb (the `wandb` extra). The W&B run id is kept in
-the loop's checkpoint, so a resumed or retried driver continues the same W&B run. WANDB_MODE,
-WANDB_ENTITY and WANDB_API_KEY are read by wandb itself (on a cluster, give the driver the key as
-a secret); WANDB_MODE=offline writes the run under the run dir for a later `wandb sync`.
+A run logs to the trackers `--report-to` names (and W&B with `--wandb-project`), each an optional
+extra imported only when named. The tracking id is kept in the loop's checkpoint, so a resumed or
+retried driver continues the same tracker runs. Each tracker's own environment variables (WANDB_*,
+TRACKIO_*, MLFLOW_*) configure it; on a cluster, give the driver W&B's key as a secret.
 
 On a cluster the CLI chooses the W&B run before it submits (`WandbRun`): the run's custom context
 names it the way flyteplugins-wandb does, so the plugin's link on the driver task opens it from the
@@ -13,12 +15,24 @@ Flyte UI, and the driver logs to it.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger("grpo_flyte")
+
+# tracker -> (the module it imports, the extra that installs it)
+PACKAGES = {
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+    "mlflow": ("mlflow", "mlflow"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+}
+# The tables a row may come with: a held-out evaluation's answers, and an iteration's completions (--log-completions).
+ANSWER_COLUMNS = ("question", "answer", "completion", "reward", "correct")
+COMPLETION_COLUMNS = ("group", "question", "answer", "completion", "reward", "advantage")
 
 
 def new_run_id() -> str:
@@ -61,35 +75,40 @@ class WandbRun:
         return cls(project=context["wandb_project"], id=context["wandb_id"], entity=context.get("wandb_entity") or None)
 
 
-class Tracker:
-    """Logs metrics rows to a W&B run when a project is given; does nothing otherwise."""
+@dataclass(frozen=True)
+class Table:
+    """Rows of text and numbers logged at one step (held-out answers, an iteration's completions)."""
 
-    def __init__(self, project: str | None, run_id: str, config: dict[str, Any], entity: str | None = None):
-        self._run = None
-        if not project:
-            return
-        try:
-            import wandb
-        except ImportError:
-            raise RuntimeError(f"--wandb-project {project!r} needs the wandb package: pip install 'grpo-flyte[wandb]'") from None
-        # WANDB_DIR says where wandb keeps its local files (a local run sets it to the run folder).
-        # entity None: WANDB_ENTITY, else the key's default entity (wandb's own choice)
-        self._run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", config=config)
-        logger.info("logging metrics to W&B project %s, run %s", project, run_id)
+    columns: tuple[str, ...]
+    rows: list[list[Any]]
 
-    def log(self, row: dict[str, Any], answers: list[dict[str, Any]] | None = None) -> None:
-        """One metrics row; with a held-out evaluation's answers, also a table of them (question,
-        expected answer, the greedy completion, its reward, correct), at the same step."""
-        if self._run is not None:
-            values: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if answers:
-                import wandb
+    @classmethod
+    def of(cls, columns: tuple[str, ...], records: list[dict[str, Any]]) -> Table:
+        return cls(columns, [[record[c] for c in columns] for record in records])
 
-                columns = ["question", "answer", "completion", "reward", "correct"]
-                values["held_out_answers"] = wandb.Table(columns=columns, data=[[a[c] for c in columns] for a in answers])
-            self._run.log(values, step=int(row["iteration"]))
 
-    def finish(self, failed: bool = False) -> None:
-        if self._run is not None:
-            self._run.finish(exit_code=1 if failed else 0)
-            self._run = None
+class Tracker(Protocol):
+    """One tracker's run, as `reporting.trackers` opens it for a train_rl run."""
+
+    def log(self, step: int, values: dict[str, float], tables: dict[str, Table]) -> None:
+        """One metrics row's numbers (and its tables) at `step`, the row's iteration."""
+
+    def finish(self, failed: bool) -> None:
+        """Close the run, marked failed or finished."""
+
+
+def metric_values(row: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics row (a line of metrics.jsonl), by the same keys: text (guard_event,
+    select_by) and unmeasured values (None) stay in metrics.jsonl."""
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def missing_package(tracker: str) -> str:
+    """What a tracker whose package is missing needs, in words: 'mlflow needs the mlflow package: pip install ...'."""
+    module, extra = PACKAGES[tracker]
+    return f"{tracker} needs the {module} package: pip install 'grpo-flyte[{extra}]'"
+
+
+def wandb_project_of(wandb_project: str | None, tracking_project: str) -> str:
+    """The W&B project a run logs to: --wandb-project, else WANDB_PROJECT, else --tracking-project."""
+    return wandb_project or os.environ.get("WANDB_PROJECT") or tracking_project

@@ -260,6 +260,7 @@ CUSTOM_CHECKS = {
     "judge_rubric": ["no-such-rubric.txt", "rubrics/missing.md"],
     "generation_kwargs": [{"temperature": 1.0}, {"no_such_key": 1}],
     "chat_template_kwargs": [{"tokenize": False}],
+    "report_to": ["comet", "all", "wandb,nope", "none,wandb"],
 }
 
 

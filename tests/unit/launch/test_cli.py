@@ -841,7 +841,7 @@ class DryRun:
         return type("Run", (), {"url": "https://cluster/runs/r1"})()
 
 
-submit._connect = lambda custom_context=None: DryRun(custom_context)
+submit._connect = lambda custom_context=None, env_vars=None: DryRun(custom_context)
 submit.resolve_remote_model = lambda model: Dir(path="s3://bucket/model")
 common = ["--model", sys.argv[2], "--iterations", "1", "--eval-size", "2"]
 for argv in ([*common, "--wandb-project", "grpo-test"], common):
@@ -880,7 +880,7 @@ def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, caps
     from grpo_flyte.launch import cli, preflight, submit
 
     monkeypatch.setattr(preflight, "_installed", lambda module: module != "flyteplugins.wandb")
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: pytest.fail("nothing may be submitted"))
     assert cli.main(["--wandb-project", "grpo-test", "--iterations", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: --wandb-project 'grpo-test' on a cluster needs flyteplugins-wandb (the run's W&B link in the Flyte UI): " \
@@ -952,7 +952,55 @@ def test_cluster_train_processes_are_checked_before_submitting(monkeypatch, caps
     from grpo_flyte.launch import cli, submit
 
     monkeypatch.setattr(envs.settings, "train_gpu", gpu)
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: pytest.fail("nothing may be submitted"))
     assert cli.main([*argv, "--iterations", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and words in err, err
+
+
+def test_report_to_takes_a_comma_separated_list_or_none_and_names_what_it_expects():
+    from grpo_flyte.launch.cli import parse_args
+
+    _, config, _ = parse_args(["--report-to", "mlflow,tensorboard", "--log-completions", "--num-completions-to-log", "4"])
+    assert (config.report_to, config.trackers, config.log_completions, config.num_completions_to_log) == (
+        ("mlflow", "tensorboard"), ("mlflow", "tensorboard"), True, 4,
+    )  # fmt: skip
+    assert parse_args(["--report-to", "none"])[1].report_to == ()
+    assert parse_args(["--wandb-project", "p", "--report-to", "trackio"])[1].trackers == ("trackio", "wandb")  # W&B implied
+    assert RunConfig().trackers == () and not RunConfig().log_completions  # the default logs nowhere else
+    for bad, words in (("comet", "'comet'"), ("all", "would change with the environment")):
+        with pytest.raises(ConfigError) as info:
+            parse_args(["--report-to", bad])
+        assert words in str(info.value) and "expected a comma-separated list of wandb, trackio, mlflow, tensorboard, or none" in str(
+            info.value
+        )
+
+
+@pytest.mark.parametrize("tracker", ["trackio", "mlflow", "tensorboard"])
+def test_a_tracker_not_installed_is_one_line_naming_its_extra_before_any_work(tmp_path, monkeypatch, capsys, tracker):
+    from grpo_flyte.launch import preflight
+
+    monkeypatch.setattr(preflight, "_installed", lambda module: module != tracker)
+    result = _main_in(tmp_path, monkeypatch, capsys, ["--local", "--report-to", tracker, "--run-dir", "D"], None)
+    _check_bad_input(result, [f"--report-to {tracker} needs the {tracker} package: pip install 'grpo-flyte[{tracker}]'"])
+
+
+def test_on_a_cluster_each_tracker_must_log_where_the_driver_pod_outlives_and_gets_its_settings(monkeypatch):
+    from grpo_flyte.launch.preflight import check_trackers, tracking_env
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UserError, match="tensorboard writes event files under the local run folder"):
+        check_trackers(RunConfig(report_to="tensorboard"), local=False)
+    check_trackers(RunConfig(report_to="tensorboard,mlflow,trackio"), local=True)  # a local run keeps them in its folder
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/mlruns")
+    with pytest.raises(UserError, match=r"needs MLFLOW_TRACKING_URI set here to a tracking server .* got file:///tmp/mlruns"):
+        check_trackers(RunConfig(report_to="mlflow"), local=False)
+    with pytest.raises(UserError, match="trackio on a cluster needs TRACKIO_SPACE_ID"):
+        check_trackers(RunConfig(report_to="trackio"), local=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.com")
+    monkeypatch.setenv("TRACKIO_SPACE_ID", "me/runs")
+    config = RunConfig(report_to="mlflow,trackio")
+    check_trackers(config, local=False)
+    assert tracking_env(config) == {"MLFLOW_TRACKING_URI": "https://mlflow.example.com", "TRACKIO_SPACE_ID": "me/runs"}
+    assert tracking_env(RunConfig(report_to="trackio")) == {"TRACKIO_SPACE_ID": "me/runs"}  # only what the run's trackers read

@@ -41,7 +41,7 @@ def test_a_large_dataset_folder_still_exists_when_flyte_uploads_it(tmp_path, mon
             seen["exists"] = seen["folder"].is_dir() and (seen["folder"] / storage.PAYLOAD_FILE).is_file()
             raise _Submitted
 
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: Runner())
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: Dir(path="s3://bucket/model"))
     config = RunConfig(model=str(tiny_model_dir), dataset=str(tmp_path / "data.jsonl"), eval_size=4, iterations=1)
     with pytest.raises(_Submitted):
@@ -64,7 +64,7 @@ def test_a_cluster_sweep_over_two_bases_sends_each_config_its_own_base_model_upl
             submitted.append((task.name, inputs))
             return type("Run", (), {"url": "dry-run"})()
 
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: Runner())
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: uploaded.append(model) or Dir(path=f"s3://bucket/{Path(model).name}"))
     tiny = ["--backend", "hf", "--iterations", "1", "--max-new-tokens", "8", "--group-size", "2", "--prompts-per-iter", "2"]
     assert cli.main([*tiny, "--sweep", f"model={tiny_model_dir},{other}", "--sweep", "seed=0,1"]) == 0
@@ -84,7 +84,7 @@ def test_a_cluster_sweep_over_two_bases_sends_each_config_its_own_base_model_upl
 
 
 def _refused(argv: list[str], monkeypatch, capsys) -> str:
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: pytest.fail("nothing may be submitted"))
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: pytest.fail("nothing may be submitted"))
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: pytest.fail("nothing may be uploaded"))
     assert cli.main(argv) == 2
     return capsys.readouterr().err
