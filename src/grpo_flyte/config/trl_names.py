@@ -29,6 +29,7 @@ TRL_ALIASES: dict[str, str] = {
     "vllm_importance_sampling_mode": "is_mode",
     "vllm_gpu_memory_utilization": "vllm_memory_fraction",
     "hub_model_id": "push_to_hub",
+    "num_completions_to_print": "num_completions_to_log",  # nothing is printed: they are logged
 }
 
 # TRL's names whose values are translated, not only renamed (config files and Python; the flag is ours).
@@ -126,6 +127,14 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         (None,),
         "the hf backend decodes with its own batched loop, not transformers' continuous batching",
     ),
+    "log_completions_hub_repo": (
+        (None,),
+        (
+            "the logged completions are written to <run-dir>/completions/ every iteration (and to the trackers' tables); "
+            "upload that folder as a dataset: huggingface-cli upload --repo-type dataset REPO <run-dir>/completions"
+        ),
+    ),
+    "log_multimodal": ((True,), "grpo_flyte trains on text only: there are no images to log"),
     "use_transformers_paged": (
         (False,),
         "the hf backend decodes with its own batched loop and KV cache, not transformers' paged attention",
