@@ -12,7 +12,7 @@ from flyte.io import Dir
 
 from grpo_flyte import trainer
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.learning import data_parallel, grpo, merge, policy
+from grpo_flyte.learning import data_parallel, grpo, losses, merge, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.learning.grpo import TrainSequence
 
@@ -93,7 +93,7 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
     # With several updates, only the later minibatches need log-probs from before the first step;
     # the first one's ratio is exactly 1, not noise from a separately batched pass.
     needed, log_ratios = [], []
-    reference_pass, token_loss = policy_update._reference_pass, grpo.grpo_token_loss
+    reference_pass, token_loss = policy_update._reference_pass, losses.token_loss
 
     def spy_reference(model, sequences, trained, need_old, *rest):
         needed.append(set(need_old))
@@ -104,7 +104,7 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
         return token_loss(logprobs, old, *rest, **kw)
 
     monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
-    monkeypatch.setattr(grpo, "grpo_token_loss", spy_loss)
+    monkeypatch.setattr(losses, "token_loss", spy_loss)
     sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
     stats = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
     assert stats.num_updates == 2
