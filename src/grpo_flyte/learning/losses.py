@@ -354,3 +354,64 @@ class EntropyControl:
         else:
             coef = max(self.coef - train.entropy_coef_delta, train.entropy_coef_min)
         return EntropyControl(coef, entropy)
+
+
+@dataclass
+class MicroBatchObjective:
+    """`objective`'s result: the loss (a scalar, this micro-batch's share of the minibatch loss)
+    and its parts for the metrics; a part not computed is None."""
+
+    loss: torch.Tensor
+    terms: TokenLoss
+    kl: torch.Tensor | None = None  # (N,) kl_k3, 0 where no reference log-prob was computed
+    weights: torch.Tensor | None = None  # (N,) the importance weights w_t (computed even when not applied)
+    rho: torch.Tensor | None = None  # (N,) the raw importance ratios
+    stays: torch.Tensor | None = None  # (N,) bool: the off-policy mask
+    high: torch.Tensor | None = None  # (N,) bool: the high-entropy mask
+
+
+def objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    rows: torch.Tensor,
+    lengths: torch.Tensor,
+    train: TrainConfig,
+    norm: LossNormalizer,
+    sampling_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    threshold: float | None = None,
+    coef: float = 0.0,
+) -> MicroBatchObjective:
+    """One micro-batch's share of the minibatch objective, composed as TRL's `_compute_loss`:
+
+        w_t     = importance_weights(old, samp)        with samp given and is_correction (else none)
+        keep_t  = high_t & stays_t                     high_t = H_t >= threshold (threshold given),
+                                                       stays_t = off_policy_mask(samp, or old without samp)
+        L       = aggregate_loss(token_loss(..., w, kl_k3(logp, ref), keep))
+                  + entropy_bonus(H, high, coef)       (with an entropy bonus)
+
+    `ref_logprobs` (N,) may hold NaN where no reference log-prob was computed: kl is 0 there.
+    """
+    import torch
+
+    kl = None
+    if ref_logprobs is not None:
+        known = ~torch.isnan(ref_logprobs)
+        kl = kl_k3(logprobs, ref_logprobs.nan_to_num(0.0)) * known
+    weights = rho = None
+    if sampling_logprobs is not None:
+        weights, rho = importance_weights(old_logprobs, sampling_logprobs, rows, train.is_cap, train.is_mode, train.is_clip_min)
+    high = None if threshold is None else entropy.detach() >= threshold
+    keep, stays = high, None
+    if train.off_policy_mask_threshold is not None:
+        behaviour = sampling_logprobs if sampling_logprobs is not None else old_logprobs
+        stays = off_policy_mask(advantages, logprobs, behaviour, rows, lengths, train.off_policy_mask_threshold)
+        keep = stays if keep is None else keep & stays
+    applied = weights if train.is_correction else None
+    terms = token_loss(logprobs, old_logprobs, advantages, rows, lengths, train, applied, kl, keep)
+    loss = aggregate_loss(terms.loss, rows, lengths, train.loss_type, norm)
+    if train.entropy_bonus:
+        loss = loss + entropy_bonus(entropy, high, coef, norm)
+    return MicroBatchObjective(loss, terms, kl, weights, rho, stays, high)

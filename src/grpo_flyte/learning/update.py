@@ -269,45 +269,37 @@ def _micro_batch_loss(
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
     lengths = torch.tensor([s.num_trained for s in seqs], device=device)
     advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
-    kl = None
+    ref_lp = None
     if any(r is not None for r in ref):
-        has_ref = torch.cat([torch.full((s.num_trained,), r is not None) for r, s in zip(ref, seqs, strict=True)]).to(device)
-        ref_lp = torch.cat([r if r is not None else torch.zeros(s.num_trained, device=device) for r, s in zip(ref, seqs, strict=True)])
-        kl = losses.kl_k3(logprobs, ref_lp) * has_ref
-        totals.kl += float(kl.detach().sum())
-        totals.kl_tokens += int(has_ref.sum())
-    weights = samp = None
+        missing = torch.full((1,), float("nan"), device=device)
+        ref_lp = torch.cat([r if r is not None else missing.expand(s.num_trained) for r, s in zip(ref, seqs, strict=True)])
+    samp = None
     if all(s.sampling_logprobs is not None for s in seqs):
         samp = torch.tensor([x for s in seqs for x in s.sampling_logprobs], device=device)
-        corrected, rho = losses.importance_weights(old_lp, samp, rows, train.is_cap, train.is_mode, train.is_clip_min)
-        weights = corrected if train.is_correction else None
-        totals.is_sum += float(rho.sum())
-        totals.is_max = max(totals.is_max, float(rho.max()))
-        totals.is_tokens += rho.numel()
-        totals.weight_sum += float(corrected.sum())
-        totals.weight_square_sum += float(corrected.square().sum())
-        totals.is_cut += int((corrected != rho).sum())
-    high = None if threshold is None else entropy.detach() >= threshold
-    keep = high
-    if train.off_policy_mask_threshold is not None:
-        behaviour = samp if samp is not None else old_lp
-        stays = losses.off_policy_mask(advantages, logprobs, behaviour, rows, lengths, train.off_policy_mask_threshold)
-        totals.off_masked += int((~stays).sum())
-        keep = stays if keep is None else keep & stays
-    out = losses.token_loss(logprobs, old_lp, advantages, rows, lengths, train, weights, kl, keep)
-    loss = losses.aggregate_loss(out.loss, rows, lengths, train.loss_type, norm)
+    out = losses.objective(logprobs, entropy, old_lp, advantages, rows, lengths, train, norm, samp, ref_lp, threshold, coef)
+    if out.kl is not None:
+        totals.kl += float(out.kl.detach().sum())
+        totals.kl_tokens += int((~torch.isnan(ref_lp)).sum())
+    if out.rho is not None:
+        totals.is_sum += float(out.rho.sum())
+        totals.is_max = max(totals.is_max, float(out.rho.max()))
+        totals.is_tokens += out.rho.numel()
+        totals.weight_sum += float(out.weights.sum())
+        totals.weight_square_sum += float(out.weights.square().sum())
+        totals.is_cut += int((out.weights != out.rho).sum())
+    if out.stays is not None:
+        totals.off_masked += int((~out.stays).sum())
     if train.entropy_bonus:
-        loss = loss + losses.entropy_bonus(entropy, high, coef, norm)
-        measured = entropy.detach() if high is None else entropy.detach()[high]
+        measured = entropy.detach() if out.high is None else entropy.detach()[out.high]
         totals.step_entropy[0] += float(measured.sum())
         totals.step_entropy[1] += measured.numel()
-    if out.phi is not None:
-        totals.phi_sum += float(out.phi.sum())
-        totals.phi_tokens += out.phi.numel()
+    if out.terms.phi is not None:
+        totals.phi_sum += float(out.terms.phi.sum())
+        totals.phi_tokens += out.terms.phi.numel()
     totals.entropy += float(entropy.detach().sum())
-    totals.clipped += int(out.clipped.sum())
+    totals.clipped += int(out.terms.clipped.sum())
     totals.tokens += logprobs.numel()
-    return loss
+    return out.loss
 
 
 def _entropy_threshold(model, sequences, population: list[int], train: TrainConfig, sampling: SamplingConfig, rank: int, world_size: int):
