@@ -61,17 +61,19 @@ async def train_step(
     scored: list[ScoredGroup],
     scored_payload: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
     total_iterations: int = 0,
+    reward_weights: dict[str, float] = {},  # noqa: B006 (as scored_payload)
 ) -> TrainStepResult:
-    """One iteration of GRPO (`updates_per_iter` optimizer steps) on the scored groups; returns the
-    next adapter. A batch too large to pass inline comes as `scored_payload` (`runtime.storage.as_payload`)."""
+    """One iteration of GRPO (`num_iterations` x `updates_per_iter` optimizer steps) on the scored
+    groups; returns the next adapter. A batch too large to pass inline comes as `scored_payload`
+    (`runtime.storage.as_payload`); `reward_weights`: the run's rewards (for normalize_then_sum)."""
     started = time.perf_counter()
     model_path = await _model_dirs.get(base_model)
     adapter_path = await _adapter_dirs.get(adapter.dir)
     scored = await from_payload(scored, scored_payload, ScoredGroup, _payload_dirs)
-    sequences, num_rollouts = policy_update.build_sequences(scored, train)
+    sequences, num_rollouts = policy_update.build_sequences(scored, train, reward_weights)
     version = adapter.version + 1
 
-    steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+    steps = (adapter.version * train.steps_per_iteration, total_iterations * train.steps_per_iteration)
     job = data_parallel.RankJob(model_path, adapter_path, model, lora, train, sampling, sequences, steps, version)
 
     def build(out: Path) -> tuple[Any, Any, StepStats, tuple]:
@@ -85,8 +87,9 @@ async def train_step(
             restored = time.perf_counter()
             optimizer = policy.load_adapter_state(peft, adapter_path, train)
             restore_s = time.perf_counter() - restored
-        stats = policy_update.grpo_step(peft, optimizer, sequences, train, sampling, steps)
-        policy.save_adapter(peft, optimizer, version, out)
+        control = policy.entropy_control(adapter_path, train)  # from the folder: warm state is only a cache
+        stats = policy_update.grpo_step(peft, optimizer, sequences, train, sampling, steps, control=control)
+        policy.save_adapter(peft, optimizer, version, out, policy.control_after(stats))
         policy.record_base(out, model.model)
         return peft, optimizer, stats.model_copy(update={"restore_s": restore_s}), policy.files_of(str(out))
 
@@ -116,6 +119,7 @@ if train_dist_env is not None:
         scored: list[ScoredGroup],
         scored_payload: list[Dir] = [],  # noqa: B006 (as train_step)
         total_iterations: int = 0,
+        reward_weights: dict[str, float] = {},  # noqa: B006 (as train_step)
     ) -> TrainStepResult | None:
         """train_step over the train GPUs: the Elastic plugin runs this in one process per GPU (a
         sync function, as the plugin calls it), each with torch.distributed's variables set. A
@@ -129,7 +133,7 @@ if train_dist_env is not None:
             with input_errors_not_retried():
                 return asyncio.run(
                     data_parallel.distributed_step(
-                        model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations
+                        model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, reward_weights
                     )
                 )
 

@@ -226,8 +226,12 @@ class StepStats(TaskValue):
     num_updates: int = 0
     num_tokens: int = 0  # completion tokens in the loss
     kl: float | None = None  # mean per-token k3 KL to the reference (adapter disabled); None: not measured
-    clip_fraction: float = 0.0  # tokens whose clipped branch won, over all updates
+    clip_fraction: float = 0.0  # tokens clipped, in the loss type's sense (losses.TokenLoss), over all updates
     entropy: float = 0.0  # mean per-token entropy of the trainer's policy
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient after the step (adaptive control: the next step's)
+    entropy_last: float | None = None  # adaptive control: the last step's mean entropy over the bonus's tokens (None: none yet)
+    off_policy_masked_fraction: float = 0.0  # tokens off_policy_mask_threshold left out of the policy loss
+    vespo_phi_mean: float | None = None  # loss_type 'vespo': mean gamma weight phi(w) per token; None otherwise
     is_ratio_mean: float = 1.0  # exp(old - samp) per token (per rollout at sequence level), before truncation
     is_ratio_max: float = 1.0
     is_ess: float = 1.0  # effective sample size of the importance weights, as a fraction of the tokens
@@ -266,9 +270,12 @@ class TrainMetrics(TaskValue):
     clip_fraction: float
     is_ratio_mean: float
     is_ratio_max: float
-    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see learning.grpo.effective_sample_size)
+    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see learning.losses.effective_sample_size)
     is_clipped_fraction: float = 0.0  # tokens whose importance weight the cap truncated or masked
     entropy: float
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient after the iteration (see use_adaptive_entropy)
+    off_policy_masked_fraction: float = 0.0  # tokens off_policy_mask_threshold left out of the policy loss
+    vespo_phi_mean: float | None = None  # loss_type 'vespo' only: the mean gamma weight
     grad_norm: float
     lr: float = 0.0  # the learning rate of the iteration's last optimizer step
     train_world_size: int = 1  # processes the train step ran in

@@ -48,7 +48,7 @@ INSIDE = {
     "scoring": ("judging", "workers", "compose"),
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders"),
-    "learning": ("distribution", "grpo", "policy", "update", "data_parallel", "merge"),
+    "learning": ("distribution", "grpo", "losses", "policy", "update", "data_parallel", "merge"),
     "engine": (
         "sampling",
         "grammar",

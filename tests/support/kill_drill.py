@@ -61,10 +61,10 @@ def grpo_step_or_die(*a, **kw):
     return grpo_step(*a, **kw)
 
 
-def save_adapter_or_die(model, optimizer, version, out):
+def save_adapter_or_die(model, optimizer, version, out, *rest):
     model.save_pretrained(str(out))
     reached("save_adapter")
-    return save_adapter(model, optimizer, version, out)
+    return save_adapter(model, optimizer, version, out, *rest)
 
 
 policy_update.grpo_step, policy.save_adapter = grpo_step_or_die, save_adapter_or_die

@@ -242,7 +242,7 @@ def test_with_several_train_gpus_a_cluster_run_trains_on_the_distributed_step(mo
     adapter = batches.AdapterRef(version=0, dir=Dir(path="/nowhere"))
     got = asyncio.run(batches.train_batch(config, Dir(path="/base"), adapter, [], 0))
     assert got == ("train_step_distributed" if distributed else "train_step")
-    assert calls == [(got, config.train, {"total_iterations": 3})]
+    assert calls == [(got, config.train, {"total_iterations": 3, "reward_weights": dict(config.scoring.rewards)})]
 
 
 def test_the_completion_sample_keeps_groups_in_prompt_order_with_their_advantages():

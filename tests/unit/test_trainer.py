@@ -3,6 +3,7 @@ which old policy the first update uses, and logits equal to the model's own forw
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import flyte
@@ -12,7 +13,7 @@ from flyte.io import Dir
 
 from grpo_flyte import trainer
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.learning import data_parallel, grpo, merge, policy
+from grpo_flyte.learning import data_parallel, grpo, losses, merge, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.learning.grpo import TrainSequence
 
@@ -93,7 +94,7 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
     # With several updates, only the later minibatches need log-probs from before the first step;
     # the first one's ratio is exactly 1, not noise from a separately batched pass.
     needed, log_ratios = [], []
-    reference_pass, token_loss = policy_update._reference_pass, grpo.grpo_token_loss
+    reference_pass, token_loss = policy_update._reference_pass, losses.token_loss
 
     def spy_reference(model, sequences, trained, need_old, *rest):
         needed.append(set(need_old))
@@ -104,7 +105,7 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
         return token_loss(logprobs, old, *rest, **kw)
 
     monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
-    monkeypatch.setattr(grpo, "grpo_token_loss", spy_loss)
+    monkeypatch.setattr(losses, "token_loss", spy_loss)
     sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
     stats = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
     assert stats.num_updates == 2
@@ -687,3 +688,98 @@ def test_the_train_side_keeps_a_loaded_base_per_base_model_and_drops_the_least_r
         assert all(load(i) is first[i] for i in range(1, MAX_BASES)) and loads() == bases
         assert load(0) is not first[0] and loads() == [*bases, bases[0]]
     policy.release_models()
+
+
+# --------------------------------------------------------------------------- the objective's options on a real step
+
+_TYPE_SETTINGS = {
+    "grpo": {},
+    "dr_grpo": {},
+    "dapo": {},
+    "bnpo": {},
+    "cispo": {"epsilon_high": 5.0},
+    "sapo": {},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "vespo": {},
+}
+
+
+@pytest.mark.parametrize("loss_type", list(_TYPE_SETTINGS))
+def test_every_loss_type_trains_the_adapter(fresh, loss_type):
+    model, optimizer, config = fresh(loss_type=loss_type, learning_rate=1e-2, **_TYPE_SETTINGS[loss_type])
+    before = [p.detach().clone() for p in policy.trainable(model)]
+    stats = policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    assert stats.num_updates == 1 and stats.grad_norm > 0 and math.isfinite(stats.loss)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.trainable(model), strict=True))
+    assert (stats.vespo_phi_mean is not None) == (loss_type == "vespo")
+
+
+def test_num_iterations_takes_its_passes_each_against_the_old_policy(fresh, monkeypatch):
+    """num_iterations=2 with 2 updates per pass: 4 optimizer steps, at the schedule's steps 4..7 of
+    iteration 2 of 2; every minibatch of the second pass measures its ratio against the log-probs
+    from before the first step (computed up front), so its log-ratio is no longer 0."""
+    needed, log_ratios, seen = [], [], []
+    reference_pass, token_loss = policy_update._reference_pass, losses.token_loss
+
+    def spy_reference(model, sequences, trained, need_old, *rest):
+        needed.append(set(need_old))
+        return reference_pass(model, sequences, trained, need_old, *rest)
+
+    def spy_loss(logprobs, old, *rest, **kw):
+        log_ratios.append((logprobs - old).detach())
+        return token_loss(logprobs, old, *rest, **kw)
+
+    monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
+    monkeypatch.setattr(losses, "token_loss", spy_loss)
+    sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
+    model, optimizer, config = fresh(train={"num_iterations": 2}, updates_per_iter=2, learning_rate=5e-2, lr_scheduler_type="linear")
+    step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda *a, **k: seen.append(optimizer.param_groups[0]["lr"]) or step(*a, **k))
+    assert config.train.steps_per_iteration == 4
+    stats = policy_update.grpo_step(model, optimizer, sequences, config.train, config.sampling, steps=(4, 8))
+    assert stats.num_updates == 4 and seen == pytest.approx([5e-2 * (8 - s) / 8 for s in (4, 5, 6, 7)])
+    assert needed == [{0, 1, 2, 3}]  # the second pass needs minibatch 0's old log-probs too
+    assert torch.equal(log_ratios[0], torch.zeros_like(log_ratios[0]))  # pass 1, minibatch 0: the current policy
+    assert all(r.abs().max() > 0 for r in log_ratios[1:])
+    one = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
+    assert one.num_updates == 2
+
+
+def test_the_train_task_counts_num_iterations_in_the_schedule_and_keeps_the_adaptive_coefficient(tmp_path, llama_dir):
+    """Two train_steps with num_iterations=2: each takes 2 x updates_per_iter optimizer steps; the
+    adaptive entropy coefficient one step ends with is saved in the adapter folder and the next
+    step, with no warm state, starts from it."""
+    import json
+
+    from grpo_flyte.types import STATE_FILE
+
+    config = RunConfig(
+        model=str(llama_dir), dtype="float32", group_size=2, max_new_tokens=8, learning_rate=1e-2,
+        train={"num_iterations": 2, "use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target": 100.0,
+               "entropy_coef_delta": 0.01},
+    )  # fmt: skip
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        adaptive_steps, config=config, base=Dir(path=str(llama_dir))
+    )
+    (first, second), folders = run.outputs()
+    assert first.stats.num_updates == 2 and second.stats.num_updates == 2  # 1 update per pass, 2 passes
+    # the entropy (about ln 64 nats) is below the target: +0.01 per optimizer step, and it carries over
+    assert first.stats.entropy_coef == pytest.approx(0.12) and second.stats.entropy_coef == pytest.approx(0.14)
+    state = json.loads((Path(folders[0]) / STATE_FILE).read_text())
+    assert state["entropy_coef"] == pytest.approx(0.12) and state["last_entropy"] > 0
+    assert policy.entropy_control(folders[0], config.train).coef == pytest.approx(0.12)
+    assert policy.entropy_control(folders[0], config.train.model_copy(update={"use_adaptive_entropy": False})).coef == 0.1
+
+
+@warm_env.task
+async def adaptive_steps(config: RunConfig, base: Dir) -> tuple[list, list[str]]:
+    """init_adapter, then two cold train_steps (the warm optimizer forgotten between them)."""
+    adapter = await trainer.init_adapter(config.base, config.lora, config.seed, base)
+    results, folders = [], []
+    for _ in range(2):
+        trainer._warm.clear()
+        result = await trainer.train_step(config.base, config.lora, config.train, config.sampling, base, adapter, _scored_groups())
+        adapter = result.adapter
+        results.append(result)
+        folders.append(adapter.dir.path)
+    return results, folders

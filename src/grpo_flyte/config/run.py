@@ -48,7 +48,10 @@ class RunConfig(Part):
     """Everything that determines what a run computes."""
 
     iterations: int = Field(
-        10, ge=1, le=100_000, description="GRPO iterations: generate, score and train (updates_per_iter optimizer steps) each."
+        10,
+        ge=1,
+        le=100_000,
+        description="GRPO iterations: generate, score and train (updates_per_iter x num_iterations optimizer steps) each.",
     )
     prompts_per_iter: int = Field(8, ge=1, le=4096, description="Prompts sampled per iteration; one generate task each.")
     min_informative_groups: int = Field(

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_flyte.config.constants import MAX_TRAIN_PROCESSES
 from grpo_flyte.config.part import Part
-from grpo_flyte.errors import flag
+from grpo_flyte.errors import flag, given
 
 
 class LoraConfig(Part):
@@ -81,31 +81,150 @@ class TrainConfig(Part):
     learning_rate: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate for the LoRA weights.")
     weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient-norm clip.")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = Field(
         "grpo",
         description=(
-            "Loss aggregation: 'grpo' (mean over each completion's tokens, then over completions), "
-            "'dr_grpo' (token sum / (completions x max_new_tokens); pair it with --scale-rewards none "
-            "as in the Dr. GRPO paper), 'dapo' (mean over all completion tokens of the batch)."
+            "The loss (TRL's loss_type; formulas in learning/losses.py): 'grpo' (clipped surrogate; mean over each "
+            "completion's tokens, then over completions), 'dr_grpo' (token sum / (completions x max_new_tokens); pair it "
+            "with --scale-rewards none as in the Dr. GRPO paper), 'dapo' (mean over the optimizer step's completion "
+            "tokens), 'bnpo' (the same here: TRL's differs only in normalizing each device's micro-batch alone), "
+            "'cispo' (MiniMax-M1: the ratio capped at epsilon_high, a weight without gradient on A x logp; token mean), "
+            "'sapo' (a sigmoid gate instead of the clip, see sapo_temperature_*; per-completion mean), 'luspo' (GSPO "
+            "with each completion's loss scaled by its length; needs --importance-sampling-level sequence), 'vespo' "
+            "(a gamma weight of the sequence ratio, see vespo_*; token mean)."
         ),
     )
-    scale_rewards: Literal["group", "none"] = Field(
+    scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
         description=(
-            "Advantages: 'group' divides each group's centred rewards by the group's std (GRPO); "
-            "'none' only centres them (Dr. GRPO). TRL: scale_rewards, verl: norm_adv_by_std_in_grpo."
+            "Advantages: 'group' divides each group's centred rewards by the group's std (GRPO); 'batch' by the std of "
+            "every reward of the iteration (PPO Lite); 'none' only centres them (Dr. GRPO). TRL: scale_rewards (true: "
+            "'group', false: 'none'), verl: norm_adv_by_std_in_grpo."
+        ),
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description=(
+            "Several rewards: 'sum_then_normalize' turns the weighted sum into advantages (scale_rewards); "
+            "'normalize_then_sum' (GDPO) normalizes each reward's scores within the group, takes their weighted sum, "
+            "then normalizes that over the iteration's completions (scale_rewards is then unused). With --truncated "
+            "min_reward a truncated completion gets its group's lowest weighted sum (at most 0) before the batch step."
         ),
     )
     epsilon: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range below 1: the ratio is clipped at 1 - epsilon.")
 
-    epsilon_high: float = Field(0.2, gt=0.0, le=10.0, description="PPO clip range above 1: the ratio is clipped at 1 + epsilon_high.")
+    epsilon_high: float = Field(
+        0.2,
+        gt=0.0,
+        le=10.0,
+        description=(
+            "PPO clip range above 1: the ratio is clipped at 1 + epsilon_high (DAPO: 0.28). With loss_type 'cispo' it "
+            "is the cap of the ratio itself, epsilon_max (ScaleRL recommends 5.0)."
+        ),
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        le=100.0,
+        description=(
+            "Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at delta, so a negative advantage "
+            "cannot push a large ratio on; above 1 + epsilon_high. None: off."
+        ),
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description=(
+            "The policy ratio of the surrogate: 'token' (one per token) or 'sequence' (GSPO: exp of the completion's "
+            "mean log-ratio, on all its tokens)."
+        ),
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0.0, le=100.0, description="loss_type 'sapo': the gate's temperature for a positive advantage."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0.0, le=100.0, description="loss_type 'sapo': the gate's temperature for a zero or negative advantage."
+    )
+    vespo_k_pos: float = Field(
+        2.0, ge=0.0, le=100.0, description="loss_type 'vespo': the power k of phi(w) for A >= 0 (down-weights sequence ratios below 1)."
+    )
+    vespo_lambda_pos: float = Field(
+        3.0, ge=0.0, le=100.0, description="loss_type 'vespo': the decay lambda of phi(w) for A >= 0 (down-weights ratios above 1)."
+    )
+    vespo_k_neg: float = Field(3.0, ge=0.0, le=100.0, description="loss_type 'vespo': the power k of phi(w) for A < 0.")
+    vespo_lambda_neg: float = Field(2.0, ge=0.0, le=100.0, description="loss_type 'vespo': the decay lambda of phi(w) for A < 0.")
     updates_per_iter: int = Field(
         1,
         ge=1,
         le=1024,
         description="Optimizer steps per iteration, each on one minibatch of the iteration's rollouts (clipping acts when > 1).",
     )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description=(
+            "Passes over each iteration's rollouts (TRL's num_iterations, mu in the GRPO paper): each pass takes "
+            "updates_per_iter optimizer steps, every ratio against the policy at the start of the iteration."
+        ),
+    )
     beta: float = Field(0.0, ge=0.0, le=100.0, description="KL penalty weight against the base model (the adapter disabled).")
+    use_bias_correction_kl: bool = Field(
+        True,
+        description=(
+            "With beta > 0, multiply each token's KL by its policy ratio (DeepSeek-V3.2, TRL's default): the unbiased "
+            "reverse-KL gradient; it changes the gradient even where the ratio is 1."
+        ),
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Keep in the policy loss only this share of tokens, those of highest entropy (Beyond the 80/20 Rule: 0.2), "
+            "the threshold taken over each optimizer step's tokens; 1.0 keeps all. Below 1 each step forwards its "
+            "rollouts once more without gradients to find the threshold."
+        ),
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description=(
+            "Entropy bonus: the loss minus entropy_coef x the mean per-token entropy (the tokens top_entropy_quantile "
+            "keeps), the same meaning for every loss type. With use_adaptive_entropy the starting coefficient."
+        ),
+    )
+    use_adaptive_entropy: bool = Field(
+        False,
+        description=(
+            "Skywork-OR1's control: after each optimizer step entropy_coef moves by entropy_coef_delta, up when the "
+            "step's mean entropy was at most entropy_target, else down; the bonus applies only while the last entropy "
+            "was at most the target. The coefficient is saved with the adapter."
+        ),
+    )
+    entropy_coef_min: float = Field(0.0, ge=0.0, le=10.0, description="use_adaptive_entropy: the coefficient's lower bound.")
+    entropy_coef_max: float = Field(1.0, ge=0.0, le=10.0, description="use_adaptive_entropy: the coefficient's upper bound.")
+    entropy_coef_delta: float = Field(
+        0.005, ge=0.0, le=10.0, description="use_adaptive_entropy: the coefficient's step per optimizer step."
+    )
+    entropy_target: float = Field(
+        0.2,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "use_adaptive_entropy: the mean per-token entropy (nats, over the tokens the bonus acts on) at or below "
+            "which the bonus applies and grows; set it near the entropy an early iteration reports."
+        ),
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=100.0,
+        description=(
+            "DeepSeek-V3.2's off-policy sequence mask: a completion with a negative advantage whose mean per-token "
+            "log(p_sampling / p_now) exceeds this leaves the policy loss (e.g. 0.5). None: off."
+        ),
+    )
     kl_monitor_every: int = Field(
         5,
         ge=0,
@@ -120,6 +239,15 @@ class TrainConfig(Part):
         description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",
     )
     is_cap: float = Field(2.0, ge=1.0, le=1000.0, description="Upper bound of the importance weight.")
+    is_clip_min: float | None = Field(
+        None,
+        ge=0.0,
+        le=1000.0,
+        description=(
+            "Lower bound of the importance weight (TRL's vllm_importance_sampling_clip_min): below it the weight is "
+            "raised to it ('truncate') or set to 0 ('mask'). None: no lower bound."
+        ),
+    )
     is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
         "token_truncate",
         description=(
@@ -156,7 +284,7 @@ class TrainConfig(Part):
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         description=(
-            "Learning-rate schedule over the run's optimizer steps (iterations x updates_per_iter), after the "
+            "Learning-rate schedule over the run's optimizer steps (iterations x updates_per_iter x num_iterations), after the "
             "warmup: 'constant', 'linear' decay to 0 or 'cosine' decay to 0 (TRL's names and formulas)."
         ),
     )
@@ -181,15 +309,53 @@ class TrainConfig(Part):
         ),
     )
 
+    @property
+    def steps_per_iteration(self) -> int:
+        """Optimizer steps one iteration takes: updates_per_iter per pass, num_iterations passes."""
+        return self.updates_per_iter * self.num_iterations
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has an entropy term (adaptive control keeps it even at coefficient 0)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _trl_scale_rewards(cls, value: Any) -> Any:
-        # TRL also takes booleans (True: 'group', False: 'none'); its 'batch' has no equivalent here
+        # TRL also takes booleans (True: 'group', False: 'none')
         if isinstance(value, bool):
             return "group" if value else "none"
-        if value == "batch":
-            raise ValueError("'batch' (TRL's batch-level std) is not supported; expected 'group' or 'none'")
         return value
+
+    @model_validator(mode="after")
+    def _objective_combinations(self) -> TrainConfig:
+        """The combinations TRL warns about are refused: each is not the method its loss type names."""
+        kind, level = self.loss_type, self.importance_sampling_level
+        if kind == "luspo" and level != "sequence":
+            raise ValueError(
+                f"{given('loss_type', kind)} scales GSPO's sequence ratio by the completion's length; expected "
+                f"{flag('importance_sampling_level')} sequence"
+            )
+        if level == "sequence" and kind in ("bnpo", "dr_grpo", "dapo", "cispo", "vespo"):
+            reason = (
+                "computes its own sequence weight from the token ratios"
+                if kind == "vespo"
+                else "sums tokens, weighting each completion's sequence ratio by its length (not GSPO's objective)"
+            )
+            raise ValueError(
+                f"{given('importance_sampling_level', level)} with {given('loss_type', kind)}: {kind} {reason}; "
+                f"expected loss_type grpo, sapo or luspo, or importance_sampling_level token"
+            )
+        if kind == "vespo" and self.is_correction and self.is_mode.startswith("sequence"):
+            raise ValueError(
+                f"{given('loss_type', kind)} with {given('is_mode', self.is_mode)}: vespo folds per-token importance "
+                "weights into its sequence weight; expected is_mode token_truncate or token_mask"
+            )
+        if self.is_clip_min is not None and self.is_clip_min >= self.is_cap:
+            raise ValueError(f"{given('is_clip_min', self.is_clip_min)} with {given('is_cap', self.is_cap)}: expected is_clip_min < is_cap")
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"{given('entropy_coef_min', self.entropy_coef_min)} above {given('entropy_coef_max', self.entropy_coef_max)}")
+        return self
 
     @field_validator("truncated", mode="before")
     @classmethod

@@ -68,11 +68,12 @@ def train_rank(job: RankJob, out: str) -> StepStats | None:
         restored = time.perf_counter()
         optimizer = policy.load_adapter_state(peft, job.adapter_path, job.train)
         restore_s = time.perf_counter() - restored
+        control = policy.entropy_control(job.adapter_path, job.train)
         stats = policy_update.grpo_step(
-            peft, optimizer, job.sequences, job.train, job.sampling, job.steps, rank=rank, world_size=world_size
+            peft, optimizer, job.sequences, job.train, job.sampling, job.steps, rank=rank, world_size=world_size, control=control
         )
         if rank == 0:
-            policy.save_adapter(peft, optimizer, job.version, Path(out))
+            policy.save_adapter(peft, optimizer, job.version, Path(out), policy.control_after(stats))
             policy.record_base(Path(out), job.model.model)
         dist.barrier()  # the adapter is whole before any process reports the step done
     finally:
@@ -166,6 +167,7 @@ async def distributed_step(
     scored: list[ScoredGroup],
     scored_payload: list[Dir],
     total_iterations: int,
+    reward_weights: dict[str, float] | None = None,
 ) -> TrainStepResult | None:
     """One process of the cluster's data-parallel train step (train_step_distributed): rank 0
     uploads the new adapter and answers for all."""
@@ -173,7 +175,9 @@ async def distributed_step(
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        result = await rank_step(model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, Path(out))
+        result = await rank_step(
+            model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, Path(out), reward_weights
+        )
         if result is None:  # not rank 0: only its answer is the task's
             return None
         new_dir = await Dir.from_local(out)
@@ -193,6 +197,7 @@ async def rank_step(
     scored_payload: list[Dir],
     total_iterations: int,
     out: Path,
+    reward_weights: dict[str, float] | None = None,
 ) -> TrainStepResult | None:
     """Everything one process of a data-parallel train step does but the upload: read the inputs,
     take the step (`train_rank`); rank 0 writes the adapter into `out` and returns the result
@@ -203,9 +208,9 @@ async def rank_step(
     adapter_path = await _node_dirs.get(adapter.dir)
     download_s = time.perf_counter() - fetched
     scored = await from_payload(scored, scored_payload, ScoredGroup, _node_dirs)
-    sequences, num_rollouts = policy_update.build_sequences(scored, train)
+    sequences, num_rollouts = policy_update.build_sequences(scored, train, reward_weights)
     version = adapter.version + 1
-    steps = (adapter.version * train.updates_per_iter, total_iterations * train.updates_per_iter)
+    steps = (adapter.version * train.steps_per_iteration, total_iterations * train.steps_per_iteration)
     stats = train_rank(RankJob(model_path, adapter_path, model, lora, train, sampling, sequences, steps, version), str(out))
     if stats is None:
         return None

@@ -149,7 +149,8 @@ def processed_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The log-prob of each target under the processed distribution (the module's rules, the
     target counted in the kept set) and the entropy of softmax(penalized logits / T) before
-    truncation: (N, V), (N,) -> (N,), (N,). The entropy is detached. `seen` is needed with a
+    truncation: (N, V), (N,) -> (N,), (N,), both differentiable (the entropy bonus needs
+    dH/dz_v = -p_v (log p_v + H)). `seen` is needed with a
     repetition penalty. Never more than a chunk of rows of (N, V) in float32 at a time."""
     if rules.penalizes and seen is None:
         raise ValueError("a repetition penalty needs the tokens each position's context holds (seen)")
@@ -163,7 +164,8 @@ def _processed_chunks():
     Forward, per row with z = penalized logits / T: lse = logsumexp(z), l = z - lse, the cut
     (`kept_cut`), K = {v: l_v >= cut} with the target, lse_K = logsumexp over K of z, and the
     output z_t - lse_K. Backward, recomputing z: d out / d logits_v = (onehot_t - q_v) s_v / T with
-    q_v = exp(z_v - lse_K) on K, 0 elsewhere, and s_v the penalty's factor (`penalty_scale`).
+    q_v = exp(z_v - lse_K) on K, 0 elsewhere, and s_v the penalty's factor (`penalty_scale`); the
+    entropy's, d H / d logits_v = -p_v (log p_v + H) s_v / T with p = softmax(z).
     """
     import torch
 
@@ -203,22 +205,28 @@ def _processed_chunks():
                     cut[rows] = float("-inf")
                     lse_kept[rows] = lse[rows]
                 chosen[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse_kept[rows]
-            ctx.save_for_backward(logits, targets, lse, cut, lse_kept)
+            ctx.save_for_backward(logits, targets, lse, cut, lse_kept, entropy)
             ctx.rules, ctx.seen = rules, seen
-            ctx.mark_non_differentiable(entropy)
+            ctx.set_materialize_grads(False)  # an output nothing depends on gets None: no work for it
             return chosen, entropy
 
         @staticmethod
-        def backward(ctx, grad_chosen, _grad_entropy):
-            logits, targets, lse, cut, lse_kept = ctx.saved_tensors
+        def backward(ctx, grad_chosen, grad_entropy):
+            logits, targets, lse, cut, lse_kept, entropy = ctx.saved_tensors
             rules = ctx.rules
-            grad = torch.empty_like(logits)
-            g = (grad_chosen / rules.temperature).unsqueeze(-1)
+            grad = torch.zeros_like(logits)
+            g = None if grad_chosen is None else (grad_chosen / rules.temperature).unsqueeze(-1)
+            h = None if grad_entropy is None else (grad_entropy / rules.temperature).unsqueeze(-1)
             for rows in chunks(logits.shape[0], logits.shape[-1]):
                 z, scale = processed(logits, rows, rules, ctx.seen)
-                keep = kept(z, lse[rows], cut[rows], targets[rows])
-                q = z.sub_(lse_kept[rows].unsqueeze(-1)).exp_().masked_fill_(~keep, 0.0)
-                part = q.mul_(-g[rows]).scatter_add_(-1, targets[rows].unsqueeze(-1), g[rows])
+                part = torch.zeros_like(z)
+                if h is not None:  # dH/dz_v = -p_v (log p_v + H), p = softmax(z) before truncation
+                    logp = z - lse[rows].unsqueeze(-1)
+                    part.sub_(logp.add(entropy[rows].unsqueeze(-1)).mul_(logp.exp()).mul_(h[rows]))
+                if g is not None:
+                    keep = kept(z, lse[rows], cut[rows], targets[rows])
+                    q = z.sub_(lse_kept[rows].unsqueeze(-1)).exp_().masked_fill_(~keep, 0.0)
+                    part.sub_(q.mul_(g[rows])).scatter_add_(-1, targets[rows].unsqueeze(-1), g[rows])
                 grad[rows] = part.mul_(scale) if scale is not None else part
             return grad, None, None, None
 

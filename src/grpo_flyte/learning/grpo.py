@@ -1,26 +1,26 @@
-"""This module holds the GRPO math: advantages, micro-batching, masking, log-prob gathering and the loss.
+"""This module holds the GRPO math before the loss: advantages, micro-batching, masking and log-prob gathering.
 
 Pure functions, separate from orchestration, unit-tested on hand-computed values. torch is
 imported inside the functions that need it so that importing this module stays cheap.
 
 Notation, per completion token t of rollout i (all log-probs at the sampling temperature):
     logp     the trainer's log-prob now (the only term with a gradient)
-    old      the trainer's log-prob at the start of the iteration (`updates_per_iter` steps reuse it)
+    old      the trainer's log-prob at the start of the iteration (`updates_per_iter` steps and
+             `num_iterations` passes reuse it)
     samp     the generator's sampling log-prob, returned by `generate`
     ref      the reference policy: the same base model with the LoRA adapter disabled
-    A_i      the rollout's advantage (`group_advantages`)
+    A_i      the rollout's advantage (`group_advantages`, `batch_advantages`)
 
 With a sampling rule on (top_p, top_k, min_p, repetition_penalty) every log-prob above is that of
 the processed distribution the tokens were drawn from (grpo_flyte.learning.distribution), on both
 sides: the generators report it and the trainer computes it, so the importance ratio compares one
 distribution with itself.
 
-The per-token loss is `grpo_token_loss`, the aggregation over tokens and rollouts is
-`aggregate_loss` (one formula per `loss_type`); each formula is written once, in the docstring of
-the function that computes it. The normalizer counts every rollout of the batch, as TRL does
-(`LossNormalizer`); a rollout that cannot change the loss (zero advantage and beta = 0, or masked
-by the truncation policy) is then left out of the forward pass (`in_loss`), which changes nothing
-but the time taken.
+The loss itself (each loss type's per-token loss and aggregation, the importance weights, the KL,
+the masks and the entropy bonus) is in grpo_flyte.learning.losses. Its normalizer counts every
+rollout of the batch, as TRL does; a rollout that cannot change the loss (zero advantage, beta = 0
+and no entropy bonus, or masked by the truncation policy) is then left out of the forward pass
+(`in_loss`), which changes nothing but the time taken.
 """
 
 from __future__ import annotations
@@ -35,10 +35,6 @@ from grpo_flyte.learning import distribution
 
 if TYPE_CHECKING:
     import torch
-
-# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp (as verl does), so that a stray token
-# whose log-probs disagree by hundreds cannot overflow the ratio to inf.
-LOG_RATIO_CLAMP = 20.0
 
 
 def training_rewards(rewards: Sequence[float], truncated: Sequence[bool], policy: str) -> list[float]:
@@ -88,6 +84,65 @@ def group_advantages(rewards: Sequence[float], eps: float, scale_by_std: bool = 
     return [(r - mean) / (sd + eps) for r in rewards]
 
 
+def _std(values: Sequence[float], std: str) -> float:
+    """The standard deviation with n - 1 ('sample') or n ('population') in the denominator; 0 when undefined."""
+    dof = len(values) - 1 if std == "sample" else len(values)
+    if dof <= 0:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / dof)
+
+
+def batch_advantages(groups: Sequence[Sequence[float]], eps: float, scale: str = "group", std: str = "sample") -> list[list[float]]:
+    """The advantages of every group of a batch, by TRL's scale_rewards:
+
+        A_gi = (r_gi - mean(r_g)) / (s + eps)
+        group:  s = std(r_g), the group's (`group_advantages`)
+        batch:  s = std of every reward of the batch (PPO Lite)
+        none:   A_gi = r_gi - mean(r_g)   (Dr. GRPO)
+
+    A group whose rewards are all equal gets exactly 0.
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards={scale!r}: expected 'group', 'batch' or 'none'")
+    if scale != "batch":
+        return [group_advantages(g, eps, scale == "group", std) for g in groups]
+    spread = _std([r for g in groups for r in g], std)
+    centred = [group_advantages(g, eps, False, std) for g in groups]
+    return [[a / (spread + eps) for a in g] for g in centred]
+
+
+def normalized_sums(scores: Sequence[dict[str, float]], weights: dict[str, float], eps: float, std: str = "sample") -> list[float | None]:
+    """GDPO's per-reward normalization of one group (TRL's multi_objective_aggregation='normalize_then_sum'):
+
+        s_i = sum_k w_k * (x_ik - mean_k) / (std_k + eps)
+
+    x_ik the unweighted score of reward k for completion i, mean_k and std_k over the group's
+    completions that reward scored (one that returned None is out of its statistics and adds
+    nothing to s_i; a reward with fewer than two scores in the group adds 0). None for a completion
+    no reward scored. The batch-level step is `batch_normalized`.
+    """
+    sums: list[float | None] = [None] * len(scores)
+    for name, weight in weights.items():
+        scored = [i for i, x in enumerate(scores) if name in x]
+        values = [scores[i][name] for i in scored]
+        spread = _std(values, std) if len(values) > 1 else None
+        for i, x in zip(scored, values, strict=True):
+            z = 0.0 if spread is None else (x - sum(values) / len(values)) / (spread + eps)
+            sums[i] = (sums[i] or 0.0) + weight * z
+    return sums
+
+
+def batch_normalized(groups: Sequence[Sequence[float | None]], eps: float, std: str = "sample") -> list[list[float]]:
+    """A_i = (s_i - mean(s)) / (std(s) + eps) over every value of the batch (None: out of the
+    statistics, advantage 0): normalize_then_sum's second step."""
+    values = [v for g in groups for v in g if v is not None]
+    if not values:
+        return [[0.0] * len(g) for g in groups]
+    mean, spread = sum(values) / len(values), _std(values, std)
+    return [[0.0 if v is None else (v - mean) / (spread + eps) for v in g] for g in groups]
+
+
 @dataclass(frozen=True)
 class TrainSequence:
     """One training sequence: prompt and completion token ids, its advantage, and the generator's
@@ -117,10 +172,11 @@ class TrainSequence:
         return len(self.completion_ids) if self.model_mask is None else sum(self.model_mask)
 
 
-def in_loss(sequence: TrainSequence, beta: float) -> bool:
+def in_loss(sequence: TrainSequence, beta: float, entropy_bonus: bool = False) -> bool:
     """Whether the sequence can change the loss: not masked, and a nonzero advantage or, with
-    beta > 0, a KL term (a zero-advantage rollout still pulls towards the reference)."""
-    return not sequence.masked and (sequence.advantage != 0.0 or beta > 0.0)
+    beta > 0, a KL term (a zero-advantage rollout still pulls towards the reference) or, with an
+    entropy bonus, its tokens' entropy."""
+    return not sequence.masked and (sequence.advantage != 0.0 or beta > 0.0 or entropy_bonus)
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -221,7 +277,8 @@ def token_logprobs_and_entropy(
     seen: distribution.SeenTokens | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` and the entropy H_t = -sum_v p_v log p_v of softmax(logits / T) per
-    position: (N, V), (N,) -> (N,), (N,). The entropy is detached.
+    position: (N, V), (N,) -> (N,), (N,). Both are differentiable (the entropy bonus needs
+    dH_t / dlogits_v = -p_v (log p_v + H_t) / T).
 
     With a sampling rule on (top_p < 1, top_k > 0, min_p, repetition_penalty != 1) the log-probs
     are those of the processed distribution the token was sampled from, and the entropy that of the
@@ -249,7 +306,8 @@ def _vocab_chunks():
     (docs/measurements.md#benchmarks, "The train step"): the whole-matrix form writes four float32
     copies of it (N x V is 150M numbers for 3000 completion tokens of a 49k vocabulary) and reads
     them back, forward and backward. Backward, for log p_t = x_t - logsumexp(x) with x = logits / T:
-    d log p_t / d logits_v = (onehot_t - p_v) / T, recomputed from the saved logits and log-sum-exp.
+    d log p_t / d logits_v = (onehot_t - p_v) / T and dH / d logits_v = -p_v (log p_v + H) / T,
+    recomputed from the saved logits, log-sum-exp and entropy.
     """
     import torch
 
@@ -273,19 +331,29 @@ def _vocab_chunks():
                 logp = x.sub_(lse[rows].unsqueeze(-1))
                 chosen[rows] = logp.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
                 entropy[rows] = -(logp.exp() * logp).sum(-1)
-            ctx.save_for_backward(logits, targets, lse)
+            ctx.save_for_backward(logits, targets, lse, entropy)
             ctx.temperature = temperature
-            ctx.mark_non_differentiable(entropy)
+            ctx.set_materialize_grads(False)  # an output nothing depends on gets None: no work for it
             return chosen, entropy
 
         @staticmethod
-        def backward(ctx, grad_chosen, _grad_entropy):
-            logits, targets, lse = ctx.saved_tensors
+        def backward(ctx, grad_chosen, grad_entropy):
+            logits, targets, lse, entropy = ctx.saved_tensors
             grad = torch.empty_like(logits)
-            g = (grad_chosen / ctx.temperature).unsqueeze(-1)
+            g = None if grad_chosen is None else (grad_chosen / ctx.temperature).unsqueeze(-1)
+            h = None if grad_entropy is None else (grad_entropy / ctx.temperature).unsqueeze(-1)
             for rows in chunks(logits.shape[0], logits.shape[-1]):
-                p = scaled(logits, rows, ctx.temperature).sub_(lse[rows].unsqueeze(-1)).exp_()
-                grad[rows] = p.mul_(-g[rows]).scatter_add_(-1, targets[rows].unsqueeze(-1), g[rows])
+                logp = scaled(logits, rows, ctx.temperature).sub_(lse[rows].unsqueeze(-1))
+                if h is None:
+                    out = logp.exp_().mul_(-g[rows])
+                else:
+                    p = logp.exp()
+                    out = logp.add_(entropy[rows].unsqueeze(-1)).mul_(p).mul_(-h[rows])  # -p_v (log p_v + H)
+                    if g is not None:
+                        out.sub_(p.mul_(g[rows]))
+                if g is not None:
+                    out.scatter_add_(-1, targets[rows].unsqueeze(-1), g[rows])
+                grad[rows] = out
             return grad, None, None
 
     return VocabChunks
@@ -321,134 +389,3 @@ def split_minibatches(num_sequences: int, num_minibatches: int) -> list[list[int
         raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
     k = min(num_minibatches, num_sequences)
     return [list(range(j, num_sequences, k)) for j in range(k)]
-
-
-# TRL's vllm_importance_sampling_mode values: the level the ratio is taken at, and what a weight above the cap becomes.
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
-def importance_weights(
-    old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, rows: torch.Tensor, cap: float, mode: str = "token_truncate"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Importance weights for the generator/trainer mismatch, one per token: (weights, raw ratios).
-
-        token level:     rho_t = exp(old_t - samp_t)
-        sequence level:  rho_t = exp(sum over the tokens t' of t's rollout of (old_t' - samp_t'))
-        truncate:        w_t = min(rho_t, cap)
-        mask:            w_t = rho_t if rho_t <= cap, else 0
-
-    The generator (vLLM, batched KV-cached decoding, an older adapter in a pipelined run) and the
-    trainer (a full forward pass of the current adapter) give different log-probs for the same
-    token; w_t re-weights each token's surrogate towards the trainer's policy, and the cap bounds
-    the variance. `rows[t]` is token t's rollout (0-based, within this batch). Both are detached.
-    """
-    import torch
-
-    if cap < 1.0:
-        raise ValueError(f"the importance-weight cap must be >= 1, got {cap}")
-    if mode not in IS_MODES:
-        raise ValueError(f"importance-sampling mode {mode!r}: expected one of {', '.join(IS_MODES)}")
-    log_rho = old_logprobs.detach().float() - sampling_logprobs.float()
-    if mode.startswith("sequence"):
-        per_row = torch.zeros(int(rows.max()) + 1 if rows.numel() else 0, device=log_rho.device).index_add(0, rows, log_rho)
-        log_rho = per_row[rows]
-    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    weights = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho <= cap, rho, torch.zeros_like(rho))
-    return weights, rho
-
-
-def effective_sample_size(weight_sum: float, weight_square_sum: float, count: int) -> float:
-    """The effective sample size of `count` importance weights as a fraction of `count`:
-    (sum w)^2 / (count * sum w^2); 1 when all are equal, towards 1/count when one dominates,
-    0 when all are 0."""
-    if count == 0:
-        return 1.0
-    return weight_sum**2 / (count * weight_square_sum) if weight_square_sum > 0 else 0.0
-
-
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate, the non-negative "k3" estimator:
-
-        kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-
-    Unbiased for KL(pi || pi_ref) when the tokens are sampled from pi, and 0 where they agree.
-    The log-ratio is clamped to +-LOG_RATIO_CLAMP.
-    """
-    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return delta.exp() - delta - 1.0
-
-
-def grpo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon: float,
-    epsilon_high: float,
-    is_weights: torch.Tensor | None = None,
-    kl: torch.Tensor | None = None,
-    beta: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clipped per-token loss and which tokens were clipped: (loss (N,), clipped (N,) bool).
-
-        r_t    = exp(clamp(logp_t - old_t, -20, 20))
-        loss_t = -w_t * min(r_t * A, clip(r_t, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl_t
-
-    `advantages` holds each token's rollout advantage A; w_t are the importance weights (1 when
-    None) and kl_t the per-token KL (`kl_k3`; required when beta > 0). A token is clipped when the
-    clipped branch wins and so carries no gradient: r_t < 1 - epsilon with A < 0, or
-    r_t > 1 + epsilon_high with A > 0.
-    """
-    import torch
-
-    ratio = torch.exp((logprobs - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    clipped_ratio = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    loss = -surrogate if is_weights is None else -is_weights * surrogate
-    if beta != 0.0:
-        if kl is None:
-            raise ValueError("beta != 0 needs the per-token KL")
-        loss = loss + beta * kl
-    with torch.no_grad():
-        clipped = ((ratio < 1.0 - epsilon) & (advantages < 0)) | ((ratio > 1.0 + epsilon_high) & (advantages > 0))
-    return loss, clipped
-
-
-@dataclass(frozen=True)
-class LossNormalizer:
-    """The sizes of one optimizer step's minibatch that `aggregate_loss` divides by.
-
-    They count every rollout of the minibatch, those left out of the forward pass included (TRL
-    normalizes over the whole batch): a step's size does not depend on how many rollouts had a
-    nonzero advantage, and dr_grpo's normalizer stays the constant S x L it is meant to be.
-    """
-
-    num_sequences: int  # S: rollouts in the minibatch, masked ones included
-    num_tokens: int  # T: completion tokens of the minibatch's unmasked rollouts
-    max_completion_tokens: int  # L: the completion length limit (max_new_tokens)
-
-
-def aggregate_loss(
-    token_loss: torch.Tensor,
-    row_of_token: torch.Tensor,
-    completion_lengths: torch.Tensor,
-    loss_type: str,
-    norm: LossNormalizer,
-) -> torch.Tensor:
-    """Reduce per-token losses l_it of one micro-batch to its share of the minibatch loss.
-
-        grpo:     L = (1/S) * sum_i (1/|o_i|) * sum_t l_it    per-sequence mean, then mean over sequences
-        dr_grpo:  L = 1/(S*L) * sum_i sum_t l_it               sum over tokens / a constant (S x length limit)
-        dapo:     L = (1/T) * sum_i sum_t l_it                 token-level mean over the minibatch
-
-    S, T and L come from `norm` and count the whole minibatch, so summing this over its
-    micro-batches gives the minibatch loss. row_of_token: (N,) the row of each token;
-    completion_lengths: (B,) |o_i| per row of the micro-batch.
-    """
-    if loss_type == "grpo":
-        per_token = 1.0 / (completion_lengths[row_of_token].to(token_loss.dtype) * norm.num_sequences)
-        return (token_loss * per_token).sum()
-    if loss_type == "dr_grpo":
-        return token_loss.sum() / (norm.num_sequences * norm.max_completion_tokens)
-    if loss_type == "dapo":
-        return token_loss.sum() / norm.num_tokens
-    raise ValueError(f"loss_type={loss_type!r}: expected 'grpo', 'dr_grpo' or 'dapo'")

@@ -17,6 +17,7 @@ from grpo_flyte.config.constants import MAX_BASES
 from grpo_flyte.config.generation import ModelConfig
 from grpo_flyte.config.training import LoraConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
+from grpo_flyte.learning.losses import EntropyControl
 from grpo_flyte.models.folders import ALL_LINEAR, shareable_base
 from grpo_flyte.models.loading import load_base, quiet_bitsandbytes
 from grpo_flyte.runtime.device import best_device, resolve_dtype
@@ -139,13 +140,39 @@ def _set_hyperparameters(optimizer, train: TrainConfig) -> None:
         group["weight_decay"] = train.weight_decay
 
 
-def save_adapter(model, optimizer, version: int, out: Path) -> None:
+def save_adapter(model, optimizer, version: int, out: Path, control: EntropyControl | None = None) -> None:
+    """The adapter folder: LoRA weights, AdamW state, and the state file (version; the entropy
+    coefficient's state when given, see `entropy_control`)."""
     import torch
 
     model.save_pretrained(str(out))
     if optimizer is not None:
         torch.save(optimizer.state_dict(), out / OPTIMIZER_FILE)
-    (out / STATE_FILE).write_text(json.dumps({"version": version}))
+    state: dict = {"version": version}
+    if control is not None:
+        state.update(entropy_coef=control.coef, last_entropy=control.last_entropy)
+    (out / STATE_FILE).write_text(json.dumps(state))
+
+
+def entropy_control(adapter_path: str, train: TrainConfig) -> EntropyControl:
+    """The entropy coefficient's state a step starts from: with use_adaptive_entropy the one saved
+    in the adapter folder's state file (TRL's entropy_ctrl_state.json), else, or when the folder
+    has none (a fresh adapter), entropy_coef and no measured entropy."""
+    file = Path(adapter_path) / STATE_FILE
+    if not train.use_adaptive_entropy or not file.is_file():
+        return EntropyControl(train.entropy_coef)
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"adapter {adapter_path!r}: {STATE_FILE} cannot be read ({type(exc).__name__}: {exc})") from None
+    if "entropy_coef" not in state:
+        return EntropyControl(train.entropy_coef)
+    return EntropyControl(float(state["entropy_coef"]), state.get("last_entropy"))
+
+
+def control_after(stats) -> EntropyControl:
+    """The entropy coefficient's state a step's statistics (`StepStats`) end with."""
+    return EntropyControl(stats.entropy_coef, stats.entropy_last)
 
 
 def record_base(out: Path, model: str) -> None:

@@ -1,9 +1,9 @@
-"""This module runs one GRPO iteration on the policy: `updates_per_iter` clipped optimizer steps.
+"""This module runs one GRPO iteration on the policy: `num_iterations` passes of `updates_per_iter` optimizer steps.
 
-`build_sequences` turns scored groups into training sequences (the generator's token ids, never
-re-tokenized); `grpo_step` computes the reference and old log-probs once (`_reference_pass`), then
-per minibatch sums the micro-batch losses (`_micro_batch_loss`, the formulas in `grpo_flyte.learning.grpo`)
-and takes an optimizer step. Data-parallel, each process forwards its share of every minibatch and
+`build_sequences` turns scored groups into training sequences with their advantages (the
+generator's token ids, never re-tokenized); `grpo_step` computes the reference and old log-probs
+once (`_reference_pass`), then per minibatch sums the micro-batch losses (`_micro_batch_loss`, the
+formulas in `grpo_flyte.learning.losses`) and takes an optimizer step. Data-parallel, each process forwards its share of every minibatch and
 the LoRA gradients are summed over the processes (`grpo_flyte.learning.data_parallel` starts them).
 """
 
@@ -14,29 +14,51 @@ from collections.abc import Callable
 
 from grpo_flyte.config.generation import SamplingConfig
 from grpo_flyte.config.training import TrainConfig
-from grpo_flyte.learning import distribution, grpo
+from grpo_flyte.learning import distribution, grpo, losses
 from grpo_flyte.learning.policy import trainable
 from grpo_flyte.types import ScoredGroup, StepStats
 
 
-def advantages(sg: ScoredGroup, train: TrainConfig) -> list[float]:
-    """Each rollout's advantage in the train step: `grpo.group_advantages` of the group's training
-    rewards (`grpo.training_rewards`: the truncation policy applied)."""
-    rewards = grpo.training_rewards(sg.reward_values, sg.truncated, train.truncated)
-    return grpo.group_advantages(rewards, train.advantage_eps, train.scale_rewards == "group", train.advantage_std)
+def advantages(scored: list[ScoredGroup], train: TrainConfig, reward_weights: dict[str, float] | None = None) -> list[list[float]]:
+    """Each rollout's advantage in the train step, per group in group-index order.
+
+    `grpo.batch_advantages` of the training rewards (`grpo.training_rewards`: the truncation policy
+    applied) by scale_rewards, over all the groups of the iteration; with normalize_then_sum,
+    `grpo.normalized_sums` of each completion's per-reward scores (`reward_weights`: the run's
+    rewards), the truncation floor applied to those sums, then `grpo.batch_normalized`.
+    """
+    ordered = sorted(scored, key=lambda s: s.group.index)
+    if train.multi_objective_aggregation == "normalize_then_sum":
+        if not reward_weights:
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' needs the rewards' weights")
+        sums = []
+        for sg in ordered:
+            group = grpo.normalized_sums([p.scores for p in sg.rewards], reward_weights, train.advantage_eps, train.advantage_std)
+            scorable = [i for i, v in enumerate(group) if v is not None]
+            floored = grpo.training_rewards([group[i] for i in scorable], [sg.truncated[i] for i in scorable], train.truncated)
+            for i, v in zip(scorable, floored, strict=True):
+                group[i] = v
+            sums.append(group)
+        return grpo.batch_normalized(sums, train.advantage_eps, train.advantage_std)
+    rewards = [grpo.training_rewards(sg.reward_values, sg.truncated, train.truncated) for sg in ordered]
+    return grpo.batch_advantages(rewards, train.advantage_eps, train.scale_rewards, train.advantage_std)
 
 
-def build_sequences(scored: list[ScoredGroup], train: TrainConfig) -> tuple[list[grpo.TrainSequence], int]:
+def build_sequences(
+    scored: list[ScoredGroup], train: TrainConfig, reward_weights: dict[str, float] | None = None
+) -> tuple[list[grpo.TrainSequence], int]:
     """Every rollout as a training sequence, in a deterministic order, and the rollout count.
 
+    Advantages: `advantages`, over all the groups of the iteration.
     Zero-advantage and masked rollouts are kept: they count in the loss normalizer
-    (`grpo.LossNormalizer`); `grpo.in_loss` decides which go through the forward pass. Only an
+    (`losses.LossNormalizer`); `grpo.in_loss` decides which go through the forward pass. Only an
     empty completion (nothing to train on) is left out here.
     """
     sequences = []
     total = 0
-    for sg in sorted(scored, key=lambda s: s.group.index):
-        for rollout, adv, cut in zip(sg.group.rollouts, advantages(sg, train), sg.truncated, strict=True):
+    ordered = sorted(scored, key=lambda s: s.group.index)
+    for sg, group_advantages in zip(ordered, advantages(scored, train, reward_weights), strict=True):
+        for rollout, adv, cut in zip(sg.group.rollouts, group_advantages, sg.truncated, strict=True):
             total += 1
             if rollout.num_model_tokens:
                 masked = train.truncated == "mask" and cut
@@ -182,8 +204,10 @@ class _Totals:
 
     def __init__(self) -> None:
         self.loss = self.grad_norm = self.kl = self.entropy = self.is_sum = 0.0
-        self.is_max = self.lr = self.weight_sum = self.weight_square_sum = 0.0
+        self.is_max = self.lr = self.weight_sum = self.weight_square_sum = self.phi_sum = 0.0
         self.tokens = self.clipped = self.kl_tokens = self.is_tokens = self.is_cut = self.updates = 0
+        self.off_masked = self.phi_tokens = 0
+        self.step_entropy = [0.0, 0]  # the current optimizer step's entropy sum and tokens (adaptive control)
 
     def all_reduce(self, device) -> None:
         """Sum the sums (and take the maximum ratio) over the data-parallel processes, as tensors on
@@ -199,11 +223,14 @@ class _Totals:
             "is_sum",
             "weight_sum",
             "weight_square_sum",
+            "phi_sum",
             "tokens",
             "clipped",
             "kl_tokens",
             "is_tokens",
             "is_cut",
+            "off_masked",
+            "phi_tokens",
         )
         sums = torch.tensor([float(getattr(self, n)) for n in names], dtype=torch.float64, device=device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
@@ -224,51 +251,108 @@ class _Totals:
             entropy=self.entropy / self.tokens,
             is_ratio_mean=self.is_sum / self.is_tokens if self.is_tokens else 1.0,
             is_ratio_max=self.is_max if self.is_tokens else 1.0,
-            is_ess=grpo.effective_sample_size(self.weight_sum, self.weight_square_sum, self.is_tokens),
+            is_ess=losses.effective_sample_size(self.weight_sum, self.weight_square_sum, self.is_tokens),
             is_clipped_fraction=self.is_cut / self.is_tokens if self.is_tokens else 0.0,
+            off_policy_masked_fraction=self.off_masked / self.tokens,
+            vespo_phi_mean=self.phi_sum / self.phi_tokens if self.phi_tokens else None,
             lr=self.lr,
         )
 
 
 def _micro_batch_loss(
-    model, seqs, ref: list, old: list | None, norm: grpo.LossNormalizer, train: TrainConfig, sampling: SamplingConfig, totals: _Totals
+    model,
+    seqs,
+    ref: list,
+    old: list | None,
+    norm: losses.LossNormalizer,
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    totals: _Totals,
+    threshold: float | None = None,
+    coef: float = 0.0,
 ):
     """The loss of one micro-batch (its share of the minibatch loss); adds its metrics to `totals`.
 
     ref/old: per sequence of `seqs`, the reference and old log-probs (ref None where not computed;
-    old None: the old policy is the current one, detached, as in the first minibatch).
+    old None: the old policy is the current one, detached, as in the first minibatch of the first
+    pass). threshold: the minibatch's entropy threshold (top_entropy_quantile < 1; None: every
+    token); coef: the entropy bonus's coefficient this step.
     """
     import torch
 
     device = next(model.parameters()).device
     logprobs, entropy, rows = _completion_logprobs(model, seqs, sampling)
     old_lp = torch.cat(old) if old is not None else logprobs.detach()
-    kl = None
+    lengths = torch.tensor([s.num_trained for s in seqs], device=device)
+    advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
+    ref_lp = None
     if any(r is not None for r in ref):
-        has_ref = torch.cat([torch.full((s.num_trained,), r is not None) for r, s in zip(ref, seqs, strict=True)]).to(device)
-        ref_lp = torch.cat([r if r is not None else torch.zeros(s.num_trained, device=device) for r, s in zip(ref, seqs, strict=True)])
-        kl = grpo.kl_k3(logprobs, ref_lp) * has_ref
-        totals.kl += float(kl.detach().sum())
-        totals.kl_tokens += int(has_ref.sum())
-    weights = None
+        missing = torch.full((1,), float("nan"), device=device)
+        ref_lp = torch.cat([r if r is not None else missing.expand(s.num_trained) for r, s in zip(ref, seqs, strict=True)])
+    samp = None
     if all(s.sampling_logprobs is not None for s in seqs):
         samp = torch.tensor([x for s in seqs for x in s.sampling_logprobs], device=device)
-        corrected, rho = grpo.importance_weights(old_lp, samp, rows, train.is_cap, train.is_mode)
-        weights = corrected if train.is_correction else None
-        totals.is_sum += float(rho.sum())
-        totals.is_max = max(totals.is_max, float(rho.max()))
-        totals.is_tokens += rho.numel()
-        totals.weight_sum += float(corrected.sum())
-        totals.weight_square_sum += float(corrected.square().sum())
-        totals.is_cut += int((corrected != rho).sum())
-    advantages = torch.tensor([s.advantage for s in seqs], device=device)[rows]
-    token_loss, clipped = grpo.grpo_token_loss(logprobs, old_lp, advantages, train.epsilon, train.epsilon_high, weights, kl, train.beta)
-    lengths = torch.tensor([s.num_trained for s in seqs], device=device)
-    loss = grpo.aggregate_loss(token_loss, rows, lengths, train.loss_type, norm)
-    totals.entropy += float(entropy.sum())
-    totals.clipped += int(clipped.sum())
+    out = losses.objective(logprobs, entropy, old_lp, advantages, rows, lengths, train, norm, samp, ref_lp, threshold, coef)
+    if out.kl is not None:
+        totals.kl += float(out.kl.detach().sum())
+        totals.kl_tokens += int((~torch.isnan(ref_lp)).sum())
+    if out.rho is not None:
+        totals.is_sum += float(out.rho.sum())
+        totals.is_max = max(totals.is_max, float(out.rho.max()))
+        totals.is_tokens += out.rho.numel()
+        totals.weight_sum += float(out.weights.sum())
+        totals.weight_square_sum += float(out.weights.square().sum())
+        totals.is_cut += int((out.weights != out.rho).sum())
+    if out.stays is not None:
+        totals.off_masked += int((~out.stays).sum())
+    if train.entropy_bonus:
+        measured = entropy.detach() if out.high is None else entropy.detach()[out.high]
+        totals.step_entropy[0] += float(measured.sum())
+        totals.step_entropy[1] += measured.numel()
+    if out.terms.phi is not None:
+        totals.phi_sum += float(out.terms.phi.sum())
+        totals.phi_tokens += out.terms.phi.numel()
+    totals.entropy += float(entropy.detach().sum())
+    totals.clipped += int(out.terms.clipped.sum())
     totals.tokens += logprobs.numel()
-    return loss
+    return out.loss
+
+
+def _entropy_threshold(model, sequences, population: list[int], train: TrainConfig, sampling: SamplingConfig, rank: int, world_size: int):
+    """The minibatch's entropy threshold (`losses.entropy_threshold`) over the trained tokens of
+    every unmasked rollout of `population` (zero-advantage ones included, as TRL's mask does), at
+    the current policy, and how many tokens it keeps: one forward pass without gradients, each
+    process over its share, the entropies gathered from all."""
+    import torch
+
+    share = [population[j] for j in grpo.rank_share([sequences[i].length for i in population], rank, world_size)]
+    found = []
+    with torch.no_grad():
+        for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
+            _, entropy, _ = _completion_logprobs(model, [sequences[share[j]] for j in local], sampling)
+            found.append(entropy.float().cpu())
+    entropies = torch.cat(found) if found else torch.zeros(0)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        every: list = [None] * world_size
+        dist.all_gather_object(every, entropies.tolist())
+        entropies = torch.tensor([h for part in every for h in part])
+    threshold = float(losses.entropy_threshold(entropies, train.top_entropy_quantile))
+    return threshold, int((entropies >= threshold).sum())
+
+
+def _measured_entropy(totals: _Totals, world_size: int, device) -> float:
+    """The mean entropy over the tokens the bonus acted on in this optimizer step, all processes."""
+    total, count = totals.step_entropy
+    if world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        both = torch.tensor([total, float(count)], dtype=torch.float64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        total, count = both.tolist()
+    return total / max(1.0, count)
 
 
 def _checkpointing_api(model) -> tuple[bool, Callable, Callable]:
@@ -308,11 +392,14 @@ def grpo_step(
     steps: tuple[int, int] = (0, 0),
     rank: int = 0,
     world_size: int = 1,
+    control: losses.EntropyControl | None = None,
 ) -> StepStats:
-    """`updates_per_iter` clipped GRPO optimizer steps over minibatches of the sequences.
+    """`num_iterations` passes of `updates_per_iter` GRPO optimizer steps over minibatches of the sequences.
 
     `steps`: (the run's optimizer step this call starts at, the run's total; 0: unknown), for the
-    learning-rate schedule (`grpo.scheduled_lr`); minibatch k is step first + k.
+    learning-rate schedule (`grpo.scheduled_lr`); minibatch k of pass p is step first + p x
+    updates_per_iter + k. `control`: the entropy coefficient's state, from the adapter folder
+    (None: entropy_coef); the state after the step comes back in the stats (entropy_coef, entropy_last).
 
     Data-parallel (`world_size` > 1, in a torch.distributed process group): every process is given
     all the sequences and forwards its share of each minibatch's (`grpo.rank_share`); the loss
@@ -321,60 +408,74 @@ def grpo_step(
 
     Every sequence is dealt into a minibatch and counts in its normalizer; only those
     `grpo.in_loss` keeps are forwarded, in length-grouped micro-batches whose losses sum to the
-    minibatch loss (`grpo.aggregate_loss`). A minibatch with none is no optimizer step. The
-    reference log-probs, and the old ones of the minibatches after the first, are computed once
-    before the first step; the first minibatch's old policy is the current one, detached.
+    minibatch loss (`losses.aggregate_loss`). A minibatch with none is no optimizer step. The
+    reference log-probs, and the old ones of every minibatch but the first pass's first, are
+    computed once before the first step; that one's old policy is the current one, detached.
     """
     import torch
 
+    control = control or losses.EntropyControl(train.entropy_coef)
     minibatches = grpo.split_minibatches(len(sequences), train.updates_per_iter) if sequences else []
-    trained = [[i for i in mb if grpo.in_loss(sequences[i], train.beta)] for mb in minibatches]
+    trained = [[i for i in mb if grpo.in_loss(sequences[i], train.beta, train.entropy_bonus)] for mb in minibatches]
     shares = [[mb[j] for j in grpo.rank_share([sequences[i].length for i in mb], rank, world_size)] for mb in trained]
-    iteration = steps[0] // train.updates_per_iter + 1  # 1-based, for the KL monitor
+    iteration = steps[0] // train.steps_per_iteration + 1  # 1-based, for the KL monitor
     mine = {i for share in shares for i in share} if world_size > 1 else None
+    reused = trained if train.num_iterations > 1 else trained[1:]  # passes after the first reuse minibatch 0's old log-probs too
     ref, old = _reference_pass(
-        model, sequences, [i for mb in trained for i in mb], {i for mb in trained[1:] for i in mb}, train, sampling, iteration, mine
+        model, sequences, [i for mb in trained for i in mb], {i for mb in reused for i in mb}, train, sampling, iteration, mine
     )
     model.train()
     totals = _Totals()
-    for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
-        if not forward:  # the same in every process
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        norm = grpo.LossNormalizer(
-            num_sequences=len(minibatch),
-            num_tokens=sum(sequences[i].num_trained for i in minibatch if not sequences[i].masked),
-            max_completion_tokens=sampling.max_new_tokens,
-        )
-        for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
-            ids = [share[j] for j in local]
-            _set_checkpointing(model, checkpointed(train, [sequences[i].length for i in ids]))
-            loss = _micro_batch_loss(
-                model,
-                [sequences[i] for i in ids],
-                [ref[i] for i in ids],
-                [old[i] for i in ids] if k > 0 else None,
-                norm,
-                train,
-                sampling,
-                totals,
+    device = next(model.parameters()).device
+    for p in range(train.num_iterations):
+        for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
+            if not forward:  # the same in every process
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            unmasked = [i for i in minibatch if not sequences[i].masked]
+            num_tokens = sum(sequences[i].num_trained for i in unmasked)
+            threshold, kept = None, num_tokens
+            if train.top_entropy_quantile < 1.0:
+                threshold, kept = _entropy_threshold(model, sequences, unmasked, train, sampling, rank, world_size)
+            norm = losses.LossNormalizer(len(minibatch), num_tokens, sampling.max_new_tokens, kept)
+            coef = control.applied(train)
+            totals.step_entropy = [0.0, 0]
+            for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
+                ids = [share[j] for j in local]
+                _set_checkpointing(model, checkpointed(train, [sequences[i].length for i in ids]))
+                loss = _micro_batch_loss(
+                    model,
+                    [sequences[i] for i in ids],
+                    [ref[i] for i in ids],
+                    [old[i] for i in ids] if k > 0 or p > 0 else None,
+                    norm,
+                    train,
+                    sampling,
+                    totals,
+                    threshold,
+                    coef,
+                )
+                loss.backward()
+                totals.loss += loss.item()
+            if world_size > 1:
+                _all_reduce_gradients(model)
+            totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(trainable(model), train.max_grad_norm))
+            lr = grpo.scheduled_lr(
+                steps[0] + p * train.updates_per_iter + k, steps[1], train.learning_rate, train.lr_scheduler_type, train.warmup_ratio
             )
-            loss.backward()
-            totals.loss += loss.item()
-        if world_size > 1:
-            _all_reduce_gradients(model)
-        totals.grad_norm += float(torch.nn.utils.clip_grad_norm_(trainable(model), train.max_grad_norm))
-        lr = grpo.scheduled_lr(steps[0] + k, steps[1], train.learning_rate, train.lr_scheduler_type, train.warmup_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        totals.lr = lr
-        optimizer.step()
-        totals.updates += 1
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            totals.lr = lr
+            optimizer.step()
+            totals.updates += 1
+            if train.use_adaptive_entropy:
+                control = control.updated(_measured_entropy(totals, world_size, device), train)
     optimizer.zero_grad(set_to_none=True)
     model.eval()
     if world_size > 1:
-        totals.all_reduce(next(model.parameters()).device)
-    return totals.stats().model_copy(update={"world_size": world_size}) if totals.updates else StepStats(world_size=world_size)
+        totals.all_reduce(device)
+    stats = totals.stats() if totals.updates else StepStats()
+    return stats.model_copy(update={"world_size": world_size, "entropy_coef": control.coef, "entropy_last": control.last_entropy})
 
 
 def _all_reduce_gradients(model) -> None:

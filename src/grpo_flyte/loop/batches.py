@@ -149,8 +149,8 @@ async def train_batch(
     if DISTRIBUTED_STEP is not None and flyte.ctx() and flyte.ctx().mode != "local":
         # several train GPUs configured (the Flyte task environment envs.train_dist_env), on a cluster:
         # the data-parallel step (a sync task)
-        return await DISTRIBUTED_STEP.aio(*args, total_iterations=config.iterations)
-    return await train_step(*args, total_iterations=config.iterations)
+        return await DISTRIBUTED_STEP.aio(*args, total_iterations=config.iterations, reward_weights=dict(config.scoring.rewards))
+    return await train_step(*args, total_iterations=config.iterations, reward_weights=dict(config.scoring.rewards))
 
 
 async def run_iteration(

@@ -78,6 +78,9 @@ def iteration_metrics(
         is_ess=stats.is_ess,
         is_clipped_fraction=stats.is_clipped_fraction,
         entropy=stats.entropy,
+        entropy_coef=stats.entropy_coef,
+        off_policy_masked_fraction=stats.off_policy_masked_fraction,
+        vespo_phi_mean=stats.vespo_phi_mean,
         grad_norm=stats.grad_norm,
         lr=stats.lr,
         train_world_size=stats.world_size,
@@ -154,8 +157,9 @@ def completion_sample(config: RunConfig, scored: list[ScoredGroup], iteration: i
     group's completions in order (its first only, with --log-unique-prompts), the first
     --num-completions-to-log of them (all when unset), each with its advantage in the train step."""
     sample = []
-    for sg in sorted(scored, key=lambda s: s.group.index):
-        group = zip(sg.group.rollouts, sg.rewards, advantages(sg, config.train), strict=True)
+    ordered = sorted(scored, key=lambda s: s.group.index)
+    for sg, group_advantages in zip(ordered, advantages(scored, config.train, dict(config.scoring.rewards)), strict=True):
+        group = zip(sg.group.rollouts, sg.rewards, group_advantages, strict=True)
         for rollout, parts, advantage in list(group)[: 1 if config.log_unique_prompts else None]:
             sample.append(
                 CompletionSample(

@@ -397,10 +397,11 @@ def test_scale_rewards_is_independent_of_loss_type(loss_type):
         assert all(s.prompt_ids == [1, 2, 3] for s in sequences)
 
 
-def test_scale_rewards_rejects_other_values():
+def test_scale_rewards_takes_trls_values_and_rejects_others():
+    assert [make_config(scale_rewards=v).train.scale_rewards for v in ("batch", True, False)] == ["batch", "group", "none"]
     with pytest.raises(ConfigError) as info:
-        make_config(scale_rewards="batch")
-    assert str(info.value).startswith("--scale-rewards='batch'"), str(info.value)
+        make_config(scale_rewards="global")
+    assert str(info.value).startswith("--scale-rewards='global'"), str(info.value)
 
 
 # --------------------------------------------------------------------------- parts as task inputs
@@ -503,7 +504,6 @@ def test_trl_names_set_the_same_options():
     [
         ({"num_generations": 4, "group_size": 6}, "num_generations (TRL's name for group_size) is 4 but group_size is 6; give one of them"),
         ({"reward_funcs": ["correct", "format"], "reward_weights": [1.0]}, "reward_weights has 1 weights for 2 rewards (correct, format)"),
-        ({"scale_rewards": "batch"}, "'batch' (TRL's batch-level std) is not supported"),
         ({"mask_truncated_completions": "yes"}, "mask_truncated_completions='yes': expected true or false"),
     ],
 )

@@ -337,10 +337,10 @@ def recorded_steps(monkeypatch):
     steps: list[dict] = []
     original = policy_update.grpo_step
 
-    def recording(model, optimizer, sequences, train, sampling, steps_=(0, 0), *rest):
+    def recording(model, optimizer, sequences, train, sampling, steps_=(0, 0), *rest, **kwargs):
         lora = lambda: {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}  # noqa: E731
         step = {"lora": lora(), "optimizer": copy.deepcopy(optimizer.state_dict()["state"]), "lr": train.learning_rate, "index": steps_[0]}
-        stats = original(model, optimizer, sequences, train, sampling, steps_, *rest)
+        stats = original(model, optimizer, sequences, train, sampling, steps_, *rest, **kwargs)
         steps.append({**step, "after": lora(), "optimizer_after": copy.deepcopy(optimizer.state_dict()["state"])})
         return stats
 
