@@ -26,6 +26,7 @@ TRL_ALIASES: dict[str, str] = {
     "vllm_importance_sampling_correction": "is_correction",
     "vllm_importance_sampling_cap": "is_cap",  # TRL < 1.16's name for the cap
     "vllm_importance_sampling_clip_max": "is_cap",
+    "vllm_importance_sampling_clip_min": "is_clip_min",
     "vllm_importance_sampling_mode": "is_mode",
     "vllm_gpu_memory_utilization": "vllm_memory_fraction",
     "hub_model_id": "push_to_hub",
