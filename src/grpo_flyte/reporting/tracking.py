@@ -79,7 +79,8 @@ class Tracker:
 
     def log(self, row: dict[str, Any], answers: list[dict[str, Any]] | None = None) -> None:
         """One metrics row; with a held-out evaluation's answers, also a table of them (question,
-        expected answer, the greedy completion, its reward, correct), at the same step."""
+        expected answer, the greedy completion, its reward, correct; with num_generations_eval the
+        first sampled completion, and the question's mean reward and share correct), at the same step."""
         if self._run is not None:
             values: dict[str, Any] = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
             if answers:
