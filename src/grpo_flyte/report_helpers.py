@@ -250,6 +250,11 @@ def _episode(turns: Sequence[Mapping]) -> str:
 _ANSWER_CHARS = 400
 
 
+def _correct(value: object) -> str:
+    """A greedy answer's correctness (yes, no), or a sampled question's share of correct completions."""
+    return ("yes" if value else "no") if isinstance(value, bool) or value is None else f"{float(value):.0%}"
+
+
 def _held_out(answers: Sequence[Mapping] | None) -> str:
     if not answers:
         return ""
@@ -257,11 +262,16 @@ def _held_out(answers: Sequence[Mapping] | None) -> str:
         "<tr>"
         f"<td>{_text(a.get('question'))}</td><td>{_text(a.get('answer'))}</td>"
         f"<td><pre>{escape(_cut(str(a.get('completion', ''))))}</pre></td>"
-        f"<td>{format_value(a.get('reward'), 'num')}</td><td>{'yes' if a.get('correct') else 'no'}</td>"
+        f"<td>{format_value(a.get('reward'), 'num')}</td><td>{_correct(a.get('correct'))}</td>"
         "</tr>"
         for a in answers
     )
-    head = "".join(f'<th scope="col">{h}</th>' for h in ("Question", "Expected", "Greedy answer", "Reward", "Correct"))
+    # with num_generations_eval: the first of each question's sampled completions, and its means
+    sampled = next((len(a["completions"]) for a in answers if a.get("completions")), None)
+    columns = (
+        ("Greedy answer", "Reward", "Correct") if sampled is None else (f"First of {sampled} sampled answers", "Mean reward", "Correct")
+    )
+    head = "".join(f'<th scope="col">{h}</th>' for h in ("Question", "Expected", *columns))
     return (
         '<h2>Held-out answers <span class="meta">(a sample of the latest evaluation)</span></h2>'
         f'<div class="scroll"><table class="kv held-out"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'

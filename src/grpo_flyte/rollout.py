@@ -19,6 +19,7 @@ from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfi
 from grpo_flyte.engine import batching, cache, episodes, interface
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
+from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.envs import rollout_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.runtime.device import resolve_dtype
@@ -107,6 +108,17 @@ async def generate(
     )
 
 
+# The held-out questions' seeds: sub_seed(run seed, EVAL_STREAM, question), apart from every
+# training group's sub_seed(run seed, iteration >= 0, prompt).
+EVAL_STREAM = -1
+
+
+def eval_seed(seed: int, question: int) -> int:
+    """The sampling seed of held-out question `question` (its position in the held-out set): the
+    same at every evaluation, so two adapters are compared on the same random numbers."""
+    return sub_seed(seed, EVAL_STREAM, question)
+
+
 @rollout_env.task(retries=2)
 async def generate_eval(
     model: ModelConfig,
@@ -118,14 +130,23 @@ async def generate_eval(
     adapter: AdapterRef,
     examples: list[Example],
     first_index: int,
+    num_generations: int | None = None,
+    seed: int = 0,
 ) -> list[RolloutGroup]:
-    """Greedy completions of held-out questions (or greedy episodes), one single-rollout group
-    each, on the warm pool."""
+    """Held-out questions' completions (or episodes), one group per question, on the warm pool:
+    one greedy completion each, or with `num_generations` that many sampled at the run's
+    sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
     started = time.perf_counter()
     with input_errors_not_retried():
         key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
         prompts = await cache.tokenize(key, examples, prompt)
-        requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
+        if num_generations is None:
+            requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
+        else:
+            requests = [
+                interface.sampling_request(sampling, ids, seed=eval_seed(seed, first_index + i), group_size=num_generations)
+                for i, ids in enumerate(prompts)
+            ]
         answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
     return [

@@ -13,7 +13,7 @@ import json
 from typing import Any, Literal
 
 from flyte.io import Dir
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, model_serializer, model_validator
 
 # The report's file name: in a local run folder, and inside `RunResult.report`.
 REPORT_FILE = "report.html"
@@ -316,7 +316,8 @@ class TrainMetrics(TaskValue):
 
 
 class EvalMetrics(TaskValue):
-    """One held-out evaluation (greedy answers); `*_ci95` are 95% interval half-widths, None when a
+    """One held-out evaluation (greedy answers; with num_generations_eval, means over each question's
+    sampled completions); `*_ci95` are 95% interval half-widths over the questions, None when a
     single held-out question gives no interval (shown with `plus_minus`)."""
 
     eval_reward: float
@@ -433,12 +434,10 @@ class MetricsRow(TaskValue):
         return cls(iteration=flat["iteration"], adapter_version=flat["adapter_version"], **parts)
 
 
-class EvalAnswer(TaskValue):
-    """One held-out question, the model's greedy answer and its scores (a multi-turn episode: its
-    turns and tool calls too)."""
+class EvalCompletion(TaskValue):
+    """One sampled completion of a held-out question and its scores (a multi-turn episode: its turns
+    and tool calls too)."""
 
-    question: str
-    answer: str
     completion: str
     reward: float
     correct: bool
@@ -446,6 +445,36 @@ class EvalAnswer(TaskValue):
     scores: dict[str, float]
     tool_calls: int | None = None
     turns: list[EpisodeTurn] | None = None
+
+
+class EvalAnswer(TaskValue):
+    """One held-out question, the model's greedy answer and its scores (a multi-turn episode: its
+    turns and tool calls too).
+
+    With num_generations_eval, `completions` holds each sampled completion with its scores;
+    `completion`, `tool_calls` and `turns` are the first one's, and `reward`, `correct`, `format`
+    and `scores` the question's means over them (`correct`: the share of its completions that are
+    correct). A greedy answer has no `completions` key, as before the option existed.
+    """
+
+    question: str
+    answer: str
+    completion: str
+    reward: float
+    correct: bool | float
+    format: bool | float
+    scores: dict[str, float]
+    tool_calls: int | None = None
+    turns: list[EpisodeTurn] | None = None
+    completions: list[EvalCompletion] | None = None
+
+    @model_serializer(mode="wrap")
+    def _greedy_as_before(self, handler: Any) -> dict[str, Any]:
+        # a greedy answer dumps (checkpoint, eval files) exactly as before num_generations_eval
+        data = handler(self)
+        if self.completions is None:
+            data.pop("completions", None)
+        return data
 
 
 class BestCompletion(TaskValue):

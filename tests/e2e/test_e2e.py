@@ -258,6 +258,8 @@ def test_a_three_row_trl_dataset_runs_end_to_end_and_resumes(tmp_path, tiny_mode
     assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1, 2]
     answers = [json.loads(line) for line in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
     assert len(answers) == 1 and answers[0]["question"] in {"What is 1 + 1?", "What is 2 + 3?", "What is 3 + 3?"}
+    # the default evaluation is greedy: one answer a question, correct or not (no sampled completions)
+    assert "completions" not in answers[0] and isinstance(answers[0]["correct"], bool)
 
 
 def test_resume_rejects_a_changed_config(tmp_path, tiny_model_dir, capsys):
@@ -678,6 +680,57 @@ def test_on_reward_error_zero_scores_failures_0_and_counts_them(tmp_path, tiny_m
     assert rows[0]["eval_reward_errors"] == 2  # both held-out answers, scored alone, failed
     assert rows[1]["reward_errors"] == 0  # groups of 3: the batch call works
     assert "Reward errors (scored 0)" in (run_dir / "report.html").read_text()
+
+
+def _held_out_rows(run_dir: Path, iteration: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "eval" / f"iter-{iteration:04d}.jsonl").read_text().splitlines()]
+
+
+def test_a_sampled_held_out_evaluation_scores_each_question_by_its_completions_and_resumes(tmp_path, tiny_model_dir, monkeypatch):
+    """--num-generations-eval 3: every held-out question gets 3 sampled completions, its reward and
+    correctness are their means, the held-out figures the means over the questions; the same seed
+    samples the same evaluation, another seed another; a resumed run goes on sampling."""
+    (tmp_path / "spread_reward.py").write_text("def spread(completions, **kwargs):\n    return [len(c) % 4 / 3 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = [
+        "--local",
+        "--model",
+        str(tiny_model_dir),
+        *TINY,
+        "--num-generations-eval",
+        "3",
+        "--rewards",
+        "correct=1,spread_reward:spread=1",
+    ]
+    run_dir = tmp_path / "run"
+    assert cli_main([*args, "--iterations", "1", "--run-dir", str(run_dir)]) == 0
+    assert cli_main([*args, "--iterations", "2", "--run-dir", str(run_dir), "--resume"]) == 0
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows if "eval_reward" in r] == [0, 1, 2]
+    for row in rows:
+        answers = _held_out_rows(run_dir, row["iteration"])
+        assert len(answers) == 2 and all(len(a["completions"]) == 3 for a in answers)
+        for a in answers:
+            done = a["completions"]
+            assert a["completion"] == done[0]["completion"]
+            assert a["reward"] == pytest.approx(sum(c["reward"] for c in done) / 3)
+            assert a["correct"] == pytest.approx(sum(c["correct"] for c in done) / 3)
+            assert a["format"] == pytest.approx(sum(c["format"] for c in done) / 3)
+            assert a["scores"]["spread_reward:spread"] == pytest.approx(sum(c["scores"]["spread_reward:spread"] for c in done) / 3)
+            assert all(c["reward"] == pytest.approx(c["scores"]["correct"] + c["scores"]["spread_reward:spread"]) for c in done)
+        assert row["eval_reward"] == pytest.approx(sum(a["reward"] for a in answers) / 2)
+        assert row["eval_accuracy"] == pytest.approx(sum(a["correct"] for a in answers) / 2)
+        assert row["eval_size"] == 2
+    sampled = [c["completion"] for a in _held_out_rows(run_dir, 0) for c in a["completions"]]
+    assert len(set(sampled)) > 1  # sampled, not one greedy answer repeated
+    # the spread reward takes several values: the means above are not all of equal numbers
+    assert len({c["reward"] for i in (0, 1, 2) for a in _held_out_rows(run_dir, i) for c in a["completions"]}) > 1
+    # the evaluation before training is a function of the seed: the same seed samples it again, another seed not
+    again, other = tmp_path / "again", tmp_path / "other"
+    assert cli_main([*args, "--iterations", "1", "--eval-every", "0", "--run-dir", str(again)]) == 0
+    assert _held_out_rows(again, 0) == _held_out_rows(run_dir, 0)
+    assert cli_main([*args, "--iterations", "1", "--seed", "1", "--run-dir", str(other)]) == 0
+    assert [a["completions"] for a in _held_out_rows(other, 0)] != [a["completions"] for a in _held_out_rows(run_dir, 0)]
 
 
 def _wandb_history(run_dir: Path) -> tuple[str, list[dict]]:

@@ -8,10 +8,13 @@ import pytest
 from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig, eval_due
-from grpo_flyte.loop.metrics import completion_sample, iteration_metrics, mean_ci95, reward_means
+from grpo_flyte.loop.metrics import completion_sample, eval_results, iteration_metrics, mean_ci95, reward_means
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
+    Episode,
+    EpisodeTurn,
+    EvalAnswer,
     EvalMetrics,
     Example,
     MetricsRow,
@@ -267,3 +270,93 @@ def test_the_completion_sample_keeps_groups_in_prompt_order_with_their_advantage
     # the truncation policy as the train step applies it: min_reward floors the cut completion at min(0, min r) = 0
     floored = completion_sample(config.model_copy(update={"train": config.train.model_copy(update={"truncated": "min_reward"})}), scored, 7)
     assert [c.advantage for c in floored[3:]] == [c.advantage for c in sample[3:]]  # its reward was 0 already
+
+
+def _held_out_group(index: int, rewards: list[tuple[float, bool, bool, dict[str, float]]]) -> ScoredGroup:
+    """One held-out question's scored group: a completion per (reward, correct, format, scores)."""
+    rollouts = [
+        Rollout(completion_ids=[5, 2], sampling_logprobs=[-1.0, -1.0], finish_reason="stop", text=f"c{j}") for j in range(len(rewards))
+    ]
+    group = RolloutGroup(
+        index=index, example=Example(question=f"q{index}", answer="7"), adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=0.0
+    )
+    parts = [RewardParts(reward=r, correct=c, format=f, scores=s) for r, c, f, s in rewards]
+    return ScoredGroup(group=group, rewards=parts)
+
+
+def test_a_greedy_evaluation_keeps_one_answer_per_question_as_before():
+    config = RunConfig(rewards={"correct": 1.0})
+    scored = [
+        _held_out_group(0, [(1.0, True, True, {"correct": 1.0})]),
+        _held_out_group(1, [(0.0, False, True, {"correct": 0.0})]),
+    ]
+    metrics, answers = eval_results(config, scored, eval_s=2.0)
+    assert config.evaluation.num_generations_eval is None
+    # the dump a run folder and a checkpoint hold: no `completions` key, correctness a bool
+    assert answers[0].model_dump(exclude_none=True) == {
+        "question": "q0", "answer": "7", "completion": "c0", "reward": 1.0, "correct": True, "format": True, "scores": {"correct": 1.0},
+    }  # fmt: skip
+    assert "completions" not in answers[1].model_dump() and answers[1].correct is False
+    assert (metrics.eval_reward, metrics.eval_accuracy, metrics.eval_format_rate) == (0.5, 0.5, 1.0)
+    assert metrics.eval_accuracy_ci95 == pytest.approx(1.96 * math.sqrt(0.5) / math.sqrt(2))
+
+
+def test_a_sampled_evaluation_scores_each_question_by_its_means():
+    config = RunConfig(rewards={"correct": 1.0, "format": 0.5}, num_generations_eval=3)
+    scored = [
+        # question 0: rewards 1.5, 0.5, 0.0 (mean 2/3); 1 of 3 correct; 2 of 3 in format
+        _held_out_group(
+            0,
+            [(1.5, True, True, {"correct": 1.0, "format": 1.0}), (0.5, False, True, {"correct": 0.0, "format": 1.0}), (0.0, False, False, {"correct": 0.0, "format": 0.0})],
+        ),
+        # question 1: rewards 1.5, 1.5, 1.0 (mean 4/3); 3 of 3 correct; 2 of 3 in format
+        _held_out_group(
+            1,
+            [(1.5, True, True, {"correct": 1.0, "format": 1.0}), (1.5, True, True, {"correct": 1.0, "format": 1.0}), (1.0, True, False, {"correct": 1.0, "format": 0.0})],
+        ),
+    ]  # fmt: skip
+    metrics, answers = eval_results(config, scored, eval_s=2.0)
+    first, second = answers
+    assert first.completion == "c0" and [c.completion for c in first.completions] == ["c0", "c1", "c2"]
+    assert [(c.reward, c.correct) for c in first.completions] == [(1.5, True), (0.5, False), (0.0, False)]
+    assert (first.reward, first.correct, first.format) == (pytest.approx(2 / 3), pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert first.scores == {"correct": pytest.approx(1 / 3), "format": pytest.approx(2 / 3)}
+    assert (second.reward, second.correct) == (pytest.approx(4 / 3), 1.0)
+    # the held-out figures: means over the questions of the questions' means, intervals over the questions
+    assert metrics.eval_reward == pytest.approx(1.0) and metrics.eval_accuracy == pytest.approx(2 / 3)
+    # per-question accuracies 1/3 and 1, rewards 2/3 and 4/3: each pair 2/3 apart, so a sample sd of
+    # (2/3) / sqrt(2) and a half-width of 1.96 * sd / sqrt(2) = 1.96 / 3 (over 2 questions, not 6 completions)
+    assert metrics.eval_accuracy_ci95 == pytest.approx(1.96 / 3)
+    assert metrics.eval_reward_ci95 == pytest.approx(1.96 / 3)
+    assert metrics.eval_format_rate == pytest.approx(2 / 3) and metrics.eval_size == 2
+    assert metrics.eval_reward_means == {"correct": pytest.approx(2 / 3), "format": pytest.approx(2 / 3)}
+    # a checkpoint keeps them: the answer round-trips through its JSON
+    assert EvalAnswer.model_validate_json(first.model_dump_json()) == first
+
+
+def test_sampled_episodes_give_each_question_its_share_with_a_tool_call():
+    """Multi-turn with num_generations_eval 2: the tool-call rate is each question's share of episodes
+    with a tool call, averaged over the questions (its interval over them); turns are per episode."""
+
+    def episode_group(index: int, calls: list[int]) -> ScoredGroup:
+        turn = EpisodeTurn(role="model", text="t", num_tokens=1)
+        rollouts = [
+            Rollout(
+                completion_ids=[5],
+                sampling_logprobs=[-1.0],
+                finish_reason="stop",
+                text="t",
+                episode=Episode(turns=[turn] * (1 + c), tool_calls=c),
+            )
+            for c in calls
+        ]
+        group = RolloutGroup(
+            index=index, example=Example(question="q", answer="1"), adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=0.0
+        )
+        return ScoredGroup(group=group, rewards=[RewardParts(reward=0.0, correct=False, format=False)] * len(calls))
+
+    metrics, answers = eval_results(RunConfig(num_generations_eval=2), [episode_group(0, [1, 0]), episode_group(1, [2, 3])], eval_s=1.0)
+    # shares 1/2 and 1: mean 3/4, sample sd (1/2) / sqrt(2), half-width 1.96 * sd / sqrt(2) = 0.49
+    assert metrics.eval_tool_call_rate == pytest.approx(0.75) and metrics.eval_tool_call_rate_ci95 == pytest.approx(0.49)
+    assert metrics.eval_turns_mean == pytest.approx((2 + 1 + 3 + 4) / 4)
+    assert answers[1].tool_calls == 2 and [c.tool_calls for c in answers[1].completions] == [2, 3]

@@ -423,6 +423,19 @@ def test_held_out_answers_are_shown_escaped_and_cut():
     assert "Held-out answers" not in render_report(title="t", status="complete", config={}, history=[_row(1)])
 
 
+def test_sampled_held_out_answers_show_the_first_completion_and_the_share_correct():
+    """num_generations_eval: each question's first sampled completion, its mean reward and its share correct."""
+    completions = [{"completion": "4", "reward": 1.0, "correct": True}, {"completion": "5", "reward": 0.0, "correct": False}] * 2
+    answers = [
+        {"question": "What is 2 + 2?", "answer": "4", "completion": "4", "reward": 0.5, "correct": 0.5, "completions": completions},
+        {"question": "What is 3 + 3?", "answer": "6", "completion": "6", "reward": 1.0, "correct": 1.0, "completions": completions},
+    ]
+    document = render_report(title="t", status="complete", config={}, history=[_row(1)], held_out_answers=answers)
+    table = document.split('class="kv held-out"', 1)[1].split("</table>", 1)[0]
+    assert "First of 4 sampled answers" in table and "Mean reward" in table and "Greedy answer" not in table
+    assert ">50%<" in table and ">100%<" in table and ">yes<" not in table
+
+
 def test_the_guards_events_are_marked_on_the_charts_and_the_best_adapter_has_a_card():
     reason = "held-out accuracy 7.0% is 28.5 pp +- 8.6 pp below the best, iteration 1's 35.5% <b>"
     history = [

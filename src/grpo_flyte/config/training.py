@@ -369,7 +369,23 @@ class EvalConfig(Part):
     """The held-out evaluation."""
 
     eval_every: int = Field(10, ge=0, le=100_000, description="Held-out evaluation every N iterations (0: only before and after training).")
-    eval_size: int = Field(100, ge=0, le=100_000, description="Held-out questions per evaluation, answered greedily (0: no evaluation).")
+    eval_size: int = Field(
+        100,
+        ge=0,
+        le=100_000,
+        description="Held-out questions per evaluation, answered greedily unless --num-generations-eval is set (0: no evaluation).",
+    )
+    num_generations_eval: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description=(
+            "Held-out completions per question (TRL's name). Unset: one greedy answer per question. N: N completions "
+            "sampled at the run's sampling settings (--temperature, --top-p, --top-k, ...), seeded per question (the same "
+            "seeds at every evaluation); a question's reward and correctness are the means over its N completions, "
+            "eval_reward and eval_accuracy the means of those over the questions, as is the guard's paired comparison."
+        ),
+    )
 
 
 class GuardConfig(Part):

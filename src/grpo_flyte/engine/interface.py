@@ -64,11 +64,14 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
-def sampling_request(sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False) -> SamplingRequest:
-    """The generation settings of one prompt: a group of `group_size`, or one greedy answer."""
+def sampling_request(
+    sampling: SamplingConfig, prompt_ids: list[int], seed: int, greedy: bool = False, group_size: int | None = None
+) -> SamplingRequest:
+    """The generation settings of one prompt: a group of `group_size` (default: the run's), or one
+    greedy answer."""
     return SamplingRequest(
         prompt_ids=prompt_ids,
-        group_size=1 if greedy else sampling.group_size,
+        group_size=1 if greedy else group_size or sampling.group_size,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         max_new_tokens=sampling.max_new_tokens,

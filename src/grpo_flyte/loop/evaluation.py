@@ -1,5 +1,6 @@
-"""This module runs the held-out evaluation: greedy answers to the held-out questions, in chunks
-spread over the generate pool, scored as each chunk lands; its metrics and per-question answers."""
+"""This module runs the held-out evaluation: greedy answers to the held-out questions (or, with
+num_generations_eval, that many sampled completions each), in chunks spread over the generate pool,
+scored as each chunk lands; its metrics and per-question answers."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from grpo_flyte.reward import score_groups
 from grpo_flyte.rollout import generate_eval
 from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, ScoredGroup
 
-# Held-out questions per generate_eval task: spread over the warm pool, batched within a replica.
+# Held-out completions per generate_eval task (greedy: questions; with num_generations_eval N, a
+# task takes EVAL_CHUNK // N questions): spread over the warm pool, batched within a replica.
 EVAL_CHUNK = 64
 
 
 async def run_eval(
     config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example], iteration: int
 ) -> tuple[EvalMetrics, list[EvalAnswer]]:
-    """Greedy answers to the held-out questions on the generate pool: metrics and per-question
+    """Greedy answers to the held-out questions (or num_generations_eval sampled completions each,
+    seeded per question from the run's seed) on the generate pool: metrics and per-question
     answers. Observers hear how many are answered as each chunk is scored (`iteration`: the
     iterations trained before it)."""
     started = time.perf_counter()
@@ -38,13 +41,20 @@ async def run_eval(
         return chunk
 
     observers.evaluating(iteration, 0, len(questions))
+    per_task = max(1, EVAL_CHUNK // (config.evaluation.num_generations_eval or 1))
     generating = [
         asyncio.create_task(
             generate_eval(
-                **generate_parts(config), base_model=base_model, adapter=adapter, examples=questions[i : i + EVAL_CHUNK], first_index=i
+                **generate_parts(config),
+                base_model=base_model,
+                adapter=adapter,
+                examples=questions[i : i + per_task],
+                first_index=i,
+                num_generations=config.evaluation.num_generations_eval,
+                seed=config.seed,
             )
         )
-        for i in range(0, len(questions), EVAL_CHUNK)
+        for i in range(0, len(questions), per_task)
     ]
     landed, _, _ = await generate_and_score(generating, score_chunk)
     scored: list[ScoredGroup] = sorted((sg for chunk in landed for sg in chunk), key=lambda sg: sg.group.index)

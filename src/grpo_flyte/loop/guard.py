@@ -91,7 +91,10 @@ def resolve_metric(select_by: str, held_out: list[Example]) -> Metric:
 
 
 def question_values(answers: list[EvalAnswer], metric: Metric) -> list[float]:
-    """Each held-out question's value of the metric (1 or 0 for the accuracy)."""
+    """Each held-out question's value of the metric: its reward, or for the accuracy 1 or 0 (a
+    greedy answer) or the share of its completions that are correct (num_generations_eval). Values
+    in [0, 1] rather than {0, 1} leave `paired` as it is: the differences are still bounded, the
+    normal interval of their mean still holds, and the same questions pair up at every evaluation."""
     return [float(a.correct) if metric == "eval_accuracy" else a.reward for a in answers]
 
 

@@ -13,7 +13,17 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import advantages
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import BestCompletion, CompletionSample, EvalAnswer, EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+from grpo_flyte.types import (
+    BestCompletion,
+    CompletionSample,
+    EvalAnswer,
+    EvalCompletion,
+    EvalMetrics,
+    Rollout,
+    ScoredGroup,
+    TrainMetrics,
+    TrainStepResult,
+)
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -121,13 +131,16 @@ def _episode_fields(rollout: Rollout) -> dict[str, Any]:
     return {} if episode is None else {"tool_calls": episode.tool_calls, "turns": episode.turns}
 
 
-def eval_episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
-    """Multi-turn held-out metrics: the share of episodes with a tool call (with its 95% interval),
-    the mean number of model turns and the RL environment's steps that failed ({} for single-turn answers)."""
-    episodes = [r.episode for r in rollouts if r.episode is not None]
+def eval_episode_metrics(questions: list[list[Rollout]]) -> dict[str, Any]:
+    """Multi-turn held-out metrics from each question's episodes: the share of episodes with a tool
+    call (each question's share, then their mean and its 95% interval over the questions), the mean
+    number of model turns per episode and the RL environment's steps that failed ({} for
+    single-turn answers)."""
+    per_question = [[r.episode for r in rollouts if r.episode is not None] for rollouts in questions]
+    episodes = [e for question in per_question for e in question]
     if not episodes:
         return {}
-    rate, ci = mean_ci95([float(e.tool_calls > 0) for e in episodes])
+    rate, ci = mean_ci95([statistics.fmean(e.tool_calls > 0 for e in question) for question in per_question if question])
     return {
         "eval_tool_call_rate": rate,
         "eval_tool_call_rate_ci95": ci,
@@ -177,21 +190,38 @@ def completion_sample(config: RunConfig, scored: list[ScoredGroup], iteration: i
     return sample[: config.num_completions_to_log]
 
 
-def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) -> tuple[EvalMetrics, list[EvalAnswer]]:
-    """A held-out evaluation's metrics and its answers, one per question (single-completion groups)."""
-    answers = [
-        EvalAnswer(
-            question=sg.group.example.question,
-            answer=sg.group.example.answer,
-            completion=sg.group.rollouts[0].text,
-            reward=sg.rewards[0].reward,
-            correct=sg.rewards[0].correct,
-            format=sg.rewards[0].format,
-            scores=sg.rewards[0].scores,
-            **_episode_fields(sg.group.rollouts[0]),
-        )
-        for sg in scored
+def question_answer(sg: ScoredGroup, sampled: bool) -> EvalAnswer:
+    """One held-out question's answer: its greedy completion and that completion's scores, or
+    (`sampled`, num_generations_eval) its n completions, each with its scores, and the question's
+    means over them: reward = (1/n) sum_j r_j, correct = (1/n) sum_j [completion j correct] (the
+    share correct), format likewise, and each named score its mean over the completions it applies
+    to. `completion` (and an episode's turns and tool calls) is the first completion's."""
+    first, example = sg.group.rollouts[0], sg.group.example
+    about: dict[str, Any] = {"question": example.question, "answer": example.answer, "completion": first.text, **_episode_fields(first)}
+    if not sampled:
+        parts = sg.rewards[0]
+        return EvalAnswer(**about, reward=parts.reward, correct=parts.correct, format=parts.format, scores=parts.scores)
+    completions = [
+        EvalCompletion(completion=r.text, reward=p.reward, correct=p.correct, format=p.format, scores=p.scores, **_episode_fields(r))
+        for r, p in zip(sg.group.rollouts, sg.rewards, strict=True)
     ]
+    names = dict.fromkeys(name for p in sg.rewards for name in p.scores)
+    return EvalAnswer(
+        **about,
+        reward=statistics.fmean(p.reward for p in sg.rewards),
+        correct=statistics.fmean(float(p.correct) for p in sg.rewards),
+        format=statistics.fmean(float(p.format) for p in sg.rewards),
+        scores={name: statistics.fmean(p.scores[name] for p in sg.rewards if name in p.scores) for name in names},
+        completions=completions,
+    )
+
+
+def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) -> tuple[EvalMetrics, list[EvalAnswer]]:
+    """A held-out evaluation's metrics and its answers, one per question (`question_answer`): the
+    held-out reward and accuracy are the means over the questions of each question's value (its
+    greedy answer's, or its mean over num_generations_eval completions), with 95% intervals over
+    the questions."""
+    answers = [question_answer(sg, config.evaluation.num_generations_eval is not None) for sg in scored]
     reward, reward_ci = mean_ci95([a.reward for a in answers])
     accuracy, accuracy_ci = mean_ci95([float(a.correct) for a in answers])
     means, errors = reward_means(config, scored)
@@ -205,6 +235,6 @@ def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) ->
         eval_reward_errors=errors,
         eval_size=len(answers),
         eval_s=eval_s,
-        **eval_episode_metrics([sg.group.rollouts[0] for sg in scored]),
+        **eval_episode_metrics([sg.group.rollouts for sg in scored]),
     )
     return metrics, answers

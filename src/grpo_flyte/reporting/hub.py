@@ -57,9 +57,11 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, itera
         # the uploaded adapter's own evaluation, else the last one before it
         after = next((row for row in reversed(evaluated) if row.iteration <= shown_iteration), evaluated[-1])
         first, last = evaluated[0].eval, after.eval
+        n = config.evaluation.num_generations_eval
+        how = "greedy" if n is None else f"{n} sampled completions each at temperature {config.sampling.temperature:g}, means per question"
         lines += [
             "",
-            f"## Held-out evaluation ({last.eval_size} questions, greedy)",
+            f"## Held-out evaluation ({last.eval_size} questions, {how})",
             "",
             "| | reward | accuracy |",
             "| --- | --- | --- |",

@@ -61,6 +61,36 @@ def test_question_values_are_the_accuracy_or_the_reward_per_question():
     assert question_values(answers, "eval_reward") == [1.2, 0.2]
 
 
+def test_with_sampled_completions_a_questions_accuracy_is_its_share_correct():
+    """num_generations_eval: `correct` is the share of a question's completions that are correct,
+    and the guard compares those shares question by question."""
+    answers = [
+        EvalAnswer(question="q", answer="2", completion="2", reward=2 / 3, correct=2 / 3, format=1.0, scores={}),
+        EvalAnswer(question="q", answer="3", completion="4", reward=0.0, correct=0.0, format=0.0, scores={}),
+    ]
+    assert question_values(answers, "eval_accuracy") == [pytest.approx(2 / 3), 0.0]
+    assert question_values(answers, "eval_reward") == [pytest.approx(2 / 3), 0.0]
+
+
+def test_the_paired_difference_of_shares_in_between_0_and_1():
+    # 3 completions a question: shares 1, 2/3, 1/3, 1 against 1/3, 1/3, 2/3, 0; differences 2/3, 1/3,
+    # -1/3, 1: mean 5/12, deviations 1/4, -1/12, -3/4, 7/12: squares sum 9/144 + 1/144 + 81/144 + 49/144
+    # = 140/144, sample variance 140 / 432, standard error its root / 2
+    mean, half = paired([1.0, 2 / 3, 1 / 3, 1.0], [1 / 3, 1 / 3, 2 / 3, 0.0])
+    assert mean == pytest.approx(5 / 12)
+    assert half == pytest.approx(COLLAPSE_Z * math.sqrt(140 / 432) / 2)
+
+
+def test_a_collapse_on_questions_shares_correct():
+    g = Replay(on_collapse="warn")
+    g.step([2 / 3, 1.0, 1.0, 2 / 3])  # the best: 5/6 of the completions correct
+    # every question lost a third or two: differences -2/3, -1, -2/3, -1/3: mean -2/3, sample sd
+    # sqrt(2/27), 99% half-width 2.576 * sqrt(2/27) / 2 = 0.35: a collapse
+    fallen = g.step([0.0, 0.0, 1 / 3, 1 / 3])
+    assert fallen.vs_best == pytest.approx(-2 / 3) and fallen.vs_best_ci99 == pytest.approx(COLLAPSE_Z * math.sqrt(2 / 27) / 2)
+    assert (fallen.guard_event, fallen.guard_signal) == ("collapse", "held_out")
+
+
 def test_the_paired_difference_and_its_99_percent_interval():
     # differences 0, -1, 1, 1: mean 0.25, sample sd sqrt(2.75 / 3), standard error sd / 2
     mean, half = paired([1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0])
