@@ -54,7 +54,9 @@ class StandIns:
         rewards = [RewardParts(reward=float(r.text == "0"), correct=r.text == "0", format=True) for r in group.rollouts]
         return ScoredGroup(group=group, rewards=rewards)
 
-    async def train_step(self, model, lora, train, sampling, base_model, adapter: AdapterRef, scored, payload, total_iterations=0):
+    async def train_step(
+        self, model, lora, train, sampling, base_model, adapter: AdapterRef, scored, payload, total_iterations=0, reward_weights=None
+    ):
         await asyncio.sleep(self.train_s)
         self.trained.append((adapter.version, [sg.group.adapter_version for sg in scored]))
         rollouts = sum(len(sg.rewards) for sg in scored)

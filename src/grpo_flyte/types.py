@@ -273,8 +273,8 @@ class TrainMetrics(TaskValue):
     is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see learning.losses.effective_sample_size)
     is_clipped_fraction: float = 0.0  # tokens whose importance weight the cap truncated or masked
     entropy: float
-    entropy_coef: float = 0.0  # the entropy bonus's coefficient after the iteration (see use_adaptive_entropy)
-    off_policy_masked_fraction: float = 0.0  # tokens off_policy_mask_threshold left out of the policy loss
+    entropy_coef: float | None = None  # with an entropy bonus: its coefficient after the iteration (see use_adaptive_entropy)
+    off_policy_masked_fraction: float | None = None  # with off_policy_mask_threshold: tokens it left out of the policy loss
     vespo_phi_mean: float | None = None  # loss_type 'vespo' only: the mean gamma weight
     grad_norm: float
     lr: float = 0.0  # the learning rate of the iteration's last optimizer step
@@ -333,30 +333,6 @@ class EvalMetrics(TaskValue):
     eval_tool_call_rate_ci95: float | None = None
     eval_turns_mean: float | None = None
     eval_tool_errors: int | None = None  # multi-turn: environment steps that raised or ran out of time
-
-
-def plus_minus(half_width: float | None) -> str:
-    """A 95% interval's half-width as the console, report and model card show it."""
-    return f"+- {half_width:.3f}" if half_width is not None else "(one question: no interval)"
-
-
-def shown(metric: str | None, value: float) -> str:
-    """A value of a held-out metric (eval_accuracy, eval_reward) as a person reads it: a percentage for the accuracy."""
-    return f"{value:.1%}" if metric == "eval_accuracy" else f"{value:.3f}"
-
-
-def shown_change(metric: str | None, value: float) -> str:
-    """A difference of a held-out metric: percentage points for the accuracy."""
-    return f"{value * 100:.1f} pp" if metric == "eval_accuracy" else f"{value:.3f}"
-
-
-def change_plus_minus(metric: str | None, half_width: float | None) -> str:
-    """An interval's half-width around a difference of a held-out metric."""
-    return f"+- {shown_change(metric, half_width)}" if half_width is not None else "(one question: no interval)"
-
-
-def metric_name(metric: str | None) -> str:
-    return "held-out accuracy" if metric == "eval_accuracy" else "held-out reward"
 
 
 GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]

@@ -118,8 +118,8 @@ class TrainConfig(Part):
         gt=0.0,
         le=10.0,
         description=(
-            "PPO clip range above 1: the ratio is clipped at 1 + epsilon_high (DAPO: 0.28). With loss_type 'cispo' it "
-            "is the cap of the ratio itself, epsilon_max (ScaleRL recommends 5.0)."
+            "PPO clip range above 1: the ratio is clipped at 1 + epsilon_high (DAPO: 0.28); unset, it is --epsilon's "
+            "value, as in TRL. With loss_type 'cispo' it is the cap of the ratio itself, epsilon_max (ScaleRL recommends 5.0)."
         ),
     )
     delta: float | None = Field(
@@ -318,6 +318,14 @@ class TrainConfig(Part):
     def entropy_bonus(self) -> bool:
         """Whether the loss has an entropy term (adaptive control keeps it even at coefficient 0)."""
         return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+    @model_validator(mode="before")
+    @classmethod
+    def _epsilon_high_follows_epsilon(cls, data: Any) -> Any:
+        # TRL: epsilon_high unset (or None) is epsilon, so that --epsilon alone clips both sides alike
+        if isinstance(data, dict) and data.get("epsilon_high") is None:
+            data = {**data, "epsilon_high": data.get("epsilon", cls.model_fields["epsilon"].default)}
+        return data
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

@@ -177,8 +177,6 @@ def from_trl_names(values: dict[str, Any]) -> dict[str, Any]:
         del out[name]
     if "vllm_importance_sampling_cap" in out and out["vllm_importance_sampling_cap"] is None:
         del out["vllm_importance_sampling_cap"]  # TRL 1.16's default for its deprecated name: unset
-    if "epsilon_high" in out and out["epsilon_high"] is None:  # TRL's default: the same as epsilon
-        del out["epsilon_high"]
     renamed = {trl: ours for trl, ours in TRL_ALIASES.items() if trl in out}
     for name, true, false in (("mask_truncated_completions", "mask", "keep"), ("use_vllm", "vllm", "hf")):
         if name in out:

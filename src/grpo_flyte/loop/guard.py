@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.loop.metrics import mean_ci95
+from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, shown_change
 from grpo_flyte.types import (
     AdapterRef,
     EvalAnswer,
@@ -39,10 +40,6 @@ from grpo_flyte.types import (
     GuardRecord,
     MetricsRow,
     TrainMetrics,
-    change_plus_minus,
-    metric_name,
-    shown,
-    shown_change,
 )
 
 Metric = Literal["eval_accuracy", "eval_reward"]

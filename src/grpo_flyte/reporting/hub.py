@@ -15,7 +15,8 @@ from typing import Any
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.models.folders import shareable_base
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow, plus_minus
+from grpo_flyte.reporting.figures import plus_minus
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow
 
 logger = logging.getLogger("grpo_flyte")
 

@@ -34,7 +34,8 @@ from rich.progress import (
 from rich.text import Text
 
 from grpo_flyte.config.run import RunConfig, eval_due
-from grpo_flyte.types import MetricsRow, change_plus_minus, plus_minus, shown_change
+from grpo_flyte.reporting.figures import change_plus_minus, plus_minus, shown_change
+from grpo_flyte.types import MetricsRow
 
 
 class Checkpointed(Protocol):

@@ -573,3 +573,10 @@ def test_generation_kwargs_that_the_trainer_could_not_follow_are_refused_naming_
 def test_out_of_range_sampling_rules_are_refused(field, value):
     with pytest.raises(ValidationError, match=field):
         RunConfig(**{field: value})
+
+
+def test_epsilon_high_unset_is_epsilon_as_in_trl():
+    assert make_config().train.epsilon_high == 0.2
+    assert make_config(epsilon=0.3).train.epsilon_high == 0.3  # TRL: epsilon_high None -> epsilon
+    assert make_config(epsilon=0.3, epsilon_high=None).train.epsilon_high == 0.3
+    assert make_config(epsilon=0.3, epsilon_high=0.28).train.epsilon_high == 0.28

@@ -45,11 +45,43 @@ def test_a_run_folder_written_before_the_move_resumes_to_the_end(tmp_path, tiny_
 def test_a_checkpoint_written_before_the_move_loads_whole():
     """A cluster driver's checkpoint is the loop state's JSON (what flyte.Checkpoint holds); the
     stored one parses into today's LoopState and writes back the same JSON: no field was renamed
-    or dropped by the move, and a field added since (LoopState.completions) has its default."""
+    or dropped by the move, and each field added since (LoopState.completions, the objective's
+    metrics in each row's train part) has its default."""
     payload = (STORED / "flyte" / "checkpoint").read_bytes()
     state = LoopState.model_validate_json(payload)
     assert state.iterations_done == 1 and [row.iteration for row in state.history] == [0, 1]
     stored, written = json.loads(payload), json.loads(state.model_dump_json())
-    added = {name: written.pop(name) for name in set(written) - set(stored)}
-    assert added == {name: LoopState.model_fields[name].get_default(call_default_factory=True) for name in added}
-    assert written == stored
+    added = _added_fields(LoopState, stored, written)
+    assert all(value == default for _, value, default in added), added
+    assert written == stored  # once the fields added since are taken out
+
+
+def _added_fields(model, stored, written, path: str = "") -> list[tuple[str, object, object]]:
+    """The fields `written` (a dump of `model`) has and `stored` has not, at any depth, removed
+    from `written`: (path, value, the field's default)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    def model_in(annotation):
+        """The pydantic model a field holds, itself or inside list[...] / X | None."""
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        return next((m for m in map(model_in, typing.get_args(annotation)) if m is not None), None)
+
+    added = []
+    for name in list(written):
+        if name not in stored:
+            default = model.model_fields[name].get_default(call_default_factory=True)
+            added.append((f"{path}{name}", written.pop(name), default.model_dump() if isinstance(default, BaseModel) else default))
+            continue
+        inner = model_in(model.model_fields[name].annotation)
+        if inner is None:
+            continue
+        if isinstance(written[name], dict) and isinstance(stored[name], dict):
+            added += _added_fields(inner, stored[name], written[name], f"{path}{name}.")
+        elif isinstance(written[name], list) and isinstance(stored[name], list):
+            for i, (old, new) in enumerate(zip(stored[name], written[name], strict=True)):
+                if isinstance(old, dict) and isinstance(new, dict):
+                    added += _added_fields(inner, old, new, f"{path}{name}[{i}].")
+    return added
