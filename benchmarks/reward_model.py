@@ -7,8 +7,8 @@ pairs of completions of one training question, its right answer and a wrong one
 completion (grpo_flyte.judge.conversations: the run's system prompt, the question with the
 instruction, the completion as the assistant's turn). The decoder stays frozen: its last token's
 hidden state is computed once per conversation, and the head w (the model's `score` layer) is
-fitted to the pairs' Bradley-Terry loss, mean softplus(-(w.h_right - w.h_wrong)), by full-batch
-Adam. `pair_accuracy` is the share of held-out pairs (questions from the held-out split) that the
+fitted to the pairs' Bradley-Terry loss, mean softplus(-(w.h_right - w.h_wrong)) plus an L2
+penalty, by full-batch Adam on standardized features. `pair_accuracy` is the share of held-out pairs (questions from the held-out split) that the
 saved model, loaded as a run loads it (grpo_flyte.models.reward_model), scores right above wrong.
 
 Then, on held-out questions, each group once, in turn: the policy (the embedded model, the run's
@@ -36,6 +36,7 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.models.embedded import embedded_model_dir
 
 SEED = 0
+WEIGHT_DECAY = 1e-3  # an L2 penalty on the head: 256 pairs in 576 dimensions fit exactly without one
 
 
 def answer_text(question: str, value: str) -> str:
@@ -89,16 +90,20 @@ def build_reward_model(config: RunConfig, out: Path, train_pairs, steps: int) ->
         wrong = last_hidden(model, tokenizer, [conversation(config, q, w) for q, _, w in train_pairs])
     torch.manual_seed(SEED)
     head = torch.zeros(right.shape[1], requires_grad=True)
-    scale = right.norm(dim=1).mean()  # features of a few hundred units: the head works on unit-scale ones
-    optimizer = torch.optim.Adam([head], lr=1e-2)
+    # the head is fitted on standardized features (hidden units differ in scale by orders of
+    # magnitude), then divided by their scales: w.h = head.(h / std); a shift of every score
+    # by a constant (no bias: the score layer has none) changes no pair's order nor a group's advantages
+    std = torch.cat([right, wrong]).std(dim=0) + 1e-6
+    differences = (right - wrong) / std
+    optimizer = torch.optim.Adam([head], lr=5e-2)
     with _common.Stopwatch() as fit:
         for _ in range(steps):
-            loss = torch.nn.functional.softplus(-((right - wrong) / scale) @ head).mean()
+            loss = torch.nn.functional.softplus(-(differences @ head)).mean() + WEIGHT_DECAY * head.square().sum()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     with torch.no_grad():
-        model.score.weight.copy_((head / scale).unsqueeze(0))
+        model.score.weight.copy_((head / std).unsqueeze(0))
         train_accuracy = ((right - wrong) @ model.score.weight[0] > 0).float().mean().item()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -175,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         f"\na group's scoring: median {summary['score_s_median']:.3f} s against its generation's {summary['generate_s_median']:.2f} s: "
         f"{summary['score_over_generate']:.3f}x (at most {summary['score_over_generate_max']:.3f}x)"
     )
+    settings = dict(
+        train_pairs=num_train, held_out_pairs=num_held, head_steps=steps, groups=groups, group_size=group_size, max_new_tokens=tokens
+    )
     _common.write_result(
         _common.out_file(args),
         {
             "benchmark": "reward_model",
             "machine": _common.machine(),
             "dtype": dtype,
-            "settings": {"train_pairs": num_train, "held_out_pairs": num_held, "head_steps": steps, "groups": groups,
-                         "group_size": group_size, "max_new_tokens": tokens},  # fmt: skip
+            "settings": settings,
             "head": {**fit, "held_out_pair_accuracy": accuracy},
             "groups": timed,
             **summary,

@@ -362,6 +362,29 @@ def test_a_rewards_entry_naming_a_model_is_a_reward_model():
         make_config(rewards={f"a/{i}": 1.0 for i in range(1, 5)})
 
 
+def test_a_reward_model_reads_the_prompt_the_policy_was_given():
+    """The chat format's system prompt and question with the instruction; the plain format's text;
+    a TRL row's own prompt, text or messages (the run's prompt not added)."""
+    from grpo_flyte.config.generation import PromptConfig
+    from grpo_flyte.types import Message
+
+    group = _rm_group(["#### 27"])
+    reply = {"role": "assistant", "content": "#### 27"}
+    chat = PromptConfig(system_prompt="Be brief.", answer_instruction="End with '#### <n>'.")
+    assert judge_module.conversations(group, chat) == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 13 + 14? End with '#### <n>'."}, reply]
+    ]
+    plain = PromptConfig(prompt_format="plain", answer_instruction="End with '#### <n>'.")
+    assert judge_module.conversations(group, plain)[0][0] == {
+        "role": "user",
+        "content": "Question: What is 13 + 14?\nEnd with '#### <n>'.\nAnswer:",
+    }
+    for prompt, head in [("Add 13 and 14.", [{"role": "user", "content": "Add 13 and 14."}]),
+                         ([Message(role="user", content="Add them.")], [{"role": "user", "content": "Add them."}])]:  # fmt: skip
+        trl = group.model_copy(update={"example": Example(question="q", answer="27", prompt=prompt)})
+        assert judge_module.conversations(trl, chat) == [[*head, reply]]
+
+
 def _rm_group(texts: list[str], episodes: bool = False) -> RolloutGroup:
     from grpo_flyte.types import Episode, EpisodeTurn
 
