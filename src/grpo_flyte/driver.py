@@ -33,7 +33,7 @@ from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
 from grpo_flyte.loop import lockstep, observers
-from grpo_flyte.loop.batches import run_iteration
+from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
 from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics
@@ -44,6 +44,7 @@ from grpo_flyte.reporting.progress import eta_seconds, progress_line
 from grpo_flyte.reporting.trackers import Trackers
 from grpo_flyte.reporting.tracking import WandbRun, new_run_id
 from grpo_flyte.reward import start_reward_workers
+from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
 from grpo_flyte.types import AdapterRef, EvalAnswer, Example, MetricsRow, RunResult
@@ -89,26 +90,35 @@ async def train_rl(
     resume_from: str | None = None,
     examples_file: list[Dir] = [],  # noqa: B006 (Flyte copies inputs; an optional list would hide the content hash)
     judge_model: Dir | None = None,
+    reward_models: dict[str, Dir] | None = None,
 ) -> RunResult:
     """Run GRPO for `config.iterations` iterations; returns the final adapter, metrics and report.
 
     `examples` overrides `config.data.dataset` (the CLI passes the rows of a dataset file this way,
     or, past Flyte's inline limit, as the folder `examples_file`: see `runtime.storage.as_payload`);
     `resume_from` is a checkpoint to continue from; `judge_model` is the judge's model folder (the
-    'judge' reward). A retried driver (a preempted pod) continues
+    'judge' reward); `reward_models` maps each reward model the rewards name (its Hub id or folder,
+    without '@label') to its folder. A retried driver (a preempted pod) continues
     from its last checkpoint; bad input (a GrpoFlyteError here or in a task) is not retried.
     """
     with input_errors_not_retried():
         if examples_file:
             examples = await from_payload(examples or [], examples_file, Example, _driver_dirs)
-        return await _train_rl(config, base_model, examples, resume_from, judge_model)
+        return await _train_rl(config, base_model, examples, resume_from, ScoringModels(judge_model, reward_models or {}))
 
 
 async def _train_rl(
-    config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None, judge_model: Dir | None = None
+    config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None, models: ScoringModels | None = None
 ) -> RunResult:
-    if config.judging and judge_model is None:
+    models = models or ScoringModels()
+    if config.judging and models.judge is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
+    missing = [name for name in config.scoring.model_rewards if reward_model_ref(name)[0] not in models.reward_models]
+    if missing:
+        raise ConfigError(
+            f"rewards name the reward model {reward_model_ref(missing[0])[0]!r} but train_rl's reward_models has no folder for it; "
+            "expected its Dir under that name"
+        )
     # The reward workers the run will score with start now, beside the first task (a worker's
     # import of math-verify is slow: docs/measurements.md#iteration-overhead-issue-41-2026-11-26),
     # instead of inside its first iteration.
@@ -163,7 +173,7 @@ async def _train_rl(
     ahead = None
     if config.max_staleness:
         recent = [*state.recent_adapters, state.adapter]
-        ahead = BatchesAhead(guarded(config, state.guard), base_model, dataset, recent, state.in_flight, judge_model)
+        ahead = BatchesAhead(guarded(config, state.guard), base_model, dataset, recent, state.in_flight, models)
         ahead.launch(state.iterations_done)  # generation starts now, beside the evaluation before training
     run = observers.current_run()  # a local sweep's configs meet before each iteration's rollouts (grpo_flyte.loop.lockstep)
     try:
@@ -183,7 +193,7 @@ async def _train_rl(
             with flyte.group(f"iter-{it + 1}"):
                 if ahead is None:
                     step_config = guarded(config, state.guard)
-                    scored, result, timings = await run_iteration(step_config, base_model, state.adapter, dataset, it, judge_model)
+                    scored, result, timings = await run_iteration(step_config, base_model, state.adapter, dataset, it, models)
                 else:
                     scored, result, timings, dropped = await ahead.iteration(state.adapter, it)
                 row = MetricsRow(

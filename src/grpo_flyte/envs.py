@@ -1,5 +1,6 @@
-"""This module declares the task image and the five Flyte TaskEnvironments: rollout (warm GPU pool),
-reward, judge (warm GPU pool, for the 'judge' reward), train, driver.
+"""This module declares the task image and the six Flyte TaskEnvironments: rollout (warm GPU pool),
+reward, judge (warm GPU pool, for the 'judge' reward), reward model (warm GPU pool, for rewards that
+name a reward model), train, driver.
 
 Hardware is chosen at import time from environment variables (a Flyte task environment cannot be
 re-homed after its tasks are declared), e.g. `GRPO_FLYTE_ROLLOUT_GPU=A100:1`. See `DeploySettings`.
@@ -76,6 +77,16 @@ class DeploySettings(BaseSettings):
         description="Concurrent judge calls per replica; the replica's batcher puts them in one engine batch (at least 2).",
     )
     judge_memory: str = "12Gi"
+    reward_model_gpu: str = Field("L4:1", description="GPU of each reward-model replica (the rewards that name a reward model).")
+    reward_model_replicas_max: int = Field(2, ge=1, description="Reward-model replicas at most (one stays warm).")
+    reward_model_concurrency: int = Field(
+        16,
+        ge=1,
+        description="Concurrent reward-model calls per replica (each a group's forward; they take turns on the replica's model).",
+    )
+    # The replica loads each reward model once (up to MAX_REWARD_MODELS): its weights in CPU memory
+    # on the way to the GPU; 12Gi holds a 1.5B model's float32 copy with room.
+    reward_model_memory: str = "12Gi"
     train_memory: str = Field(
         "12Gi",
         description=(
@@ -314,6 +325,24 @@ judge_env = _engine_pool(
     settings.judge_concurrency,
 )
 
+# Like the judge's pool, for the sequence-classification reward models (grpo_flyte.models.reward_model):
+# no engine, a forward per group; the models load once per replica.
+reward_model_env = flyte.TaskEnvironment(
+    name="grpo_flyte-reward-model",
+    description="Warm reward models (the rewards that name a sequence-classification model), loaded once per replica.",
+    image=image,
+    resources=flyte.Resources(cpu=settings.rollout_cpu, memory=settings.reward_model_memory, gpu=settings.reward_model_gpu, shm="auto"),
+    secrets=_hf_token,
+    env_vars=_gpu_vars,
+    reusable=flyte.ReusePolicy(
+        replicas=(1, settings.reward_model_replicas_max),
+        concurrency=settings.reward_model_concurrency,
+        idle_ttl=settings.pool_idle_ttl,
+        scaledown_ttl=120,
+        scope="run",
+    ),
+)
+
 train_env = flyte.TaskEnvironment(
     name="grpo_flyte-train",
     description="LoRA adapter initialization and GRPO optimizer steps.",
@@ -433,7 +462,7 @@ driver_env = flyte.TaskEnvironment(
     # HF_TOKEN for --push-to-hub (the secret the workers already need for gated models); the W&B key when set.
     secrets=[*_hf_token, *_wandb_key],
     env_vars=_settings_vars,
-    # The driver submits tasks of the other task environments (four, or five with several train GPUs);
+    # The driver submits tasks of the other task environments (five, or six with several train GPUs);
     # depends_on puts their images in the run's image cache.
-    depends_on=[rollout_env, reward_env, judge_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
+    depends_on=[rollout_env, reward_env, judge_env, reward_model_env, train_env, *([train_dist_env] if train_dist_env is not None else [])],
 )

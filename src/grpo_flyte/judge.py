@@ -1,34 +1,50 @@
-"""In the `judge_group` task an LLM judge scores one group of completions, on a warm, reusable pool.
+"""This module holds the model-based scorers, each on a warm, reusable pool of its own: the LLM judge
+(`judge_group`) and the reward models (`reward_model_group`), whose scores the driver adds to the
+reward functions' (grpo_flyte.scoring.compose).
 
-One judge prompt per group (RULER-style, see grpo_flyte.scoring.judging): the question once, every
-completion numbered, one score in [0, 1] each, relative to the others. The replica loads the judge
-model once (its own engine cache, grpo_flyte.engine.cache) and its batcher puts concurrent judge calls in
-one engine batch, as the generate pool does. Both backends hold the reply to the scores' JSON
-(`scores_regex`: vLLM's structured outputs; on transformers a logits mask per step, see
-grpo_flyte.engine.grammar), so it parses. A reply that still does not (an engine without the constraint,
-or a reply cut at its token budget) is sampled once more, and a chunk still unparsable fails the task
+In `judge_group` an LLM judge scores one group of completions. One judge prompt per group
+(RULER-style, see grpo_flyte.scoring.judging): the question once, every completion numbered, one
+score in [0, 1] each, relative to the others. The replica loads the judge model once (its own engine
+cache, grpo_flyte.engine.cache) and its batcher puts concurrent judge calls in one engine batch, as
+the generate pool does. Both backends hold the reply to the scores' JSON (`scores_regex`: vLLM's
+structured outputs; on transformers a logits mask per step, see grpo_flyte.engine.grammar), so it
+parses. A reply that still does not (an engine without the constraint, or a reply cut at its token
+budget) is sampled once more, and a chunk still unparsable fails the task
 (on_reward_error='fail') or scores 0 and is counted ('zero').
+
+In `reward_model_group` a sequence-classification reward model (a `rewards` entry that names a
+model) scores every completion of one group in one batched forward, each on its conversation: the
+prompt the policy was given, then the completion (an episode: its turns), see
+grpo_flyte.models.reward_model. The replica loads each reward model once; a score that is not a
+finite number is handled as a reward function's is (on_reward_error).
 
 Usable from your own workflow like the other tasks:
 
     verdict = await judge_group(config.judge, config.engine, config.scoring, judge_model_dir, rollout_group)
+    scores = await reward_model_group(reward, config.prompt, config.scoring, reward_model_dir, rollout_group)
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from flyte.io import Dir
 
-from grpo_flyte.config.generation import EngineConfig, JudgeConfig, RewardConfig
+from grpo_flyte.config.constants import MAX_REWARD_MODELS
+from grpo_flyte.config.generation import EngineConfig, JudgeConfig, PromptConfig, RewardConfig
 from grpo_flyte.engine import batching, cache
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
-from grpo_flyte.envs import judge_env
-from grpo_flyte.errors import RewardError, input_errors_not_retried
+from grpo_flyte.engine.prompts import prompt_messages
+from grpo_flyte.envs import judge_env, reward_model_env
+from grpo_flyte.errors import ModelError, RewardError, input_errors_not_retried
+from grpo_flyte.models.reward_model import RewardModelKey, get_reward_model, reward_model_problem
+from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.storage import replica_cache
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
+from grpo_flyte.scoring.compose import checked_model_scores
 from grpo_flyte.scoring.judging import (
     REPLY_END,
     chunk_indices,
@@ -40,9 +56,10 @@ from grpo_flyte.scoring.judging import (
     scores_regex,
     token_count,
 )
-from grpo_flyte.types import JudgeVerdict, RolloutGroup
+from grpo_flyte.types import JudgeVerdict, RewardModelScores, RolloutGroup
 
 _judge_dirs = replica_cache("judge-models", capacity=1)
+_reward_model_dirs = replica_cache("reward-models", capacity=MAX_REWARD_MODELS)
 # The retry of an unparsable reply samples (the first, greedy reply would only repeat itself).
 RETRY_TEMPERATURE = 0.7
 SHOWN_REPLY_CHARS = 120
@@ -147,3 +164,50 @@ async def judge_group(
             model_path, resolve_dtype("auto"), engine.backend, judging.judge_context_tokens, engine.vllm_memory_fraction
         )
         return await judge(key, judging, scoring.on_reward_error, group)
+
+
+# --------------------------------------------------------------------------- reward models
+
+
+def conversations(group: RolloutGroup, prompt: PromptConfig) -> list[list[dict[str, str]]]:
+    """Each completion of the group as a reward model reads it: the prompt the policy was given
+    (`prompt_messages`), then the completion as the assistant's turn, or an episode's turns."""
+    head = prompt_messages(group.example, prompt)
+    return [
+        [*head, *(r.episode.messages() if r.episode is not None else [{"role": "assistant", "content": r.text}])] for r in group.rollouts
+    ]
+
+
+async def score_with_reward_model(
+    key: RewardModelKey, reward: str, prompt: PromptConfig, on_error: str, group: RolloutGroup
+) -> RewardModelScores:
+    """Reward `reward`'s scores of one group with the model of `key` (the task body, without Flyte)."""
+    started = time.perf_counter()
+    _, label = reward_model_ref(reward)
+    # checked before a run starts; here too for a Hub model, which a cluster's pod fetches itself
+    problem = reward_model_problem(Path(key.model_path), label)
+    if problem:
+        raise ModelError(f"{reward!r}: {problem}", field="rewards")
+    try:
+        model = await run_on_torch_thread(get_reward_model, key)
+    except Exception as exc:  # noqa: BLE001 -- the same folder fails the same way: an input error, in one line
+        raise ModelError(
+            f"{reward!r}: its model cannot be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", field="rewards"
+        ) from None
+    values = await run_on_torch_thread(model.score, conversations(group, prompt), label)
+    scores, failed = checked_model_scores(reward, values, [r.answer_text for r in group.rollouts], on_error)
+    return RewardModelScores(reward=reward, scores=scores, failed=failed, seconds=time.perf_counter() - started)
+
+
+@reward_model_env.task(retries=2)
+async def reward_model_group(
+    reward: str, prompt: PromptConfig, scoring: RewardConfig, reward_model: Dir, group: RolloutGroup
+) -> RewardModelScores:
+    """Score every completion of one group with reward `reward`, a `rewards` entry naming a reward
+    model whose folder is `reward_model`, in one batched forward. A folder that holds no such model
+    (or lacks the label the reward names), or a score that is not finite with
+    on_reward_error='fail', fails the same way again: not retried."""
+    with input_errors_not_retried():
+        model_path = await _reward_model_dirs.get(reward_model)
+        key = RewardModelKey(model_path, resolve_dtype("auto"))
+        return await score_with_reward_model(key, reward, prompt, scoring.on_reward_error, group)

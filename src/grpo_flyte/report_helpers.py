@@ -31,7 +31,7 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Completion length", ("completion_len_mean", "completion_len_max")),
     ("Tool use (multi-turn)", ("tool_call_rate", "eval_tool_call_rate")),
     ("Turns and tokens per episode (multi-turn)", ("turns_mean", "tool_calls_mean", "model_tokens_mean", "env_tokens_mean")),
-    ("Seconds per stage", ("generate_s", "score_s", "judge_s", "train_s", "eval_s")),
+    ("Seconds per stage", ("generate_s", "score_s", "judge_s", "reward_model_s", "train_s", "eval_s")),
     # apart from the stages: one chart has as many series as there are colours at most
     ("Seconds waiting: the trainer for its batch, a train step restoring its state", ("batch_wait_s", "train_restore_s")),
     (

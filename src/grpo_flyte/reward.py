@@ -14,7 +14,6 @@ import time
 from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
-from grpo_flyte.reward_fns import JUDGE_REWARD
 from grpo_flyte.scoring.compose import Group, score_completions
 from grpo_flyte.scoring.workers import start_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
@@ -39,8 +38,8 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
     rewards = score_completions(
         [r.answer_text for r in group.rollouts],
         about,
-        # the judge is a model on its own pool (grpo_flyte.judge): the driver adds its scores
-        {name: weight for name, weight in scoring.rewards.items() if name != JUDGE_REWARD},
+        # the judge and the reward models are models on pools of their own (grpo_flyte.judge): the driver adds their scores
+        scoring.function_rewards,
         on_error=scoring.on_reward_error,
         timeout_s=scoring.reward_timeout_s,
     )

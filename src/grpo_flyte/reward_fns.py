@@ -20,7 +20,8 @@ and `env_rewards` (the environment's own reward of each, or None).
 
 The config's `rewards` maps names to weights: the built-in `correct`, `format`, `tags`, `length`
 and `env` (the multi-turn environment's reward), `judge` (an LLM judge on its own pool, grpo_flyte.judge:
-not called here), or `module:function` for your own. The reward of a completion is the weighted sum;
+not called here), `module:function` for your own, or a reward model (a name with a '/': a Hub id
+or a model folder, `is_reward_model`; scored on its own pool, grpo_flyte.judge: not called here). The reward of a completion is the weighted sum;
 every reward's own score is kept for the metrics.
 
 Rewards see untrusted model output, so each call runs in a worker process within a time limit
@@ -250,10 +251,34 @@ JUDGE_REWARD = "judge"
 DEFAULT_REWARDS = {"correct": 1.0}
 
 
+# A reward model's label: '<model>@<label>' picks one output of a classifier of several labels.
+LABEL_MARK = "@"
+
+
+def is_reward_model(name: str) -> bool:
+    """Whether a reward name names a reward model: one with a '/' in it, a Hub id ('org/name') or a
+    model folder ('./my-rm', '/models/rm', '~/rm'), optionally with '@<label>' after it. A folder in
+    the current directory is named with './' (a bare word is a reward function's name)."""
+    return "/" in name and name not in REWARD_FUNCTIONS and name != JUDGE_REWARD
+
+
+def reward_model_ref(name: str) -> tuple[str, str | None]:
+    """A reward model's name as (the model: Hub id or folder, the label it picks or None):
+    'org/rm@positive' -> ('org/rm', 'positive'); a '@' inside the path is the path's."""
+    model, mark, label = name.rpartition(LABEL_MARK)
+    if mark and model and label and "/" not in label:
+        return model, label
+    return name, None
+
+
 def check_reward_name(name: str) -> None:
-    """Raise ValueError unless `name` is a built-in reward, the judge, or has the shape module:function."""
-    if name not in REWARD_FUNCTIONS and name != JUDGE_REWARD and not is_user_attribute(name):
-        raise ValueError(f"unknown reward {name!r}; expected one of {', '.join(REWARD_FUNCTIONS)}, {JUDGE_REWARD!r} or 'module:function'")
+    """Raise ValueError unless `name` is a built-in reward, the judge, a reward model or has the
+    shape module:function."""
+    if name not in REWARD_FUNCTIONS and name != JUDGE_REWARD and not is_reward_model(name) and not is_user_attribute(name):
+        raise ValueError(
+            f"unknown reward {name!r}; expected one of {', '.join(REWARD_FUNCTIONS)}, {JUDGE_REWARD!r}, 'module:function' "
+            "or a reward model (a Hub id 'org/name', or a model folder with a '/': './my-rm')"
+        )
 
 
 @functools.cache
@@ -265,6 +290,8 @@ def resolve_reward(name: str) -> RewardFn:
         check_reward_name(name)
     except ValueError as exc:
         raise RewardSpecError(str(exc), field="rewards") from None
+    if is_reward_model(name) or name == JUDGE_REWARD:
+        raise RewardSpecError(f"{name!r} is a model, not a function: it scores on its own pool (grpo_flyte.judge)", field="rewards")
     module_name, attr = name.split(":")
     fn = import_user_attribute(name, lambda message: RewardSpecError(message, field="rewards"))
     if not callable(fn):

@@ -57,6 +57,7 @@ async def train_sweep(
     examples: list[Example] | None = None,
     examples_file: list[Dir] = [],  # noqa: B006 (as train_rl's)
     judge_model: Dir | None = None,
+    reward_models: dict[str, Dir] | None = None,
 ) -> SweepResult:
     """Train every config of `members` (`config.grid.expand_sweep`) at once, one `train_rl` each,
     on the folder `base_models` maps its base model (its `model` option) to; returns each one's
@@ -75,7 +76,9 @@ async def train_sweep(
 
     async def one(member: SweepMember) -> RunResult:
         with flyte.group(member.name):
-            return await train_rl(member.config, base_models[member.config.base.model], examples, None, examples_file, judge_model)
+            return await train_rl(
+                member.config, base_models[member.config.base.model], examples, None, examples_file, judge_model, reward_models
+            )
 
     results = await asyncio.gather(*(one(m) for m in members), return_exceptions=True)
     outcomes = [outcome(m, r) for m, r in zip(members, results, strict=True)]

@@ -202,6 +202,17 @@ class JudgeVerdict(TaskValue):
     judge_s: float = 0.0
 
 
+class RewardModelScores(TaskValue):
+    """A reward model's scores of one group (grpo_flyte.judge.reward_model_group): one per
+    completion, finite; a completion whose score was not (NaN or infinite, with
+    on_reward_error='zero') scores 0 and is flagged in `failed`. `seconds`: the task's time."""
+
+    reward: str
+    scores: list[float]
+    failed: list[bool]
+    seconds: float = 0.0
+
+
 class ScoredGroup(TaskValue):
     group: RolloutGroup
     rewards: list[RewardParts]
@@ -304,6 +315,9 @@ class TrainMetrics(TaskValue):
     judge_retries: int | None = None
     judge_invalid: int | None = None
     judge_split_groups: int | None = None
+    # With a reward model among the rewards (None otherwise): its stage seconds (wall clock while a
+    # reward model call was in flight).
+    reward_model_s: float | None = None
     # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
     # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
     turns_mean: float | None = None

@@ -31,7 +31,7 @@ from flyte.io import Dir
 from flyteidl2.core import execution_pb2
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.judge import judge_group
+from grpo_flyte.judge import judge_group, reward_model_group
 from grpo_flyte.reward import score_group, start_reward_workers
 from grpo_flyte.rollout import generate
 from grpo_flyte.trainer import init_adapter, train_step
@@ -41,6 +41,7 @@ from grpo_flyte.types import (
     AdapterRef,
     Example,
     JudgeVerdict,
+    RewardModelScores,
     Rollout,
     RolloutGroup,
     ScoredGroup,
@@ -250,6 +251,30 @@ def test_judge_group_pod_judges_a_group_in_one_call_on_the_judge_model(rehearsal
     else:
         assert pod.outputs is None
         assert pod.error.error.message.startswith("the judge's rubric and the question take"), pod.error.error.message
+        assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
+
+
+@pytest.mark.parametrize("label", ["right", None])
+def test_reward_model_group_pod_scores_a_group_on_the_reward_model(rehearsal, tmp_path, embedded_dir, label):
+    """The reward model's pod: the model comes in as a Dir (through the object store), the bundle
+    brings grpo_flyte.judge and grpo_flyte.models.reward_model; one score per completion, each the
+    probability of the label the reward names. A reward that names no label of a two-label model
+    fails the pod, not retried (the CLI refuses it before start, a task called directly here)."""
+    from tests.support.tiny_model import build_tiny_reward_model
+
+    folder = build_tiny_reward_model(tmp_path / "rm", embedded_dir, num_labels=2)
+    reward = f"{folder}@{label}" if label else str(folder)
+    config = RunConfig(rewards={reward: 1.0})
+    pod = rehearsal.run(reward_model_group, reward, config.prompt, config.scoring, _object_store(folder), GROUP)
+    if label:
+        assert pod.error is None, pod.log[-4000:]
+        result = pod.outputs
+        assert isinstance(result, RewardModelScores) and result.reward == reward and result.failed == [False] * 3
+        assert all(0.0 < s < 1.0 for s in result.scores) and len(set(result.scores)) == 3
+        assert (pod.workdir / "grpo_flyte" / "models" / "reward_model.py").is_file()
+    else:
+        assert pod.outputs is None
+        assert "the model has 2 labels (0=wrong, 1=right)" in pod.error.error.message, pod.error.error.message
         assert (pod.error.error.code, pod.error.error.kind) == ("NonRecoverableError", execution_pb2.ContainerError.NON_RECOVERABLE)
 
 

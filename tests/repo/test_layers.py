@@ -26,7 +26,7 @@ LAYERS = (
     ("scoring",),  # composing rewards into a group's scores; the LLM judge's pure parts
     ("config",),  # the one config object, its files, TRL's names, a sweep's grid
     ("__init__",),  # the package's own names (RunConfig, MultiTurnEnv, Reply), imported on first use
-    ("models",),  # base models: the embedded one, folders and Hub ids, loading, attention
+    ("models",),  # base models: the embedded one, folders and Hub ids, loading, attention; the reward models
     ("data", "learning"),  # datasets and prompt sampling; the GRPO math, the policy and its update
     ("engine",),  # generation: the generators, their cache and batching, decoding, episodes, prompts
     ("envs",),  # the image and the Flyte task environments
@@ -47,7 +47,7 @@ INSIDE = {
     "runtime": ("allocator", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
     "scoring": ("judging", "workers", "compose"),
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
-    "models": ("attention", "loading", "embedded", "folders"),
+    "models": ("attention", "loading", "embedded", "folders", "reward_model"),
     "learning": ("distribution", "grpo", "losses", "policy", "update", "data_parallel", "merge"),
     "engine": (
         "sampling",
@@ -228,9 +228,9 @@ PUBLIC_NAMES = {
     "grpo_flyte.models": ("embedded_model_dir",),
     "grpo_flyte.rollout": ("generate", "generate_eval"),
     "grpo_flyte.reward": ("score_group", "score_groups"),
-    "grpo_flyte.judge": ("judge_group",),
+    "grpo_flyte.judge": ("judge_group", "reward_model_group"),
     "grpo_flyte.trainer": ("init_adapter", "train_step", "merge_adapter"),
-    "grpo_flyte.envs": ("image", "settings", "rollout_env", "reward_env", "judge_env", "train_env", "driver_env"),
+    "grpo_flyte.envs": ("image", "settings", "rollout_env", "reward_env", "judge_env", "reward_model_env", "train_env", "driver_env"),
     "grpo_flyte.types": ("AdapterRef", "Example", "RunResult", "MetricsRow"),
     "grpo_flyte.reward_fns": ("correct_reward", "format_reward"),
     "grpo_flyte.multiturn": ("MultiTurnEnv", "Reply"),
@@ -240,6 +240,7 @@ TASK_NAMES = {
     "grpo_flyte-driver.train_rl",
     "grpo_flyte-driver.train_sweep",
     "grpo_flyte-judge.judge_group",
+    "grpo_flyte-reward-model.reward_model_group",
     "grpo_flyte-reward.score_group",
     "grpo_flyte-reward.score_groups",
     "grpo_flyte-reward.start_reward_workers",
@@ -260,7 +261,7 @@ def test_the_public_paths_and_the_flyte_task_names_keep_working():
     assert missing == []
     from grpo_flyte import driver, envs, judge, reward, rollout, sweep, trainer  # noqa: F401 (their tasks join the environments)
 
-    pools = [envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env]
+    pools = [envs.rollout_env, envs.reward_env, envs.judge_env, envs.reward_model_env, envs.train_env, envs.driver_env]
     assert {task.name for env in pools for task in env.tasks.values()} == TASK_NAMES
 
 

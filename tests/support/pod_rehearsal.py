@@ -140,7 +140,7 @@ def submit(out: Path, model: str, rewards: str) -> None:
         return runner
 
     submit.require_cluster = lambda: None
-    submit.resolve_remote_model = lambda path: Dir(path=Path(path).as_uri())
+    submit.resolve_remote_model = lambda path, field="model": Dir(path=Path(path).as_uri())
     flyte.init_from_config = init_from_config
     flyte.with_runcontext = offline_runcontext
     exit_code = cli.main(["--model", model, "--iterations", "1", "--rewards", rewards])
@@ -149,7 +149,7 @@ def submit(out: Path, model: str, rewards: str) -> None:
     bundle = submitted[-1].code_bundle
     ctx = SerializationContext(code_bundle=bundle, version=bundle.computed_version, root_dir=roots[-1])
     tasks = {}
-    workers = (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.train_dist_env)
+    workers = (envs.rollout_env, envs.reward_env, envs.judge_env, envs.reward_model_env, envs.train_env, envs.train_dist_env)
     for env in (e for e in workers if e is not None):
         for spec in flyte.extras.serialize_env(env, ctx):
             container = spec.task_template.container

@@ -1,4 +1,4 @@
-"""The five TaskEnvironments, serialized offline with flyte.extras.serialize_env (no cluster)."""
+"""The six TaskEnvironments, serialized offline with flyte.extras.serialize_env (no cluster)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import grpo_flyte.sweep  # declares train_sweep on the driver's environment
 from grpo_flyte import envs
 
 SRC = Path(grpo_flyte.__file__).resolve().parents[1]
-ALL_ENVS = [envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env]
+ALL_ENVS = [envs.rollout_env, envs.reward_env, envs.judge_env, envs.reward_model_env, envs.train_env, envs.driver_env]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def test_env_names_are_prefixed():
         "grpo_flyte-rollout",
         "grpo_flyte-reward",
         "grpo_flyte-judge",
+        "grpo_flyte-reward-model",
         "grpo_flyte-train",
         "grpo_flyte-driver",
     ]
@@ -58,6 +59,7 @@ def test_every_expected_task_is_declared(specs):
         "grpo_flyte-reward.score_groups",
         "grpo_flyte-reward.start_reward_workers",  # a run's reward workers, started as it starts
         "grpo_flyte-judge.judge_group",  # the 'judge' reward's LLM, on a warm pool of its own
+        "grpo_flyte-reward-model.reward_model_group",  # the reward models, on a warm pool of their own
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",
         "grpo_flyte-train.merge_adapter",
@@ -106,8 +108,33 @@ def test_judge_group_is_a_warm_gpu_actor_pool_like_generate(specs):
     assert args[args.index("mod") + 1] == "grpo_flyte.judge"
 
 
+def test_reward_model_group_is_a_warm_gpu_actor_pool_of_its_own(specs):
+    """The reward models load once per replica, on its GPU, apart from the policy's: a reusable
+    pool with its own replicas, concurrency and memory."""
+    tt = specs["grpo_flyte-reward-model.reward_model_group"]
+    assert tt.type == "actor"
+    custom = MessageToDict(tt.custom)
+    assert custom["name"] == "grpo_flyte-reward-model"
+    spec = custom["spec"]
+    assert (spec["min_replica_count"], spec["replica_count"]) == (1, envs.settings.reward_model_replicas_max)
+    assert spec["parallelism"] == envs.settings.reward_model_concurrency == 16
+    assert (_requests(tt)["GPU"], _requests(tt)["MEMORY"]) == ("1", "12Gi")
+    assert tt.extended_resources.gpu_accelerator.device == "nvidia-l4"
+    assert _env(tt)["GRPO_FLYTE_REQUIRE_CUDA"] == "1"
+    args = list(tt.container.args)
+    assert args[args.index("mod") + 1] == "grpo_flyte.judge"
+    assert tt.metadata.retries.retries == 2
+
+
 @pytest.mark.parametrize(
-    "task", ["grpo_flyte-rollout.generate", "grpo_flyte-reward.score_group", "grpo_flyte-judge.judge_group", "grpo_flyte-train.train_step"]
+    "task",
+    [
+        "grpo_flyte-rollout.generate",
+        "grpo_flyte-reward.score_group",
+        "grpo_flyte-judge.judge_group",
+        "grpo_flyte-reward-model.reward_model_group",
+        "grpo_flyte-train.train_step",
+    ],
 )
 def test_a_pool_outlasts_a_runs_longest_stage_idle(specs, task):
     """Flyte shuts down every replica of a reusable environment once the whole environment has been
@@ -161,8 +188,8 @@ def test_driver_has_report_and_depends_on_the_workers(specs):
     assert tt.metadata.generates_deck.value is True
     assert "GPU" not in _requests(tt)
     deps = envs.driver_env.depends_on
-    assert len(deps) == 4
-    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env):
+    assert len(deps) == 5
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.reward_model_env, envs.train_env):
         assert any(d is env for d in deps), env.name
     # only the driver's tasks report: a run's live report, a sweep's comparison
     reporting = {"grpo_flyte-driver.train_rl", "grpo_flyte-driver.train_sweep"}
@@ -264,7 +291,7 @@ _SPECS_PROBE = textwrap.dedent(
     from grpo_flyte import envs
     ctx = SerializationContext(version="t", root_dir=Path(grpo_flyte.__file__).resolve().parents[1])
     out = {}
-    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.train_env, envs.driver_env):
+    for env in (envs.rollout_env, envs.reward_env, envs.judge_env, envs.reward_model_env, envs.train_env, envs.driver_env):
         for spec in flyte.extras.serialize_env(env, ctx):
             tt = spec.task_template
             out[tt.id.name] = {
@@ -286,7 +313,7 @@ def _serialize_in(env: dict[str, str]) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     specs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(specs) == 10, sorted(specs)  # every task test_every_expected_task_is_declared names
+    assert len(specs) == 11, sorted(specs)  # every task test_every_expected_task_is_declared names
     return specs
 
 
@@ -299,6 +326,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
         "GRPO_FLYTE_ROLLOUT_GPU": "A100:1",
         "GRPO_FLYTE_TRAIN_GPU": "H100:1",
         "GRPO_FLYTE_JUDGE_GPU": "H100:1",
+        "GRPO_FLYTE_REWARD_MODEL_GPU": "A100:1",
         "GRPO_FLYTE_HF_TOKEN_SECRET": "my-hf",
         "GRPO_FLYTE_ROLLOUT_CONCURRENCY": "8",
         "GRPO_FLYTE_ROLLOUT_REPLICAS_MAX": "2",
@@ -310,6 +338,7 @@ def test_the_driver_pod_submits_the_child_tasks_the_user_configured():
     assert submitted["grpo_flyte-rollout.generate"]["gpu"] == "nvidia-tesla-a100"
     assert submitted["grpo_flyte-train.train_step"]["gpu"] == "nvidia-tesla-h100"
     assert submitted["grpo_flyte-judge.judge_group"]["gpu"] == "nvidia-tesla-h100"
+    assert submitted["grpo_flyte-reward-model.reward_model_group"]["gpu"] == "nvidia-tesla-a100"
     assert {spec["custom"]["spec"]["ttl_seconds"] for spec in submitted.values() if spec["custom"]} == {3600}
     pod_env = submitted["grpo_flyte-driver.train_rl"]["env"]
     assert {k: pod_env[k] for k in user} == user
@@ -326,8 +355,9 @@ def test_each_submission_gets_warm_pools_of_its_own():
     clean = {k: v for k, v in os.environ.items() if not k.startswith("GRPO_FLYTE_")}
     first, second = _serialize_in(clean), _serialize_in(clean)
     pools = [name for name, spec in first.items() if spec["custom"].get("type") == "actor"]
-    # generate, generate_eval, score_group(s), start_reward_workers, judge_group, init_adapter, train_step, merge_adapter
-    assert len(pools) == 9
+    # generate, generate_eval, score_group(s), start_reward_workers, judge_group, reward_model_group, init_adapter, train_step,
+    # merge_adapter
+    assert len(pools) == 10
     for name in pools:
         assert first[name]["custom"]["version"] != second[name]["custom"]["version"], name
         assert first[name]["custom"]["spec"] == second[name]["custom"]["spec"]  # the same pool otherwise

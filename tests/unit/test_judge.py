@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 import shutil
+import signal
 
 import pytest
 from flyte.io import Dir
@@ -329,3 +331,219 @@ def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(
         train_rl, config=config, base_model=model, judge_model=model
     )
     assert shares == {"generate": {0.4}, "judge": {0.4}}  # the evaluation's generate calls too
+
+
+# --------------------------------------------------------------------------- reward models (reward_model_group)
+
+
+@pytest.fixture(scope="module")
+def reward_models(tmp_path_factory, embedded_dir):
+    """The tiny Llama as reward models: one output; two labels; one output and a 72-token context."""
+    from tests.support.tiny_model import build_tiny_reward_model
+
+    root = tmp_path_factory.mktemp("reward-models")
+    return {
+        "one": build_tiny_reward_model(root / "one", embedded_dir),
+        "two": build_tiny_reward_model(root / "two", embedded_dir, num_labels=2),
+        "short": build_tiny_reward_model(root / "short", embedded_dir, max_positions=72),
+    }
+
+
+def test_a_rewards_entry_naming_a_model_is_a_reward_model():
+    from grpo_flyte.reward_fns import is_reward_model, reward_model_ref
+
+    assert [is_reward_model(n) for n in ("org/rm", "./rm", "/models/rm@right", "~/rm", "correct", "judge", "mod:fn")] == [
+        True, True, True, True, False, False, False,
+    ]  # fmt: skip
+    assert reward_model_ref("org/rm@right") == ("org/rm", "right") and reward_model_ref("./a@b/rm") == ("./a@b/rm", None)
+    config = make_config(rewards={"correct": 1.0, "./rm@1": 0.5, "org/rm": 0.25})
+    assert config.scoring.model_rewards == ["./rm@1", "org/rm"] and config.scoring.function_rewards == {"correct": 1.0}
+    with pytest.raises(ConfigError, match=r"4 reward models \(a/1, a/2, a/3, a/4\); expected at most 3"):
+        make_config(rewards={f"a/{i}": 1.0 for i in range(1, 5)})
+
+
+def test_a_reward_model_reads_the_prompt_the_policy_was_given():
+    """The chat format's system prompt and question with the instruction; the plain format's text;
+    a TRL row's own prompt, text or messages (the run's prompt not added)."""
+    from grpo_flyte.config.generation import PromptConfig
+    from grpo_flyte.types import Message
+
+    group = _rm_group(["#### 27"])
+    reply = {"role": "assistant", "content": "#### 27"}
+    chat = PromptConfig(system_prompt="Be brief.", answer_instruction="End with '#### <n>'.")
+    assert judge_module.conversations(group, chat) == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 13 + 14? End with '#### <n>'."}, reply]
+    ]
+    plain = PromptConfig(prompt_format="plain", answer_instruction="End with '#### <n>'.")
+    assert judge_module.conversations(group, plain)[0][0] == {
+        "role": "user",
+        "content": "Question: What is 13 + 14?\nEnd with '#### <n>'.\nAnswer:",
+    }
+    for prompt, head in [("Add 13 and 14.", [{"role": "user", "content": "Add 13 and 14."}]),
+                         ([Message(role="user", content="Add them.")], [{"role": "user", "content": "Add them."}])]:  # fmt: skip
+        trl = group.model_copy(update={"example": Example(question="q", answer="27", prompt=prompt)})
+        assert judge_module.conversations(trl, chat) == [[*head, reply]]
+
+
+def _rm_group(texts: list[str], episodes: bool = False) -> RolloutGroup:
+    from grpo_flyte.types import Episode, EpisodeTurn
+
+    def episode(text: str) -> Episode:
+        return Episode(turns=[EpisodeTurn(role="model", text="<calc>13+14</calc>", num_tokens=4), EpisodeTurn(role="tool", text="27", num_tokens=1),
+                              EpisodeTurn(role="model", text=text, num_tokens=2)])  # fmt: skip
+
+    rollouts = [
+        Rollout(completion_ids=[1], sampling_logprobs=[0.0], finish_reason="stop", text=t, episode=episode(t) if episodes else None)
+        for t in texts
+    ]
+    return RolloutGroup(index=0, example=Example(question="What is 13 + 14?", answer="27"), adapter_version=0, prompt_ids=[1], rollouts=rollouts, generate_s=0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("episodes", [False, True])
+def test_the_reward_model_task_scores_each_completion_on_its_conversation(reward_models, episodes):
+    """reward_model_group outside a run: each completion's score is the model's on the prompt the
+    policy was given (system prompt, question with the instruction) and the completion, or the
+    episode's turns, each computed alone here."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from grpo_flyte.config.generation import PromptConfig
+
+    folder, prompt = reward_models["one"], PromptConfig()
+    group = _rm_group(["#### 27", "It is 26.\n#### 26", "no idea"], episodes)
+    result = asyncio.run(judge_module.reward_model_group(str(folder), prompt, RewardConfig(), Dir(path=str(folder)), group))
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    head = [
+        {"role": "system", "content": prompt.system_prompt},
+        {"role": "user", "content": f"What is 13 + 14? {prompt.answer_instruction}"},
+    ]
+    expected = []
+    for r in group.rollouts:
+        turns = r.episode.messages() if episodes else [{"role": "assistant", "content": r.text}]
+        ids = tokenizer(tokenizer.apply_chat_template([*head, *turns], tokenize=False), return_tensors="pt", add_special_tokens=False)
+        with torch.inference_mode():
+            expected.append(model(**ids).logits[0, 0].item())
+    assert result.reward == str(folder) and result.failed == [False] * 3
+    assert result.scores == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("on_error", ["fail", "zero"])
+def test_a_reward_models_score_that_is_not_finite_is_handled_as_a_reward_functions(reward_models, monkeypatch, on_error):
+    from grpo_flyte.models import reward_model
+    from grpo_flyte.scoring.compose import with_reward_model
+    from grpo_flyte.types import RewardParts, ScoredGroup
+
+    monkeypatch.setattr(reward_model.RewardModel, "score", lambda self, conversations, label=None: [0.5, math.nan, -math.inf])
+    folder = reward_models["one"]
+    group = _rm_group(["#### 27", "#### 26", "no idea"])
+    call = judge_module.reward_model_group(
+        f"{folder}", make_config().prompt, RewardConfig(on_reward_error=on_error), Dir(path=str(folder)), group
+    )
+    if on_error == "fail":
+        with pytest.raises(
+            Exception,
+            match=rf"reward {re.escape(repr(str(folder)))} returned nan; expected a finite number on completion 2 of 3, which starts '#### 26'",
+        ):
+            asyncio.run(call)
+        return
+    result = asyncio.run(call)
+    assert (result.scores, result.failed) == ([0.5, 0.0, 0.0], [False, True, True])
+    scored = ScoredGroup(group=group, rewards=[RewardParts(reward=1.0, correct=True, format=True, scores={"correct": 1.0})] * 3)
+    parts = with_reward_model(scored, result, 2.0).rewards
+    assert [p.reward for p in parts] == [2.0, 1.0, 1.0]
+    assert [p.errors for p in parts] == [[], [str(folder)], [str(folder)]] and parts[0].scores == {"correct": 1.0, str(folder): 0.5}
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_a_reward_model_that_cannot_score_is_refused_before_start_in_one_line(tmp_path, tiny_model_dir, reward_models, capsys, monkeypatch):
+    """A wrong folder, a causal language model, a two-label model without its label, a context too
+    short for the longest prompt and a completion, and a Hub id with no network: each one line
+    naming the reward, before the run folder is made."""
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
+    missing = tmp_path / "nowhere"
+    err = _refused(capsys, [*args, "--rewards", f"correct=1.0,{missing}=0.5"])
+    assert err == f"error: --rewards {str(missing)!r}: no such folder; expected a reward model's folder or a Hub id 'org/name'", err
+    err = _refused(capsys, [*args, "--rewards", f"{tiny_model_dir}=1.0"])
+    assert err.startswith(
+        f"error: --rewards {str(tiny_model_dir)!r}: its architecture (LlamaForCausalLM) is not a sequence-classification model"
+    ), err
+    two = reward_models["two"]
+    err = _refused(capsys, [*args, "--rewards", f"{two}=1.0"])
+    assert err == (
+        f"error: --rewards {str(two)!r}: the model has 2 labels (0=wrong, 1=right); expected one picked for the reward: "
+        "'<model>@<label>' by name or index"
+    ), err
+    err = _refused(capsys, [*args, "--rewards", f"{two}@maybe=1.0"])
+    assert "'@maybe' names none of the model's 2 labels" in err
+    short = reward_models["short"]
+    err = _refused(capsys, [*args, "--rewards", f"{short}=1.0"])
+    assert re.fullmatch(
+        rf"error: --rewards {re.escape(repr(str(short)))}: its context is 72 tokens; expected room for the longest prompt as it reads it "
+        r"\((\d+) tokens: '.*'\) and a whole completion \(--max-new-tokens=8\): (\d+) tokens",
+        err,
+    ), err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _refused(capsys, [*args, "--rewards", "grpo-flyte-tests/no-such-reward-model@right=1.0"])
+    assert err.startswith(
+        "error: --rewards 'grpo-flyte-tests/no-such-reward-model@right': could not be fetched from the Hugging Face Hub ("
+    ), err
+    assert not run_dir.exists()
+    # the same folders, fitting: a label picked, a shorter completion
+    assert cli_main([*args, "--rewards", f"{two}@right=1.0,{short}=1.0", "--max-new-tokens", "2", "--iterations", "1"]) == 0
+
+
+def test_train_rl_from_python_needs_each_reward_models_folder(tmp_path, tiny_model_dir, reward_models, caplog):
+    import flyte
+
+    from grpo_flyte.driver import train_rl
+
+    name = str(reward_models["two"]) + "@right"
+    config = make_config(
+        iterations=1, prompts_per_iter=2, group_size=2, max_new_tokens=4, eval_size=0, min_informative_groups=0,
+        rewards={name: 1.0, "correct": 1.0},
+    )  # fmt: skip
+    model = Dir(path=str(tiny_model_dir))
+    run = flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
+        train_rl, config=config, base_model=model, reward_models={str(reward_models["two"]): Dir(path=str(reward_models["two"]))}
+    )
+    [row] = run.outputs()[0].history
+    assert 0.0 < row.train.reward_means[name] < 1.0 and row.train.reward_model_s > 0
+    caplog.clear()
+    with pytest.raises(
+        Exception, match=f"rewards name the reward model {str(reward_models['two'])!r} but train_rl's reward_models has no folder"
+    ):
+        flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw2")).run(train_rl, config=config, base_model=model)
+    assert "retrying" not in caplog.text  # bad input: the driver is not retried
+
+
+def test_a_local_run_with_a_reward_model_records_its_mean_and_resumes_after_a_kill(tmp_path, tiny_model_dir, reward_models):
+    """The CLI with a reward model folder among the rewards: killed (SIGKILL) in iteration 2's
+    generation, resumed with --resume, it ends with the reward's mean in every iteration's row and
+    the reward model's stage seconds."""
+    from tests.support import SUPPORT, warm_python
+
+    folder = str(reward_models["one"])
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "2", "--run-dir", str(run_dir),
+            "--rewards", f"correct=1.0,{folder}=0.5"]  # fmt: skip
+    # engine batches: the held-out evaluation (1), iteration 1's two groups (2, 3): the kill lands in iteration 2's first
+    killed = warm_python.run([SUPPORT / "kill_drill.py", "generate", "4", *args], timeout=600, cli=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    done = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert done == [0, 1]
+    assert cli_main([*args, "--resume"]) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert math.isfinite(row[f"reward/{folder}"]) and row["reward_model_s"] > 0 and row["reward_errors"] == 0
+        # each completion's reward: correct (0 or 1) + 0.5 x the reward model's score
+        assert row["mean_reward"] == pytest.approx(row["reward/correct"] + 0.5 * row[f"reward/{folder}"])
+    assert f"reward/{folder}" not in rows[0] and "reward_model_s" not in rows[0]  # the held-out evaluation is not scored by it
+    assert folder in (run_dir / "report.html").read_text()

@@ -306,7 +306,8 @@ def test_config_accepts_exactly_the_builtin_reward_functions():
     [
         (
             {"corect": 1.0},
-            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, correct_format, tags, length, env, 'judge' or 'module:function'",
+            r"--rewards=\{'corect': 1.0\}: unknown reward 'corect'; expected one of correct, format, correct_format, tags, length, env, 'judge', "
+            r"'module:function' or a reward model \(a Hub id 'org/name', or a model folder with a '/': './my-rm'\)",
         ),
         ({}, r"--rewards=\{\}: no rewards; expected at least one name=weight"),
         ({"correct": float("nan")}, r"weight nan of reward 'correct'; expected a finite number"),

@@ -23,6 +23,10 @@ MAX_STALENESS = 6
 # serves it (a generate engine, a loaded base on the train side, a downloaded folder), so a
 # replica holds this many at most, the least recently used evicted past it.
 MAX_BASES = 3
+# The reward models (--rewards entries naming a model) a run, or a sweep's configs together, may
+# name: a reward-model replica holds each loaded (models.reward_model's cache), never evicting one a
+# run still scores with.
+MAX_REWARD_MODELS = 3
 # The share of a generate replica's GPU its vLLM engines may reserve together (their
 # vllm_memory_fraction summed): a sweep over base models holds one engine per base.
 VLLM_MEMORY_BUDGET = 0.9

@@ -18,13 +18,14 @@ from grpo_flyte.config.constants import (
     DATASET_FILE_TYPES,
     EMBEDDED_MODEL,
     GSM8K_DATASET,
+    MAX_REWARD_MODELS,
     REWARD_TIMEOUT_S,
     SYSTEM_PROMPT,
     UNSUPPORTED_FILE_TYPES,
 )
 from grpo_flyte.config.part import Part
 from grpo_flyte.multiturn import NO_ENV, check_env_name
-from grpo_flyte.reward_fns import DEFAULT_REWARDS, check_reward_name
+from grpo_flyte.reward_fns import DEFAULT_REWARDS, JUDGE_REWARD, check_reward_name, is_reward_model, reward_model_ref
 from grpo_flyte.scoring.judging import DEFAULT_RUBRIC, read_rubric
 
 
@@ -373,7 +374,11 @@ class RewardConfig(Part):
             "Weighted rewards, name=weight: built-in 'correct' (the answer on the final line, math-verify "
             "equivalence, integer fallback), 'format' (a well-formed '#### <answer>' final line, right or wrong), "
             "'correct_format' (a right answer on such a line), 'tags' (<reasoning>/<answer>), 'length' (soft "
-            "penalty near max_new_tokens), 'env' (a multi-turn environment's own reward), or 'module:function' for your own."
+            "penalty near max_new_tokens), 'env' (a multi-turn environment's own reward), 'judge' (see --judge-model), "
+            "'module:function' for your own, or a reward model: a name with a '/', a Hub id 'org/name' or a model folder "
+            "('./my-rm'), a sequence-classification model scoring prompt and completion on a pool of its own; "
+            "'<model>@<label>' picks a classifier's label (by name or index; its softmax probability is the score). "
+            "See docs/rewards-and-environments.md."
         ),
     )
     on_reward_error: Literal["fail", "zero"] = Field(
@@ -399,7 +404,20 @@ class RewardConfig(Part):
             check_reward_name(name)
             if not math.isfinite(weight):
                 raise ValueError(f"weight {weight} of reward {name!r}; expected a finite number")
+        models = list(dict.fromkeys(reward_model_ref(name)[0] for name in rewards if is_reward_model(name)))
+        if len(models) > MAX_REWARD_MODELS:
+            raise ValueError(f"{len(models)} reward models ({', '.join(models)}); expected at most {MAX_REWARD_MODELS}")
         return rewards
+
+    @property
+    def model_rewards(self) -> list[str]:
+        """The rewards that name a reward model (scored on its own pool, grpo_flyte.judge)."""
+        return [name for name in self.rewards if is_reward_model(name)]
+
+    @property
+    def function_rewards(self) -> dict[str, float]:
+        """The rewards the CPU scoring task computes: every one but the judge and the reward models."""
+        return {name: weight for name, weight in self.rewards.items() if name != JUDGE_REWARD and not is_reward_model(name)}
 
 
 class JudgeConfig(Part):

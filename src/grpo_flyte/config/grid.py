@@ -26,11 +26,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from grpo_flyte.config.constants import MAX_BASES, VLLM_MEMORY_BUDGET
+from grpo_flyte.config.constants import MAX_BASES, MAX_REWARD_MODELS, VLLM_MEMORY_BUDGET
 from grpo_flyte.config.errors import make_config
 from grpo_flyte.config.run import RunConfig, leaf_index
 from grpo_flyte.config.trl_names import TRL_ALIASES
 from grpo_flyte.errors import ConfigError, flag
+from grpo_flyte.reward_fns import reward_model_ref
 
 # Keys whose values would give the configs different pools: each config would need its own engine
 # or its own loaded base, which a sweep on one warm pool exists to share. (The base model may vary:
@@ -206,6 +207,17 @@ def _check_bases(members: list[SweepMember], local: bool) -> None:
         )
 
 
+def _check_reward_models(members: list[SweepMember]) -> None:
+    """The configs' reward models together fit a reward-model replica, which holds each one loaded."""
+    models = list(dict.fromkeys(reward_model_ref(name)[0] for m in members for name in m.config.scoring.model_rewards))
+    if len(models) > MAX_REWARD_MODELS:
+        raise ConfigError(
+            f"rewards: the configs name {len(models)} reward models together ({', '.join(models)}); expected at most "
+            f"{MAX_REWARD_MODELS}, which a reward-model replica holds at once",
+            field="sweep",
+        )
+
+
 def expand_sweep(
     values: dict[str, Any], grid: dict[str, list[Any]] | list[dict[str, Any]], explicit: set[str] = frozenset(), local: bool = True
 ) -> list[SweepMember]:
@@ -241,6 +253,7 @@ def expand_sweep(
         flat = config.flat()
         members.append(SweepMember(name=name, overrides={key: flat[key] for key in entry}, config=config))
     _check_bases(members, local)
+    _check_reward_models(members)
     names = [m.name for m in members]
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)

@@ -30,14 +30,35 @@ def render_prompt(
     chat_template_kwargs and the enable_thinking switch) go to the chat template. An empty system
     prompt or instruction is left out.
     """
-    user = f"{question} {instruction}".strip()
     if prompt_format == "plain":
-        return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
+        return _plain(question, instruction)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("prompt_format='chat' but the model's tokenizer has no chat template: use prompt_format='plain'")
+    return _chat(tokenizer, _chat_messages(question, system_prompt, instruction), template_kwargs)
+
+
+def _plain(question: str, instruction: str) -> str:
+    return PLAIN_TEMPLATE.format(question=question, instruction=instruction) if instruction else f"Question: {question}\nAnswer:"
+
+
+def _chat_messages(question: str, system_prompt: str, instruction: str) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": user})
-    return _chat(tokenizer, messages, template_kwargs)
+    messages.append({"role": "user", "content": f"{question} {instruction}".strip()})
+    return messages
+
+
+def prompt_messages(example: Example, prompt: PromptConfig) -> list[dict[str, str]]:
+    """The prompt the policy was given, as chat messages (what a reward model reads before the
+    completion): a TRL row's messages as they are, its text as one user message; else the chat
+    format's system prompt and question with the instruction, or the plain format's text as one
+    user message."""
+    if example.prompt is not None:
+        return (
+            [{"role": "user", "content": example.prompt}] if isinstance(example.prompt, str) else [m.model_dump() for m in example.prompt]
+        )
+    if prompt.prompt_format == "plain":
+        return [{"role": "user", "content": _plain(example.question, prompt.answer_instruction)}]
+    return _chat_messages(example.question, prompt.system_prompt, prompt.answer_instruction)
 
 
 def _chat(tokenizer, messages: list[dict[str, str]], template_kwargs: dict | None) -> str:

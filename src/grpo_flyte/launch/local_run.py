@@ -22,7 +22,7 @@ from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError, is_not_retried
 from grpo_flyte.launch.lock import run_dir_lock
-from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits
+from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits, check_reward_model_fits, reward_model_dirs
 from grpo_flyte.launch.run_files import LocalRunFiles, finish_local_run
 from grpo_flyte.launch.run_folder import (
     CONFIG_FILE,
@@ -39,6 +39,7 @@ from grpo_flyte.launch.run_folder import (
 from grpo_flyte.launch.run_log import flyte_log_in, one_line
 from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
 from grpo_flyte.loop import observers
+from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.files import write_text_atomic
 from grpo_flyte.types import Example, RunResult
 
@@ -67,16 +68,40 @@ def check_data(
     return examples, split, fingerprint
 
 
-def check_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]]) -> Path | None:
-    """The base model checked against the config and its prompts, and the judge's model too when
-    the config judges: the judge's folder, or None."""
+@dataclasses.dataclass
+class ScoringDirs:
+    """The folders of the models a run scores with besides its reward functions: the judge's (None
+    without the 'judge' reward) and each reward model's, by the model its rewards name."""
+
+    judge: Path | None = None
+    reward_models: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+    def merged(self, other: ScoringDirs) -> ScoringDirs:
+        """These folders and `other`'s (a sweep's configs share one judge and the reward models)."""
+        return ScoringDirs(self.judge or other.judge, {**self.reward_models, **other.reward_models})
+
+    def inputs(self) -> dict[str, Any]:
+        """train_rl's inputs for them."""
+        from flyte.io import Dir
+
+        judge = {"judge_model": Dir(path=str(self.judge))} if self.judge is not None else {}
+        models = {"reward_models": {m: Dir(path=str(d)) for m, d in self.reward_models.items()}} if self.reward_models else {}
+        return {**judge, **models}
+
+
+def check_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]]) -> ScoringDirs:
+    """The base model checked against the config and its prompts, and the judge's model and the
+    reward models too when the rewards name them: their folders."""
     from grpo_flyte.models.folders import resolve_local_model
 
     check_model_fits(config, model_dir, split)
     judge_dir = resolve_local_model(config.judge.judge_model, field="judge_model") if config.judging else None
     if judge_dir is not None:
         check_judge_fits(config, judge_dir, split)
-    return judge_dir
+    reward_models = reward_model_dirs(config)
+    for name in config.scoring.model_rewards:
+        check_reward_model_fits(config, name, reward_models[reward_model_ref(name)[0]], split)
+    return ScoringDirs(judge_dir, reward_models)
 
 
 @dataclasses.dataclass
@@ -124,7 +149,7 @@ def begin_run(
     model_dir: Path,
     examples: list[Example] | None,
     resume_from: str | None,
-    judge_dir: Path | None,
+    scoring_dirs: ScoringDirs | None,
     bars: Progress | None = None,
     label: str | None = None,
 ) -> FolderRun:
@@ -147,8 +172,8 @@ def begin_run(
     progress = RunProgress(
         config.iterations, done, eta=lambda history, finished: eta_seconds(config, history, finished), bars=bars, name=label
     )
-    judge = {"judge_model": Dir(path=str(judge_dir))} if judge_dir is not None else {}
-    inputs = {"config": config, "base_model": Dir(path=str(model_dir)), "examples": examples, "resume_from": resume_from, **judge}
+    models = scoring_dirs.inputs() if scoring_dirs is not None else {}
+    inputs = {"config": config, "base_model": Dir(path=str(model_dir)), "examples": examples, "resume_from": resume_from, **models}
     return FolderRun(run_dir, name, runner, files, progress, inputs)
 
 
@@ -177,7 +202,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     examples, split, fingerprint = check_data(config, run_dir, resuming)
     check_cache_writable()
     model_dir = resolve_local_model(config.base.model)
-    judge_dir = check_fits(config, model_dir, split)
+    scoring_dirs = check_fits(config, model_dir, split)
     if not resuming:
         create_run_dir(run_dir)
     with run_dir_lock(run_dir):
@@ -186,7 +211,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
         elif (run_dir / CONFIG_FILE).exists():  # another run started in this folder meanwhile
             raise UserError(f"--run-dir {str(run_dir)!r} already holds a run: add --resume to continue it, or pick another folder")
         save_data_fingerprint(run_dir, fingerprint)
-        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from, judge_dir)
+        return _run_locked(run_dir.resolve(), config, model_dir, examples, resume_from, scoring_dirs)
 
 
 def _kept(run_dir: Path, config: RunConfig) -> str:
@@ -200,9 +225,11 @@ def _run_locked(
     model_dir: Path,
     examples: list[Example] | None,
     resume_from: str | None,
-    judge_dir: Path | None = None,
+    scoring_dirs: ScoringDirs | None = None,
 ) -> int:
-    run = begin_run(run_dir, config, new_run_name(), model_dir=model_dir, examples=examples, resume_from=resume_from, judge_dir=judge_dir)
+    run = begin_run(
+        run_dir, config, new_run_name(), model_dir=model_dir, examples=examples, resume_from=resume_from, scoring_dirs=scoring_dirs
+    )
     logger.info(
         "grpo_flyte local run in %s: %d iterations x %d prompts x %d completions, model %s",
         run_dir,

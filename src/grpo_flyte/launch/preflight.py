@@ -1,5 +1,5 @@
 """Checks before start: everything a run's config asks of its data, rewards, environment, packages
-and models (the base and the judge), checked on the submitting machine before any task starts (a
+and models (the base, the judge and the reward models), checked on the submitting machine before any task starts (a
 user's error is never a failed, retried task). Used by local and cluster runs alike.
 """
 
@@ -16,7 +16,7 @@ from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
-from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward
+from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward, reward_model_ref
 from grpo_flyte.types import Example
 
 logger = logging.getLogger("grpo_flyte")
@@ -39,9 +39,8 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
         examples = load_rows(config)
     if examples is not None or local:
         split = train_eval_split(config, examples)
-    for name in config.scoring.rewards:
-        if name != JUDGE_REWARD:  # the judge is a model, checked with the base model
-            resolve_reward(name)
+    for name in config.scoring.function_rewards:  # the judge and the reward models are models, checked with the base model
+        resolve_reward(name)
     if config.guard.select_by == "eval_accuracy" and split is not None:
         unanswered = sum(not ex.answer.strip() for ex in split[1])
         if unanswered:
@@ -159,6 +158,77 @@ def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Examp
             f"completion; expected room for a whole one ({given(name, completion)}): a shorter rubric, or "
             f"{flag('judge_context_tokens')} {judging.judge_context_tokens - room + completion} or more",
             field="judge_rubric",
+        )
+
+
+def reward_model_dirs(config: RunConfig, fetch: bool = True) -> dict[str, Path]:
+    """The folder of each reward model the rewards name (by the model: a Hub id or a folder, without
+    '@label'): a local folder, or a Hub id fetched into the Hugging Face cache (`fetch`; without
+    it, a Hub id is left out: a cluster's pod fetches it). A missing folder or a Hub id that cannot
+    be fetched (no network, no such repo) is one line naming the reward."""
+    from grpo_flyte.errors import ModelError
+    from grpo_flyte.models.folders import is_repo_id, resolve_local_model
+
+    dirs: dict[str, Path] = {}
+    for name in config.scoring.model_rewards:
+        model, _ = reward_model_ref(name)
+        if model in dirs:
+            continue
+        if Path(model).expanduser().is_dir() or (fetch and is_repo_id(model)):
+            try:
+                dirs[model] = resolve_local_model(model, field="rewards")
+            except ModelError as exc:
+                raise ModelError(f"{name!r}: {exc.detail.removeprefix(repr(model) + ': ')}", field="rewards") from None
+        elif not is_repo_id(model):
+            raise ModelError(f"{name!r}: no such folder; expected a reward model's folder or a Hub id 'org/name'", field="rewards")
+    return dirs
+
+
+# A token covers at least one byte of the text it was cut from; the slack covers tokens added
+# outside the text (as engine.prompts' bound does).
+_TOKEN_SLACK = 4
+
+
+def check_reward_model_fits(config: RunConfig, name: str, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+    """What reward `name` asks of its model folder, before any task starts: a sequence-classification
+    model with one output or a label picked, its weights and tokenizer, and, when the rows are
+    known here, a context that holds the longest training prompt as the reward model reads it with
+    a whole completion (max_new_tokens; multi-turn: max_episode_tokens) after it (the held-out
+    evaluation is not scored by it). A prompt is tokenized only when its size in bytes could
+    reach the context (no token is shorter than a byte). One line naming the reward, or none."""
+    from grpo_flyte.engine.prompts import prompt_messages
+    from grpo_flyte.models.folders import check_model_folder
+    from grpo_flyte.models.reward_model import model_context, reward_model_problem, token_ids
+
+    _, label = reward_model_ref(name)
+    problem = reward_model_problem(model_dir, label)
+    if problem:
+        raise ConfigError(f"{name!r}: {problem}", field="rewards")
+    tokenizer = check_model_folder(model_dir, field="rewards")
+    context = model_context(model_dir, tokenizer)
+    if context is None or split is None or not split[0]:
+        return
+    multi = config.episode.multi_turn
+    what = "max_episode_tokens" if multi else "max_new_tokens"
+    completion = config.episode.max_episode_tokens if multi else config.sampling.max_new_tokens
+
+    def conversation(example: Example, text: str) -> list[dict[str, str]]:
+        return [*prompt_messages(example, config.prompt), {"role": "assistant", "content": text}]
+
+    frame = len(token_ids(tokenizer, conversation(Example(question="", answer=""), "")))
+    longest, question = 0, ""
+    for example in split[0]:
+        size = sum(len(m["content"].encode()) for m in prompt_messages(example, config.prompt))
+        if frame + size + _TOKEN_SLACK + completion <= context:  # fits whatever its tokens
+            continue
+        length = len(token_ids(tokenizer, conversation(example, "")))
+        if length > longest:
+            longest, question = length, example.question
+    if longest + completion > context:
+        raise ConfigError(
+            f"{name!r}: its context is {context} tokens; expected room for the longest prompt as it reads it ({longest} tokens: "
+            f"{question[:60]!r}) and a whole completion ({given(what, completion)}): {longest + completion} tokens",
+            field="rewards",
         )
 
 

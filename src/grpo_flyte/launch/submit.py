@@ -21,8 +21,16 @@ import grpo_flyte
 from grpo_flyte.config.constants import EMBEDDED_MODEL
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import ModelError, UserError, is_user_attribute
-from grpo_flyte.launch.preflight import check_inputs, check_judge_fits, check_model_fits, tracking_env
+from grpo_flyte.launch.preflight import (
+    check_inputs,
+    check_judge_fits,
+    check_model_fits,
+    check_reward_model_fits,
+    reward_model_dirs,
+    tracking_env,
+)
 from grpo_flyte.reporting.tracking import wandb_project_of
+from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.storage import payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
 
@@ -38,8 +46,8 @@ BUNDLE_ROOT = PACKAGE_DIR.parent
 
 
 def resolve_remote_model(model: str, field: str = "model"):
-    """A model (the base, or the judge's: `field`) as a Dir in remote storage: prefetched from the
-    Hub or uploaded from here."""
+    """A model (the base, the judge's or a reward model: `field`) as a Dir in remote storage:
+    prefetched from the Hub or uploaded from here."""
     import flyte
     import flyte.prefetch
     from flyte.io import Dir
@@ -234,9 +242,17 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
             check_model_fits(c, resolve_local_model(c.base.model), c_split)
         if c.judging and not is_repo_id(c.judge.judge_model):  # a Hub judge: by the judge task
             check_judge_fits(c, resolve_local_model(c.judge.judge_model, field="judge_model"), c_split)
+        local_reward_models = reward_model_dirs(c, fetch=False)  # a Hub reward model: by its task
+        for name in c.scoring.model_rewards:
+            if reward_model_ref(name)[0] in local_reward_models:
+                check_reward_model_fits(c, name, local_reward_models[reward_model_ref(name)[0]], c_split)
     base_models = {model: resolve_remote_model(model) for model in dict.fromkeys(c.base.model for c in configs)}
     judging = configs[0].judging
     inputs_judge = {"judge_model": resolve_remote_model(configs[0].judge.judge_model, field="judge_model")} if judging else {}
+    # every config's reward models, one folder each (a sweep's configs share them as they share the judge)
+    named = dict.fromkeys(reward_model_ref(name)[0] for c in configs for name in c.scoring.model_rewards)
+    if named:
+        inputs_judge["reward_models"] = {model: resolve_remote_model(model, field="rewards") for model in named}
     # the link is shown on the submitted task only: the driver's pod runs train_rl as declared
     task = train_sweep if sweep else train_rl
     task = task.override(links=links) if links else task

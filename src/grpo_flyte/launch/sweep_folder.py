@@ -34,7 +34,7 @@ from grpo_flyte.config.constants import PROG
 from grpo_flyte.config.grid import SweepMember
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
-from grpo_flyte.launch.local_run import begin_run, check_data, check_fits, new_run_name
+from grpo_flyte.launch.local_run import ScoringDirs, begin_run, check_data, check_fits, new_run_name
 from grpo_flyte.launch.lock import run_dir_lock
 from grpo_flyte.launch.run_files import finish_local_run
 from grpo_flyte.launch.run_folder import (
@@ -188,7 +188,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}
     bases = {model: resolve_local_model(model) for model in dict.fromkeys(todo[name][0].base.model for name in todo)}
     model_dirs = {name: bases[config.base.model] for name, (config, _) in todo.items()}
-    judge_dir = None
+    scoring_dirs = ScoringDirs()
     check_cache_writable()
     for m in members:
         if m.name not in todo:
@@ -196,7 +196,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
         config, resume_from = todo[m.name]
         examples, split, fingerprint = check_data(config, sweep_dir / m.name, resuming=resume_from is not None)
         inputs[m.name] = (examples, fingerprint)
-        judge_dir = check_fits(config, model_dirs[m.name], split) or judge_dir  # one judge for every config that judges
+        scoring_dirs = scoring_dirs.merged(check_fits(config, model_dirs[m.name], split))  # one judge for every config that judges
     create_run_dir(sweep_dir)
     with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
         if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
@@ -213,7 +213,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
             done = {} if m.name in todo else {"status": "complete"}
             board.outcomes[m.name] = board.outcomes[m.name].model_copy(update={**done, "history": _history(sweep_dir / m.name)})
         board.write()
-        return _run_all(sweep_dir, members, todo, inputs, model_dirs, judge_dir, board)
+        return _run_all(sweep_dir, members, todo, inputs, model_dirs, scoring_dirs, board)
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
@@ -227,7 +227,7 @@ def _run_all(
     todo: dict[str, tuple[RunConfig, str | None]],
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]],
     model_dirs: dict[str, Path],
-    judge_dir: Path | None,
+    scoring_dirs: ScoringDirs,
     board: SweepBoard,
 ) -> int:
     from rich.console import Console
@@ -245,7 +245,9 @@ def _run_all(
 
     async def all_configs() -> list[BaseException | None]:
         jobs = [
-            _run_config(sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], judge_dir, board, bars)
+            _run_config(
+                sweep_dir / name, name, runs[name], config, resume_from, inputs[name][0], model_dirs[name], scoring_dirs, board, bars
+            )
             for name, (config, resume_from) in todo.items()
         ]
         return await asyncio.gather(*jobs, return_exceptions=True)
@@ -292,7 +294,7 @@ async def _run_config(
     resume_from: str | None,
     examples: list[Example] | None,
     model_dir: Path,
-    judge_dir: Path | None,
+    scoring_dirs: ScoringDirs,
     board: SweepBoard,
     bars: Progress,
 ) -> None:
@@ -305,7 +307,7 @@ async def _run_config(
         model_dir=model_dir,
         examples=examples,
         resume_from=resume_from,
-        judge_dir=judge_dir if config.judging else None,
+        scoring_dirs=scoring_dirs,
         bars=bars,
         label=name,
     )

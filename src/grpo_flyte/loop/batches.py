@@ -1,6 +1,7 @@
 """This module builds one iteration's batch and takes the train step on it: a generate task per
-prompt, each group scored (and judged by the LLM judge, with the 'judge' reward) the moment it
-lands, fresh prompts topped up until enough groups are informative; then `train_step` (on a
+prompt, each group scored the moment it lands (by the reward functions, and by the LLM judge and the
+reward models when the rewards name them, each on its own pool), fresh prompts topped up until enough
+groups are informative; then `train_step` (on a
 cluster with several train GPUs, the data-parallel one). The driver's loop and the pipelined run
 (`grpo_flyte.loop.pipeline`) both build on these.
 """
@@ -8,8 +9,9 @@ cluster with several train GPUs, the data-parallel one). The driver's loop and t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import flyte
@@ -19,13 +21,13 @@ from grpo_flyte.config.generation import EngineConfig
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import sample_prompts, topup_prompts
 from grpo_flyte.engine.sampling import sub_seed
-from grpo_flyte.judge import judge_group
+from grpo_flyte.judge import judge_group, reward_model_group
 from grpo_flyte.loop.metrics import informative_group
 from grpo_flyte.reward import score_group
-from grpo_flyte.reward_fns import JUDGE_REWARD
+from grpo_flyte.reward_fns import JUDGE_REWARD, reward_model_ref
 from grpo_flyte.rollout import generate
 from grpo_flyte.runtime.storage import as_payload
-from grpo_flyte.scoring.compose import with_judge
+from grpo_flyte.scoring.compose import with_judge, with_reward_model
 from grpo_flyte.scoring.judging import busy_seconds
 from grpo_flyte.trainer import DISTRIBUTED_STEP, train_step
 from grpo_flyte.types import AdapterRef, Example, ScoredGroup, TrainStepResult
@@ -74,42 +76,72 @@ def generate_parts(config: RunConfig) -> dict[str, Any]:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoringModels:
+    """The model folders a run scores with besides its reward functions: the LLM judge's (the
+    'judge' reward) and each reward model's, by the model its rewards name (reward_fns.reward_model_ref)."""
+
+    judge: Dir | None = None
+    reward_models: Mapping[str, Dir] = dataclasses.field(default_factory=dict)
+
+
+# The stages of the models that score on pools of their own: their seconds (wall clock while a call was in flight).
+MODEL_STAGES = ("judge_s", "reward_model_s")
+
+
 def group_scorer(
-    config: RunConfig, judge_model: Dir | None, judge_spans: list[tuple[float, float]]
+    config: RunConfig, models: ScoringModels | None, spans: dict[str, list[tuple[float, float]]]
 ) -> Callable[[Any], Awaitable[ScoredGroup]]:
-    """What scores a generated group: score_group, and with the 'judge' reward judge_group beside
-    it (on its own pool), the judge's scores added by weight. Each judge call's (start, end) is
-    appended to `judge_spans`."""
-    if not config.judging:
+    """What scores a generated group: score_group, and beside it, each on its own pool, judge_group
+    with the 'judge' reward and reward_model_group for each reward that names a reward model, their
+    scores added by weight. Each of their calls' (start, end) is appended to `spans` under its stage
+    (MODEL_STAGES)."""
+    models = models or ScoringModels()
+    model_rewards = config.scoring.model_rewards
+    if not config.judging and not model_rewards:
         return lambda group: score_group(config.scoring, config.sampling, group)
 
-    async def judged(group: Any) -> Any:
+    async def timed(stage: str, call: Awaitable[Any]) -> Any:
         started = time.perf_counter()
         try:
-            return await judge_group(config.judge, engine_settings(config), config.scoring, judge_model, group)
+            return await call
         finally:
-            judge_spans.append((started, time.perf_counter()))
+            spans.setdefault(stage, []).append((started, time.perf_counter()))
 
-    async def score_and_judge(group: Any) -> ScoredGroup:
-        scored, verdict = await asyncio.gather(score_group(config.scoring, config.sampling, group), judged(group))
-        return with_judge(scored, verdict, config.scoring.rewards[JUDGE_REWARD])
+    def judged(group: Any) -> Awaitable[Any]:
+        return timed("judge_s", judge_group(config.judge, engine_settings(config), config.scoring, models.judge, group))
 
-    return score_and_judge
+    def rated(name: str, group: Any) -> Awaitable[Any]:
+        folder = models.reward_models[reward_model_ref(name)[0]]
+        return timed("reward_model_s", reward_model_group(name, config.prompt, config.scoring, folder, group))
+
+    async def score_all(group: Any) -> ScoredGroup:
+        calls = [score_group(config.scoring, config.sampling, group), *([judged(group)] if config.judging else [])]
+        scored, *results = await asyncio.gather(*calls, *(rated(name, group) for name in model_rewards))
+        if config.judging:
+            verdict, *results = results
+            scored = with_judge(scored, verdict, config.scoring.rewards[JUDGE_REWARD])
+        for result in results:
+            scored = with_reward_model(scored, result, config.scoring.rewards[result.reward])
+        return scored
+
+    return score_all
 
 
 async def collect_batch(
-    config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int, judge_model: Dir | None = None
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int, models: ScoringModels | None = None
 ) -> tuple[list[ScoredGroup], dict[str, float]]:
     """Iteration `iteration`'s scored groups (0-based: the prompts of `iteration`), generated by
     `adapter`, topped up with fresh prompts until enough are informative; and the seconds of
-    generation, of the scoring tail and (judge_s, with the 'judge' reward) of the judge."""
+    generation, of the scoring tail and of the scoring models' stages (judge_s with the 'judge'
+    reward, reward_model_s with a reward model)."""
     prompts = sample_prompts(
         dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter, shuffle=config.data.shuffle_dataset
     )
     scored: list[ScoredGroup] = []
     timings = {"generate_s": 0.0, "score_s": 0.0}  # score_s: the scoring tail after generation
-    judge_spans: list[tuple[float, float]] = []
-    score = group_scorer(config, judge_model, judge_spans)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    score = group_scorer(config, models, spans)
     truncated = config.train.truncated
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)
@@ -136,7 +168,9 @@ async def collect_batch(
         prompts = topup_prompts(dataset, seed=config.seed, iteration=iteration, round_=round_, num=missing)
     scored.sort(key=lambda sg: sg.group.index)
     if config.judging:
-        timings["judge_s"] = busy_seconds(judge_spans)
+        timings["judge_s"] = busy_seconds(spans.get("judge_s", []))
+    if config.scoring.model_rewards:
+        timings["reward_model_s"] = busy_seconds(spans.get("reward_model_s", []))
     return scored, timings
 
 
@@ -154,11 +188,11 @@ async def train_batch(
 
 
 async def run_iteration(
-    config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int, judge_model: Dir | None = None
+    config: RunConfig, base_model: Dir, adapter: AdapterRef, dataset: list[Example], iteration: int, models: ScoringModels | None = None
 ) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float]]:
     """The synchronous iteration (max_staleness 0): generate and score with `adapter`, then train."""
     started = time.perf_counter()
-    scored, timings = await collect_batch(config, base_model, adapter, dataset, iteration, judge_model)
+    scored, timings = await collect_batch(config, base_model, adapter, dataset, iteration, models)
     scored_at = time.perf_counter()
     result = await train_batch(config, base_model, adapter, scored, iteration)
     finished = time.perf_counter()

@@ -12,7 +12,7 @@ import flyte
 from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.loop.batches import collect_batch, train_batch
+from grpo_flyte.loop.batches import ScoringModels, collect_batch, train_batch
 from grpo_flyte.types import AdapterRef, Example, ScoredGroup, TrainStepResult
 
 
@@ -42,9 +42,9 @@ class BatchesAhead:
         dataset: list[Example],
         adapters: list[AdapterRef],
         in_flight: dict[int, int],
-        judge_model: Dir | None = None,
+        models: ScoringModels | None = None,
     ):
-        self.config, self.base_model, self.dataset, self.judge_model = config, base_model, dataset, judge_model
+        self.config, self.base_model, self.dataset, self.models = config, base_model, dataset, models
         self.adapters = {a.version: a for a in adapters}
         self.versions = dict(in_flight)  # iteration -> generating version, recorded before the task starts
         self.tasks: dict[int, asyncio.Task] = {}
@@ -61,7 +61,7 @@ class BatchesAhead:
                 version = self.versions.setdefault(it, generation_version(it, k))
                 with flyte.group(f"iter-{it + 1}"):
                     self.tasks[it] = asyncio.create_task(
-                        collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.judge_model)
+                        collect_batch(self.config, self.base_model, self.adapters[version], self.dataset, it, self.models)
                     )
 
     async def iteration(self, adapter: AdapterRef, it: int) -> tuple[list[ScoredGroup], TrainStepResult, dict[str, float], int]:
@@ -74,7 +74,7 @@ class BatchesAhead:
         scored, timings = await self.tasks.pop(it)
         scored, dropped = fresh_groups(scored, adapter.version, self.config.max_staleness)
         if not scored:
-            scored, timings = await collect_batch(self.config, self.base_model, adapter, self.dataset, it, self.judge_model)
+            scored, timings = await collect_batch(self.config, self.base_model, adapter, self.dataset, it, self.models)
         scored_at = time.perf_counter()
         self.versions.pop(it)
         result = await train_batch(self.config, self.base_model, adapter, scored, it)

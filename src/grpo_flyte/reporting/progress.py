@@ -249,6 +249,7 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
         else ""
     )
     judge_s = f"judge {t.judge_s:.1f}s  " if t.judge_s is not None else ""
+    judge_s += f"reward model {t.reward_model_s:.1f}s  " if t.reward_model_s is not None else ""
     return (
         f"iter {row.iteration}/{total}  reward {t.mean_reward:.3f}  acc {t.accuracy:.1%}  "
         f"format {t.format_rate:.1%}{others}{errors}{judged}{episodes}{stale}  loss {t.loss:+.4f}  len {t.completion_len_mean:.0f}  "

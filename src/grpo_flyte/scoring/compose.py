@@ -1,5 +1,6 @@
 """This module composes a group's rewards: each reward function's scores are checked and weighted
-into one reward per completion, and the LLM judge's scores are added to them.
+into one reward per completion, and the scores of the models that score on pools of their own (the
+LLM judge, the reward models) are added to them.
 
 The reward of a completion is the weighted sum of the scores that apply (a score of None does not);
 every reward's own score is kept for the metrics. Each reward call runs in a sandboxed worker
@@ -18,7 +19,7 @@ from grpo_flyte.errors import RewardError, quoted
 from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward, well_formed
 from grpo_flyte.runtime.sandbox import WorkerRaised
 from grpo_flyte.scoring.workers import ArrayShape, correct_flags, limited
-from grpo_flyte.types import JudgeVerdict, RewardParts, ScoredGroup
+from grpo_flyte.types import JudgeVerdict, RewardModelScores, RewardParts, ScoredGroup
 
 # Model output is shown in error messages up to this many characters.
 SHOWN_CHARS = 120
@@ -163,20 +164,55 @@ def score_completions(
     return parts
 
 
-def with_judge(scored: ScoredGroup, verdict: JudgeVerdict, weight: float) -> ScoredGroup:
-    """The group with the judge's scores added to each completion's reward (times `weight`); a
-    completion the judge could not score (on_reward_error='zero') scores 0 and names the judge
-    among its errors."""
-    if len(verdict.scores) != len(scored.rewards):
-        raise ValueError(f"the judge scored {len(verdict.scores)} completions of a group of {len(scored.rewards)}")
-    parts = [
+def _with_scores(
+    rewards: list[RewardParts], name: str, scores: Sequence[float], failed: Sequence[bool], weight: float
+) -> list[RewardParts]:
+    """`rewards` with the scores of reward `name` added to each completion's reward (times
+    `weight`); a failed completion's score (0) is kept and the reward named among its errors."""
+    if len(scores) != len(rewards):
+        raise ValueError(f"reward {name!r} scored {len(scores)} completions of a group of {len(rewards)}")
+    return [
         RewardParts(
             reward=p.reward + weight * score,
             correct=p.correct,
             format=p.format,
-            scores={**p.scores, JUDGE_REWARD: score},
-            errors=[*p.errors, JUDGE_REWARD] if failed else p.errors,
+            scores={**p.scores, name: score},
+            errors=[*p.errors, name] if fail else p.errors,
         )
-        for p, score, failed in zip(scored.rewards, verdict.scores, verdict.failed, strict=True)
+        for p, score, fail in zip(rewards, scores, failed, strict=True)
     ]
+
+
+def with_judge(scored: ScoredGroup, verdict: JudgeVerdict, weight: float) -> ScoredGroup:
+    """The group with the judge's scores added to each completion's reward (times `weight`); a
+    completion the judge could not score (on_reward_error='zero') scores 0 and names the judge
+    among its errors."""
+    parts = _with_scores(scored.rewards, JUDGE_REWARD, verdict.scores, verdict.failed, weight)
     return scored.model_copy(update={"rewards": parts, "judge": verdict})
+
+
+def with_reward_model(scored: ScoredGroup, result: RewardModelScores, weight: float) -> ScoredGroup:
+    """The group with a reward model's scores added to each completion's reward (times `weight`),
+    under the reward's name; a completion it failed on (on_reward_error='zero') scores 0 and names
+    the reward among its errors."""
+    return scored.model_copy(update={"rewards": _with_scores(scored.rewards, result.reward, result.scores, result.failed, weight)})
+
+
+def checked_model_scores(name: str, values: Sequence[float], completions: Sequence[str], on_error: str) -> tuple[list[float], list[bool]]:
+    """A model's scores of a group checked as a reward function's are: each a finite number. With
+    on_error='fail' the first that is not is a RewardError naming the reward, the value and the
+    start of its completion; with 'zero' it scores 0 and is flagged."""
+    scores, failed = [], []
+    for i, (value, completion) in enumerate(zip(values, completions, strict=True)):
+        if math.isfinite(value):
+            scores.append(float(value))
+            failed.append(False)
+            continue
+        if on_error != "zero":
+            raise RewardError(
+                f"reward {name!r} returned {value}; expected a finite number on completion {i + 1} of {len(completions)}, "
+                f"which starts {_show(completion)} (on_reward_error='zero' scores such completions 0 and counts them instead)"
+            )
+        scores.append(0.0)
+        failed.append(True)
+    return scores, failed

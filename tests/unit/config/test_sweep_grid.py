@@ -112,6 +112,16 @@ def test_vllm_engines_of_several_bases_must_fit_on_one_gpu_together():
     assert len(expand_sweep({}, sweep_grid(["model=a,b"]))) == 2  # locally, on this machine's CPU, auto is transformers
 
 
+def test_the_configs_reward_models_together_fit_a_reward_model_replica():
+    """A sweep over rewards may name other reward models per config; a replica holds each one
+    loaded, so the configs together name at most 3, and each config is named without its path's slashes."""
+    members = expand_sweep({}, sweep_grid(["rewards=correct=1,org/rm-a=0.5;correct=1,org/rm-b=0.5"]))
+    assert [m.config.scoring.model_rewards for m in members] == [["org/rm-a"], ["org/rm-b"]]
+    assert [m.name for m in members] == ["rewards=correct=1-org-rm-a=0.5", "rewards=correct=1-org-rm-b=0.5"]
+    with pytest.raises(ConfigError, match=r"rewards: the configs name 4 reward models together \(o/a, o/b, o/c, o/d\); expected at most 3"):
+        expand_sweep({}, sweep_grid(["rewards=o/a=1;o/b=1;o/c=1;o/d=1"]))
+
+
 def test_a_combination_the_config_refuses_is_named():
     with pytest.raises(ConfigError) as err:  # each value alone is fine; together they break a cross-field check
         expand_sweep({}, sweep_grid(["early_stop_patience=0,2", "eval_size=0,4"]))

@@ -83,6 +83,41 @@ def test_a_cluster_sweep_over_two_bases_sends_each_config_its_own_base_model_upl
     )
 
 
+def test_a_cluster_run_sends_each_reward_model_as_a_folder_checked_here_when_it_is_local(
+    tmp_path, monkeypatch, capsys, tiny_model_dir, embedded_dir
+):
+    """train_rl gets `reward_models`, one folder per model its rewards name (without '@label'): a
+    local folder checked here, then uploaded; a Hub id prefetched (checked by its task, on the pod).
+    A local folder that is no reward model is refused before anything is submitted."""
+    from tests.support.tiny_model import build_tiny_reward_model
+
+    folder = build_tiny_reward_model(tmp_path / "rm", embedded_dir, num_labels=2)
+    uploaded, submitted = [], []
+
+    class Runner:
+        def run(self, task, **inputs):
+            submitted.append((task.name, inputs))
+            return type("Run", (), {"url": "dry-run"})()
+
+    def remote(model, field="model"):
+        uploaded.append((model, field))
+        return Dir(path=f"s3://bucket/{Path(model).name}")
+
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "resolve_remote_model", remote)
+    tiny = ["--model", str(tiny_model_dir), "--backend", "hf", "--iterations", "1", "--max-new-tokens", "8", "--group-size", "2"]
+    assert cli.main([*tiny, "--rewards", f"correct=1,{folder}@right=0.5,org/some-rm=0.25"]) == 0
+    ((task, inputs),) = submitted
+    assert task.endswith("train_rl") and {m: d.path for m, d in inputs["reward_models"].items()} == {
+        str(folder): "s3://bucket/rm",
+        "org/some-rm": "s3://bucket/some-rm",
+    }
+    assert (str(folder), "rewards") in uploaded and ("org/some-rm", "rewards") in uploaded
+    uploaded.clear()
+    assert cli.main([*tiny, "--rewards", f"{folder}=1"]) == 2  # two labels, none picked
+    assert "the model has 2 labels" in capsys.readouterr().err and uploaded == [] and len(submitted) == 1
+
+
 def _refused(argv: list[str], monkeypatch, capsys) -> str:
     monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: pytest.fail("nothing may be submitted"))
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: pytest.fail("nothing may be uploaded"))
