@@ -16,7 +16,7 @@ from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
-from grpo_flyte.reward_fns import JUDGE_REWARD, resolve_reward, reward_model_ref
+from grpo_flyte.reward_fns import resolve_reward, reward_model_ref
 from grpo_flyte.types import Example
 
 logger = logging.getLogger("grpo_flyte")
