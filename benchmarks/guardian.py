@@ -51,8 +51,9 @@ from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, driver_args
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import GuardState, assess, question_values
-from grpo_flyte.types import AdapterRef, EvalAnswer, MetricsRow
+from grpo_flyte.types import AdapterRef, MetricsRow
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_LR = RunConfig().train.learning_rate

@@ -33,6 +33,7 @@ from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
 from grpo_flyte.loop import lockstep, observers
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
@@ -47,7 +48,7 @@ from grpo_flyte.reward import start_reward_workers
 from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
-from grpo_flyte.types import AdapterRef, EvalAnswer, Example, MetricsRow, RunResult
+from grpo_flyte.types import AdapterRef, Example, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
 

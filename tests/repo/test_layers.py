@@ -64,7 +64,7 @@ INSIDE = {
         "episodes",
     ),
     "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
-    "loop": ("metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
+    "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
     "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
 }
 MAX_TOP_LEVEL = 16

@@ -8,13 +8,13 @@ import pytest
 from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig, eval_due
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.metrics import completion_sample, eval_results, iteration_metrics, mean_ci95, reward_means
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
     Episode,
     EpisodeTurn,
-    EvalAnswer,
     EvalMetrics,
     Example,
     MetricsRow,

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.runtime.storage import is_remote
-from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, EvalAnswer, MetricsRow, RunResult
+from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
 

@@ -51,11 +51,12 @@ from grpo_flyte.launch.run_folder import (
 from grpo_flyte.launch.run_log import one_line
 from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
 from grpo_flyte.loop import observers
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.lockstep import leave, lockstep
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
 from grpo_flyte.runtime.files import write_text_atomic
-from grpo_flyte.types import REPORT_FILE, EvalAnswer, Example, MetricsRow
+from grpo_flyte.types import REPORT_FILE, Example, MetricsRow
 
 if TYPE_CHECKING:
     from rich.progress import Progress

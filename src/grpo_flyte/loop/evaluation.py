@@ -12,11 +12,12 @@ from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import observers
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import generate_and_score, generate_parts
 from grpo_flyte.loop.metrics import eval_results
 from grpo_flyte.reward import score_groups
 from grpo_flyte.rollout import generate_eval
-from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, ScoredGroup
+from grpo_flyte.types import AdapterRef, EvalMetrics, Example, ScoredGroup
 
 # Held-out completions per generate_eval task (greedy: questions; with num_generations_eval N, a
 # task takes EVAL_CHUNK // N questions): spread over the warm pool, batched within a replica.

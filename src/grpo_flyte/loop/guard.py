@@ -31,16 +31,10 @@ from typing import Literal
 from pydantic import BaseModel
 
 from grpo_flyte.config.training import GuardConfig
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.metrics import mean_ci95
 from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, shown_change
-from grpo_flyte.types import (
-    AdapterRef,
-    EvalAnswer,
-    Example,
-    GuardRecord,
-    MetricsRow,
-    TrainMetrics,
-)
+from grpo_flyte.types import AdapterRef, Example, GuardRecord, MetricsRow, TrainMetrics
 
 Metric = Literal["eval_accuracy", "eval_reward"]
 # A collapse on the held-out set: the paired difference below minus this many standard errors (99%).

@@ -12,18 +12,9 @@ from typing import Any
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import advantages
+from grpo_flyte.loop.answers import BestCompletion, CompletionSample, EvalAnswer, EvalCompletion
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import (
-    BestCompletion,
-    CompletionSample,
-    EvalAnswer,
-    EvalCompletion,
-    EvalMetrics,
-    Rollout,
-    ScoredGroup,
-    TrainMetrics,
-    TrainStepResult,
-)
+from grpo_flyte.types import EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from grpo_flyte.loop.state import LoopState
-    from grpo_flyte.types import EvalAnswer, MetricsRow
+    from grpo_flyte.types import MetricsRow
+from grpo_flyte.loop.answers import EvalAnswer
 
 
 class RunObserver(Protocol):

@@ -10,9 +10,10 @@ from pathlib import Path
 import flyte
 from pydantic import BaseModel
 
+from grpo_flyte.loop.answers import BestCompletion, CompletionSample, EvalAnswer
 from grpo_flyte.loop.guard import GuardState
 from grpo_flyte.runtime.storage import located_path, portable_path, save_checkpoint
-from grpo_flyte.types import AdapterRef, BestCompletion, CompletionSample, EvalAnswer, MetricsRow
+from grpo_flyte.types import AdapterRef, MetricsRow
 
 
 class LoopState(BaseModel):

@@ -103,7 +103,7 @@ def test_a_cluster_run_sends_each_reward_model_as_a_folder_checked_here_when_it_
         uploaded.append((model, field))
         return Dir(path=f"s3://bucket/{Path(model).name}")
 
-    monkeypatch.setattr(submit, "_connect", lambda custom_context=None: Runner())
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: Runner())
     monkeypatch.setattr(submit, "resolve_remote_model", remote)
     tiny = ["--model", str(tiny_model_dir), "--backend", "hf", "--iterations", "1", "--max-new-tokens", "8", "--group-size", "2"]
     assert cli.main([*tiny, "--rewards", f"correct=1,{folder}@right=0.5,org/some-rm=0.25"]) == 0

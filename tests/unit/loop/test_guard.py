@@ -18,6 +18,7 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import update as policy_update
+from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import (
     COLLAPSE_Z,
     SIGNAL_RUN,
@@ -31,7 +32,7 @@ from grpo_flyte.loop.guard import (
     restore_from,
 )
 from grpo_flyte.loop.state import LoopState
-from grpo_flyte.types import AdapterRef, EvalAnswer, EvalMetrics, Example, MetricsRow, TrainMetrics
+from grpo_flyte.types import AdapterRef, EvalMetrics, Example, MetricsRow, TrainMetrics
 from tests.support import SUPPORT, warm_python
 
 LR = RunConfig().train.learning_rate  # the runs below keep the default learning rate
