@@ -1070,3 +1070,35 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
     assert "the adapter of iteration 0 of 1 (the best held-out evaluation)" in card
     assert f"| after (iteration 0) | {rows[0]['eval_reward']:.3f}" in card
     assert json.loads((repo / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
+
+
+EVERY_OPTION = Path(__file__).resolve().parents[1] / "data" / "every_grpo_option.yaml"
+
+
+def test_a_config_file_setting_every_grpoconfig_option_runs_to_the_end(tmp_path, tiny_model_dir):
+    """tests/data/every_grpo_option.yaml sets each GRPOConfig option of issue 51 away from its
+    default, under TRL's names; a short run with it reaches the end and each option shows."""
+    import yaml
+
+    from grpo_flyte.config.errors import make_config
+    from grpo_flyte.config.files import load_config_file
+
+    run_dir = tmp_path / "run"
+    args = ["--local", "--config", str(EVERY_OPTION), "--model", str(tiny_model_dir), "--iterations", "2", "--run-dir", str(run_dir)]
+    assert cli_main([*args, *TINY]) == 0
+    given = yaml.safe_load(EVERY_OPTION.read_text())
+    saved = RunConfig.model_validate_json((run_dir / "config.json").read_text()).flat()
+    expected = make_config(**load_config_file(EVERY_OPTION)).flat()
+    moved = {k for k in expected if expected[k] != RunConfig().flat()[k]}
+    assert len(moved) >= len(given) - 4  # TRL's pairs (reward_funcs + reward_weights) and renames fold into one option each
+    assert {k: saved[k] for k in moved} == {k: expected[k] for k in moved}
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    trained = [r for r in rows[1:] if r["num_updates"]]
+    assert trained and all(r["num_updates"] == 2 for r in trained)  # num_iterations 2: each batch trained on twice
+    assert all("entropy_coef" in r and "off_policy_masked_fraction" in r for r in rows[1:])
+    answers = [json.loads(line) for line in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    assert answers and all(len(a["completions"]) == 2 for a in answers)  # num_generations_eval 2
+    logged = [json.loads(line) for line in (run_dir / "completions" / "iter-0001.jsonl").read_text().splitlines()]
+    assert 1 <= len(logged) <= 3 and len({c["group"] for c in logged}) == len(logged)  # 3 at most, one per prompt
+    assert any((run_dir / "tensorboard").rglob("events.out.tfevents.*"))

@@ -147,3 +147,27 @@ def test_constrained_decoding_makes_every_judge_reply_parse(judge_contract):
 
 def test_the_judges_engine_serves_no_adapter(judge_contract):
     assert judge_contract["lora_enabled"] is False
+
+
+EVERY_OPTION = Path(__file__).resolve().parents[1] / "data" / "every_grpo_option.yaml"
+
+
+def test_a_config_file_setting_every_grpoconfig_option_runs_to_the_end_on_vllm(tmp_path, vllm_model):
+    """The file of tests/e2e/test_e2e.py's run of every GRPOConfig option, on the vLLM backend: a
+    local run through the CLI in a process of its own (vLLM's), to the end."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    args = ["--local", "--backend", "vllm", "--vllm-memory-fraction", "0.1", "--dtype", "float32", "--config", str(EVERY_OPTION)]
+    args += ["--model", str(vllm_model), "--iterations", "2", "--run-dir", str(run_dir), "--max-new-tokens", "8"]
+    args += ["--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_CI_ENV": "1"}
+    proc = subprocess.run([sys.executable, "-m", "grpo_flyte", *args], env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert all(r["num_updates"] in (0, 2) for r in rows[1:])  # num_iterations 2
+    assert all("entropy_coef" in r for r in rows[1:])
+    answers = [json.loads(line) for line in (run_dir / "eval" / "iter-0002.jsonl").read_text().splitlines()]
+    assert answers and all(len(a["completions"]) == 2 for a in answers)
