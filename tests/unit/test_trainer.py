@@ -82,17 +82,9 @@ def test_with_beta_the_zero_advantage_rollouts_keep_their_kl_term(fresh):
     assert [grpo.in_loss(s, 0.0) for s in (A, C)] == [True, False]
 
 
-def test_a_batch_with_no_signal_takes_no_optimizer_step(fresh):
-    model, optimizer, config = fresh()
-    before = [p.detach().clone() for p in policy.trainable(model)]
-    stats = policy_update.grpo_step(model, optimizer, [C, D], config.train, config.sampling)
-    assert stats.num_updates == 0 and stats.num_tokens == 0
-    assert all(torch.equal(a, b) for a, b in zip(before, policy.trainable(model), strict=True))
-
-
-def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
-    # With several updates, only the later minibatches need log-probs from before the first step;
-    # the first one's ratio is exactly 1, not noise from a separately batched pass.
+def _spy_old_logprobs(monkeypatch) -> tuple[list[set[int]], list]:
+    """(the sequences each reference pass computed old log-probs for, each token loss's log-ratio
+    logp - old), recorded as the train step runs."""
     needed, log_ratios = [], []
     reference_pass, token_loss = policy_update._reference_pass, losses.token_loss
 
@@ -106,6 +98,21 @@ def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
 
     monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
     monkeypatch.setattr(losses, "token_loss", spy_loss)
+    return needed, log_ratios
+
+
+def test_a_batch_with_no_signal_takes_no_optimizer_step(fresh):
+    model, optimizer, config = fresh()
+    before = [p.detach().clone() for p in policy.trainable(model)]
+    stats = policy_update.grpo_step(model, optimizer, [C, D], config.train, config.sampling)
+    assert stats.num_updates == 0 and stats.num_tokens == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.trainable(model), strict=True))
+
+
+def test_the_first_minibatch_uses_the_current_policy_as_old(fresh, monkeypatch):
+    # With several updates, only the later minibatches need log-probs from before the first step;
+    # the first one's ratio is exactly 1, not noise from a separately batched pass.
+    needed, log_ratios = _spy_old_logprobs(monkeypatch)
     sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
     stats = _step(fresh, sequences, updates_per_iter=2, learning_rate=5e-2)
     assert stats.num_updates == 2
@@ -718,19 +725,8 @@ def test_num_iterations_takes_its_passes_each_against_the_old_policy(fresh, monk
     """num_iterations=2 with 2 updates per pass: 4 optimizer steps, at the schedule's steps 4..7 of
     iteration 2 of 2; every minibatch of the second pass measures its ratio against the log-probs
     from before the first step (computed up front), so its log-ratio is no longer 0."""
-    needed, log_ratios, seen = [], [], []
-    reference_pass, token_loss = policy_update._reference_pass, losses.token_loss
-
-    def spy_reference(model, sequences, trained, need_old, *rest):
-        needed.append(set(need_old))
-        return reference_pass(model, sequences, trained, need_old, *rest)
-
-    def spy_loss(logprobs, old, *rest, **kw):
-        log_ratios.append((logprobs - old).detach())
-        return token_loss(logprobs, old, *rest, **kw)
-
-    monkeypatch.setattr(policy_update, "_reference_pass", spy_reference)
-    monkeypatch.setattr(losses, "token_loss", spy_loss)
+    needed, log_ratios = _spy_old_logprobs(monkeypatch)
+    seen = []
     sequences = [A, B, TrainSequence(A.prompt_ids, [18, 2], 0.5), TrainSequence(B.prompt_ids, [19, 20, 2], -0.5)]
     model, optimizer, config = fresh(train={"num_iterations": 2}, updates_per_iter=2, learning_rate=5e-2, lr_scheduler_type="linear")
     step = optimizer.step
