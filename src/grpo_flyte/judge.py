@@ -190,7 +190,8 @@ async def score_with_reward_model(
         raise ModelError(f"{reward!r}: {problem}", field="rewards")
     try:
         model = await run_on_torch_thread(get_reward_model, key)
-    except Exception as exc:  # noqa: BLE001 -- the same folder fails the same way: an input error, in one line
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad folder or config fails the same way each time: one line
+        # (a RuntimeError such as CUDA out of memory is the replica's, and Flyte retries it)
         raise ModelError(
             f"{reward!r}: its model cannot be loaded ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})", field="rewards"
         ) from None

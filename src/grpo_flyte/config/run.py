@@ -208,6 +208,18 @@ class RunConfig(Part):
         return self
 
     @model_validator(mode="after")
+    def _entropy_mask_without_dropout(self) -> RunConfig:
+        """The entropy threshold is taken in a pass before each optimizer step: with dropout, the
+        step's own forward would draw other masks, so the tokens kept would not be those counted."""
+        if self.train.top_entropy_quantile < 1.0 and self.lora.lora_dropout > 0.0:
+            raise ValueError(
+                f"{given('top_entropy_quantile', self.train.top_entropy_quantile)} with {given('lora_dropout', self.lora.lora_dropout)}: "
+                "the entropy threshold is measured before each optimizer step, and dropout would draw other masks in the step; "
+                "expected --lora-dropout 0"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _patience_needs_evaluations(self) -> RunConfig:
         if self.guard.early_stop_patience and not self.evaluation.eval_size:
             raise ValueError(

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_flyte.config.constants import MAX_TRAIN_PROCESSES
 from grpo_flyte.config.part import Part
+from grpo_flyte.config.trl_names import IS_CAP_MAX
 from grpo_flyte.errors import flag, given
 
 
@@ -238,7 +239,7 @@ class TrainConfig(Part):
         True,
         description="Re-weight each token by the generator/trainer probability ratio (truncated importance sampling).",
     )
-    is_cap: float = Field(2.0, ge=1.0, le=1000.0, description="Upper bound of the importance weight.")
+    is_cap: float = Field(2.0, ge=1.0, le=IS_CAP_MAX, description="Upper bound of the importance weight.")
     is_clip_min: float | None = Field(
         None,
         ge=0.0,

@@ -42,6 +42,9 @@ TRL_TRANSLATED: dict[str, str] = {
     "generation_batch_size": "prompts_per_iter",  # completions per generation: prompts_per_iter x group_size
 }
 
+# The importance weight's largest cap here (TrainConfig.is_cap's bound): TRL's clip_max None, no bound.
+IS_CAP_MAX = 1000.0
+
 _POOLS = "generation runs on its own warm pool of GPUs (docs/cluster.md), not beside the trainer"
 
 # TRL's fields with no meaning here: (the values that ask for nothing: TRL's default and what TRL's
@@ -155,12 +158,25 @@ def _translate_bool(out: dict[str, Any], name: str, true: str, false: str) -> No
     out[name] = true if value else false
 
 
+def _given(out: dict[str, Any], name: str, default: Any) -> Any:
+    """The value of option `name` in `out`, flat or inside a part given as a mapping or a model
+    (`sampling: {group_size: 4}`); a flat name wins, as in RunConfig."""
+    if name in out:
+        return out[name]
+    for part in out.values():
+        if isinstance(part, dict) and name in part:
+            return part[name]
+        if name in getattr(type(part), "model_fields", {}):
+            return getattr(part, name)
+    return default
+
+
 def _per_prompt(out: dict[str, Any]) -> None:
     """TRL's generation_batch_size (completions per generation) as prompts per iteration."""
     size = out.pop("generation_batch_size")
     if size is None:
         return
-    group = out.get("num_generations", out.get("group_size", 8))  # 8: SamplingConfig's default group_size
+    group = _given(out, "num_generations", _given(out, "group_size", 8))  # 8: SamplingConfig's default group_size
     if not isinstance(size, int) or isinstance(size, bool) or size < 1 or not isinstance(group, int) or size % group:
         raise ValueError(f"generation_batch_size={shown(size)}: expected a multiple of num_generations ({shown(group)})")
     out["generation_batch_size"] = size // group
@@ -177,6 +193,10 @@ def from_trl_names(values: dict[str, Any]) -> dict[str, Any]:
         del out[name]
     if "vllm_importance_sampling_cap" in out and out["vllm_importance_sampling_cap"] is None:
         del out["vllm_importance_sampling_cap"]  # TRL 1.16's default for its deprecated name: unset
+    elif "vllm_importance_sampling_cap" in out:
+        out.pop("vllm_importance_sampling_clip_max", None)  # TRL: the deprecated name, when given, wins
+    if "vllm_importance_sampling_clip_max" in out and out["vllm_importance_sampling_clip_max"] is None:
+        out["vllm_importance_sampling_clip_max"] = IS_CAP_MAX  # TRL: None is no upper bound
     renamed = {trl: ours for trl, ours in TRL_ALIASES.items() if trl in out}
     for name, true, false in (("mask_truncated_completions", "mask", "keep"), ("use_vllm", "vllm", "hf")):
         if name in out:
@@ -188,7 +208,7 @@ def from_trl_names(values: dict[str, Any]) -> dict[str, Any]:
     if "reward_weights" in out or "reward_funcs" in out:
         funcs = out.pop("reward_funcs", None)
         weights = out.pop("reward_weights", None)
-        names = list(funcs) if funcs is not None else list(out.get("rewards") or DEFAULT_REWARDS)
+        names = list(funcs) if funcs is not None else list(_given(out, "rewards", None) or DEFAULT_REWARDS)
         weights = [1.0] * len(names) if weights is None else list(weights)
         if len(weights) != len(names):
             raise ValueError(f"reward_weights has {len(weights)} weights for {len(names)} rewards ({', '.join(map(str, names))})")

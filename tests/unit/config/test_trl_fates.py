@@ -40,7 +40,7 @@ def _accepted() -> set[str]:
 
 def test_every_field_of_the_installed_grpoconfig_has_a_fate():
     fields = _own_fields()
-    assert len(fields) > 60  # the reading works: TRL 1.16 adds 78
+    assert len(fields) > 60  # the reading works: TRL 1.16 adds 77
     accepted, refused = _accepted(), set(TRL_REFUSED)
     assert sorted(set(fields) - accepted - refused) == []
     assert sorted(accepted & refused) == []  # one fate each
@@ -110,3 +110,18 @@ def test_the_doc_gives_every_field_a_row():
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     missing = [name for name in _own_fields() if not any(f"`{name}`" in row for row in rows)]
     assert missing == []
+
+
+def test_trl_names_read_nested_parts_and_trls_precedence():
+    """reward_weights pairs with nested rewards; generation_batch_size divides by a nested group
+    size; TRL's deprecated cap wins over clip_max (as TRL's __post_init__ does); clip_max None is no bound."""
+    config = make_config(scoring={"rewards": {"correct": 1.0, "format": 1.0}}, reward_weights=[2.0, 0.5])
+    assert config.scoring.rewards == {"correct": 2.0, "format": 0.5}
+    assert make_config(sampling={"group_size": 4}, generation_batch_size=16).prompts_per_iter == 4
+    assert make_config(vllm_importance_sampling_cap=5.0, vllm_importance_sampling_clip_max=3.0).train.is_cap == 5.0
+    assert make_config(vllm_importance_sampling_clip_max=None).train.is_cap == 1000.0
+
+
+def test_an_entropy_mask_with_dropout_is_refused():
+    with pytest.raises(ConfigError, match=r"--top-entropy-quantile=0.5 with --lora-dropout=0.1: .* expected --lora-dropout 0"):
+        make_config(top_entropy_quantile=0.5, lora_dropout=0.1)
