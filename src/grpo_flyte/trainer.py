@@ -89,7 +89,7 @@ async def train_step(
             restore_s = time.perf_counter() - restored
         control = policy.entropy_control(adapter_path, train)  # from the folder: warm state is only a cache
         stats = policy_update.grpo_step(peft, optimizer, sequences, train, sampling, steps, control=control)
-        policy.save_adapter(peft, optimizer, version, out, policy.control_after(stats))
+        policy.save_adapter(peft, optimizer, version, out, policy.control_after(stats, train))
         policy.record_base(out, model.model)
         return peft, optimizer, stats.model_copy(update={"restore_s": restore_s}), policy.files_of(str(out))
 

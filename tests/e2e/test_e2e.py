@@ -911,10 +911,10 @@ def test_transient_failures_in_generate_and_train_step_are_retried(tmp_path, tin
     train_failures: list[int] = []
     original_save_adapter = policy.save_adapter
 
-    def flaky_save_adapter(model, optimizer, version, out):
+    def flaky_save_adapter(model, optimizer, version, out, *rest):
         # the new adapter is written, then the task fails: a failure with the adapter half-published.
         # Version 0 is init_adapter's; the drill is about train_step, so its first save fails.
-        original_save_adapter(model, optimizer, version, out)
+        original_save_adapter(model, optimizer, version, out, *rest)
         if version > 0 and not train_failures:
             train_failures.append(version)
             raise RuntimeError(f"injected transient failure after save_adapter of v{version}")

@@ -73,7 +73,7 @@ def train_rank(job: RankJob, out: str) -> StepStats | None:
             peft, optimizer, job.sequences, job.train, job.sampling, job.steps, rank=rank, world_size=world_size, control=control
         )
         if rank == 0:
-            policy.save_adapter(peft, optimizer, job.version, Path(out), policy.control_after(stats))
+            policy.save_adapter(peft, optimizer, job.version, Path(out), policy.control_after(stats, job.train))
             policy.record_base(Path(out), job.model.model)
         dist.barrier()  # the adapter is whole before any process reports the step done
     finally:

@@ -170,9 +170,11 @@ def entropy_control(adapter_path: str, train: TrainConfig) -> EntropyControl:
     return EntropyControl(float(state["entropy_coef"]), state.get("last_entropy"))
 
 
-def control_after(stats) -> EntropyControl:
-    """The entropy coefficient's state a step's statistics (`StepStats`) end with."""
-    return EntropyControl(stats.entropy_coef, stats.entropy_last)
+def control_after(stats, train: TrainConfig) -> EntropyControl | None:
+    """The entropy coefficient's state a step's statistics (`StepStats`) end with, to be saved with
+    the adapter; None without use_adaptive_entropy (nothing to carry: the adapter folder stays as
+    it was before the option existed)."""
+    return EntropyControl(stats.entropy_coef, stats.entropy_last) if train.use_adaptive_entropy else None
 
 
 def record_base(out: Path, model: str) -> None:
