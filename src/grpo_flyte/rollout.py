@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
-from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig, context_length
 from grpo_flyte.engine import batching, cache, episodes, interface
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
@@ -35,11 +35,6 @@ _model_dirs = replica_cache("models", capacity=MAX_BASES)
 # own); a pipelined run has up to max_staleness + 1 versions in flight and the newest. The cache
 # keeps that many, so the folders in flight always fit and are downloaded once.
 _adapter_dirs = replica_cache("adapters", capacity=max(MAX_STALENESS + 2, settings.rollout_concurrency))
-
-
-def _context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:
-    """The longest sequence a request can reach: the prompt and a completion, or a whole episode."""
-    return prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens)
 
 
 @asynccontextmanager
@@ -100,7 +95,7 @@ async def generate(
     environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
     with input_errors_not_retried():
-        async with _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+        async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             [prompt_ids] = await cache.tokenize(key, [example], prompt)
             [rollouts] = await _sample(
                 key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
@@ -145,7 +140,7 @@ async def generate_eval(
     sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
     started = time.perf_counter()
     with input_errors_not_retried():
-        async with _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+        async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             prompts = await cache.tokenize(key, examples, prompt)
             if num_generations is None:
                 requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
