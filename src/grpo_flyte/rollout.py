@@ -94,7 +94,7 @@ async def generate(
     multi-turn environment: that many episodes, see grpo_flyte.multiturn). A broken multi-turn
     environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
-    with input_errors_not_retried():
+    with input_errors_not_retried("generate"):
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             [prompt_ids] = await cache.tokenize(key, [example], prompt)
             [rollouts] = await _sample(
@@ -139,7 +139,7 @@ async def generate_eval(
     one greedy completion each, or with `num_generations` that many sampled at the run's
     sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
     started = time.perf_counter()
-    with input_errors_not_retried():
+    with input_errors_not_retried("generate_eval"):
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             prompts = await cache.tokenize(key, examples, prompt)
             if num_generations is None:
