@@ -102,7 +102,7 @@ async def train_rl(
     without '@label') to its folder. A retried driver (a preempted pod) continues
     from its last checkpoint; bad input (a GrpoFlyteError here or in a task) is not retried.
     """
-    with input_errors_not_retried():
+    with input_errors_not_retried("train_rl"):
         if examples_file:
             examples = await from_payload(examples or [], examples_file, Example, _driver_dirs)
         return await _train_rl(config, base_model, examples, resume_from, ScoringModels(judge_model, reward_models or {}))

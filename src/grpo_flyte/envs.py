@@ -237,7 +237,7 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "flyteplugins-wandb>=2.12.1,<2.13",
     )
     image = _with_package(image)
-    return image.with_env_vars({"VLLM_USE_V1": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return image.with_env_vars({"TOKENIZERS_PARALLELISM": "false"})
 
 
 def _single_replica_policy(idle_ttl: int) -> flyte.ReusePolicy:
@@ -286,7 +286,7 @@ def _engine_pool(name: str, description: str, memory: str, gpu, replicas: tuple[
         image=image,
         resources=flyte.Resources(cpu=settings.rollout_cpu, memory=memory, gpu=gpu, shm="auto"),
         secrets=_hf_token,
-        env_vars={**_gpu_vars, "VLLM_USE_V1": "1"},
+        env_vars=_gpu_vars,
         reusable=flyte.ReusePolicy(
             replicas=replicas, concurrency=concurrency, idle_ttl=settings.pool_idle_ttl, scaledown_ttl=120, scope="run"
         ),

@@ -119,20 +119,34 @@ def not_retried(exc: BaseException) -> Exception:
     return flyte.errors.NonRecoverableError(str(exc))
 
 
+# Errors that a retry meets again: the same code on the same inputs raises them the same way (a
+# programming error, a value an engine refuses). Retries are for what can pass the next time: a
+# lost pod, a flaky read or a kill for memory (OSError, RuntimeError and Flyte's own errors).
+DETERMINISTIC = (ArithmeticError, AssertionError, AttributeError, ImportError, LookupError, NameError, NotImplementedError,
+                 TypeError, ValueError)  # fmt: skip
+
+
 def is_not_retried(exc: BaseException) -> bool:
     """Whether `exc` (as a parent task sees a child's failure) was marked `not_retried`."""
     return isinstance(exc, GrpoFlyteError) or getattr(exc, "code", None) == NOT_RETRIED
 
 
 @contextlib.contextmanager
-def input_errors_not_retried() -> Iterator[None]:
-    """Inside a task: a failure that comes from the run's input (a GrpoFlyteError, or a child
-    task's failure marked so) leaves the block `not_retried`; anything else as it is."""
+def input_errors_not_retried(task: str) -> Iterator[None]:
+    """Inside task `task`: a failure that comes from the run's input (a GrpoFlyteError, or a child
+    task's failure marked so) leaves the block `not_retried`, its message kept; a deterministic one
+    (`DETERMINISTIC`: a programming error, an engine that refuses its settings) too, as one line
+    '<task>: <type>: <message>'; anything else as it is, for the task's retries."""
     try:
         yield
     except Exception as exc:
         if is_not_retried(exc):
             raise not_retried(exc) from exc
+        if isinstance(exc, DETERMINISTIC):
+            import flyte.errors
+
+            detail = " ".join(str(exc).split()) or "(no message)"
+            raise flyte.errors.NonRecoverableError(f"{task}: {type(exc).__name__}: {detail}") from exc
         raise
 
 

@@ -158,7 +158,7 @@ async def judge_group(
     others, in one judge call (more when the group does not fit the judge's context). A judge that
     cannot be loaded, or replies unparsably with on_reward_error='fail', fails the same way again:
     not retried."""
-    with input_errors_not_retried():
+    with input_errors_not_retried("judge_group"):
         model_path = await _judge_dirs.get(judge_model)
         key = cache.judge_engine_key(
             model_path, resolve_dtype("auto"), engine.backend, judging.judge_context_tokens, engine.vllm_memory_fraction
@@ -208,7 +208,7 @@ async def reward_model_group(
     model whose folder is `reward_model`, in one batched forward. A folder that holds no such model
     (or lacks the label the reward names), or a score that is not finite with
     on_reward_error='fail', fails the same way again: not retried."""
-    with input_errors_not_retried():
+    with input_errors_not_retried("reward_model_group"):
         model_path = await _reward_model_dirs.get(reward_model)
         key = RewardModelKey(model_path, resolve_dtype("auto"))
         return await score_with_reward_model(key, reward, prompt, scoring.on_reward_error, group)

@@ -51,7 +51,7 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
     """Score every completion of one prompt group with the configured weighted rewards.
 
     A reward that fails on these completions fails the same way again: not retried."""
-    with input_errors_not_retried():
+    with input_errors_not_retried("score_group"):
         # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
         return await asyncio.to_thread(score, scoring, sampling, group)
 
@@ -59,7 +59,7 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
 @reward_env.task(retries=2)
 async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
     """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
-    with input_errors_not_retried():
+    with input_errors_not_retried("score_groups"):
         return await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in groups])
 
 

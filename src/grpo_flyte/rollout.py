@@ -11,16 +11,18 @@ per-token sampling log-probs, so the trainer never re-tokenizes text.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
-from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig
+from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig, context_length
 from grpo_flyte.engine import batching, cache, episodes, interface
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.sampling import sub_seed
-from grpo_flyte.envs import rollout_env
+from grpo_flyte.envs import rollout_env, settings
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.storage import replica_cache
@@ -28,30 +30,30 @@ from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 
 # One base model folder per base a sweep trains (a run: one).
 _model_dirs = replica_cache("models", capacity=MAX_BASES)
-# Every adapter version a pipelined run has in flight (max_staleness + 1) and the newest.
-_adapter_dirs = replica_cache("adapters", capacity=MAX_STALENESS + 2)
+# A call holds its adapter's folder until it ends (`LocalDirCache.use`), and a replica runs up to
+# rollout_concurrency calls at once, each with one adapter (a sweep's configs each bring their
+# own); a pipelined run has up to max_staleness + 1 versions in flight and the newest. The cache
+# keeps that many, so the folders in flight always fit and are downloaded once.
+_adapter_dirs = replica_cache("adapters", capacity=max(MAX_STALENESS + 2, settings.rollout_concurrency))
 
 
-def _context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:
-    """The longest sequence a request can reach: the prompt and a completion, or a whole episode."""
-    return prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens)
-
-
+@asynccontextmanager
 async def _engine_inputs(
     model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef
-) -> tuple[EngineKey, str]:
-    model_path = await _model_dirs.get(base_model)
-    adapter_path = await _adapter_dirs.get(adapter.dir)
-    key = cache.engine_key(
-        model_path,
-        resolve_dtype(model.dtype),
-        engine.backend,
-        engine.adapter_cache_size,
-        adapter_path,
-        max_model_len=max_model_len,
-        memory_fraction=engine.vllm_memory_fraction,
-    )
-    return key, adapter_path
+) -> AsyncIterator[tuple[EngineKey, str]]:
+    """The engine key and the adapter's local folder; the base model's and the adapter's folders
+    stay on disk until the block ends (the engine loads the adapter when its batch runs)."""
+    async with _model_dirs.use(base_model) as model_path, _adapter_dirs.use(adapter.dir) as adapter_path:
+        key = cache.engine_key(
+            model_path,
+            resolve_dtype(model.dtype),
+            engine.backend,
+            engine.adapter_cache_size,
+            adapter_path,
+            max_model_len=max_model_len,
+            memory_fraction=engine.vllm_memory_fraction,
+        )
+        yield key, adapter_path
 
 
 async def _sample(
@@ -92,12 +94,12 @@ async def generate(
     multi-turn environment: that many episodes, see grpo_flyte.multiturn). A broken multi-turn
     environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
-    with input_errors_not_retried():
-        key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-        [prompt_ids] = await cache.tokenize(key, [example], prompt)
-        [rollouts] = await _sample(
-            key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
-        )
+    with input_errors_not_retried("generate"):
+        async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+            [prompt_ids] = await cache.tokenize(key, [example], prompt)
+            [rollouts] = await _sample(
+                key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
+            )
     return RolloutGroup(
         index=index,
         example=example,
@@ -137,17 +139,17 @@ async def generate_eval(
     one greedy completion each, or with `num_generations` that many sampled at the run's
     sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
     started = time.perf_counter()
-    with input_errors_not_retried():
-        key, adapter_path = await _engine_inputs(model, engine, _context_length(prompt, sampling, episode), base_model, adapter)
-        prompts = await cache.tokenize(key, examples, prompt)
-        if num_generations is None:
-            requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
-        else:
-            requests = [
-                interface.sampling_request(sampling, ids, seed=eval_seed(seed, first_index + i), group_size=num_generations)
-                for i, ids in enumerate(prompts)
-            ]
-        answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
+    with input_errors_not_retried("generate_eval"):
+        async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+            prompts = await cache.tokenize(key, examples, prompt)
+            if num_generations is None:
+                requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]
+            else:
+                requests = [
+                    interface.sampling_request(sampling, ids, seed=eval_seed(seed, first_index + i), group_size=num_generations)
+                    for i, ids in enumerate(prompts)
+                ]
+            answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
     return [
         RolloutGroup(

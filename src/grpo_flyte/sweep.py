@@ -62,7 +62,7 @@ async def train_sweep(
     """Train every config of `members` (`config.grid.expand_sweep`) at once, one `train_rl` each,
     on the folder `base_models` maps its base model (its `model` option) to; returns each one's
     result or error, and publishes the comparison as this task's report."""
-    with input_errors_not_retried():
+    with input_errors_not_retried("train_sweep"):
         missing = sorted({m.config.base.model for m in members} - base_models.keys())
         if missing:
             raise ConfigError(f"base_models has no folder for model {missing[0]!r}; expected one for each config's model")

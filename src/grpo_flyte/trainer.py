@@ -45,7 +45,7 @@ async def init_adapter(model: ModelConfig, lora: LoraConfig, seed: int, base_mod
         policy.save_adapter(peft, None, 0, out)
         policy.record_base(out, model.model)
 
-    with input_errors_not_retried():  # e.g. a GPU pod whose CUDA is unusable
+    with input_errors_not_retried("init_adapter"):  # e.g. a GPU pod whose CUDA is unusable
         folder, _ = await publish_dir(build, "v0000")
     return AdapterRef(version=0, dir=folder)
 
@@ -93,7 +93,7 @@ async def train_step(
         policy.record_base(out, model.model)
         return peft, optimizer, stats.model_copy(update={"restore_s": restore_s}), policy.files_of(str(out))
 
-    with input_errors_not_retried():  # e.g. a damaged adapter stays damaged
+    with input_errors_not_retried("train_step"):  # e.g. a damaged adapter stays damaged
         new_dir, (peft, optimizer, stats, files) = await publish_dir(build, f"v{version:04d}")
     if peft is not None:
         _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
@@ -130,7 +130,7 @@ if train_dist_env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         def step() -> TrainStepResult | None:
-            with input_errors_not_retried():
+            with input_errors_not_retried("train_step_distributed"):
                 return asyncio.run(
                     data_parallel.distributed_step(
                         model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, reward_weights

@@ -444,6 +444,20 @@ def test_the_image_pins_the_vllm_and_transformers_the_tests_run():
         assert (installed["transformers"], installed["peft"]) == (envs.TRANSFORMERS_VERSION, envs.PEFT_VERSION)
 
 
+def test_every_vllm_variable_the_image_and_pools_set_is_one_the_pinned_vllm_knows(specs):
+    """vLLM 0.32 logs "Unknown vLLM environment variable detected" at every engine start for a
+    VLLM_* variable it does not define (vllm.platforms.interface.Platform.validate_environ);
+    VLLM_USE_V1 is one since V1 became the only engine."""
+    import vllm.envs
+    from flyte._image import Env
+
+    image_vars = {k for layer in envs.image._layers if isinstance(layer, Env) for k, _ in layer.env_vars}
+    task_vars = {key for tt in specs.values() for key in _env(tt)}
+    ours = {k for k in image_vars | task_vars if k.startswith("VLLM_")}
+    assert ours - set(vllm.envs.environment_variables) == set()
+    assert "TOKENIZERS_PARALLELISM" in image_vars  # the image's variables were read
+
+
 def test_the_local_extra_stays_inside_the_tested_versions():
     """`pip install .[local]` must not resolve a transformers, peft or torch no test ran (5.23 did once)."""
     import tomllib

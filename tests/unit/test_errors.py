@@ -34,3 +34,33 @@ def test_any_other_failure_is_retried_and_names_the_first_recorded_error_or_the_
     assert type(error) is RuntimeError and str(error) == "train process 1 of 2 failed: OutOfMemoryError: CUDA out of memory"
     assert not is_not_retried(error)
     assert str(failed_workers({1: _failure(None, -9), 0: _failure(None, -15)}, 2)) == "train process 0 of 2 failed: exit code -15"
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [
+        (
+            AttributeError("'LoopState' object has no attribute 'iteration'"),
+            "train_rl: AttributeError: 'LoopState' object has no attribute 'iteration'",
+        ),
+        (ValueError("max_model_len 4096\nis too long"), "train_rl: ValueError: max_model_len 4096 is too long"),
+        (AdapterError("adapter '/a' cannot be loaded (oops)"), "adapter '/a' cannot be loaded (oops)"),
+    ],
+)
+def test_a_deterministic_error_in_a_task_is_not_retried_and_names_the_task(error, line):
+    from grpo_flyte.errors import input_errors_not_retried
+
+    with pytest.raises(flyte.errors.NonRecoverableError) as raised, input_errors_not_retried("train_rl"):
+        raise error
+    assert str(raised.value) == line and raised.value.code == "NonRecoverableError"
+
+
+@pytest.mark.parametrize(
+    "error", [ConnectionError("the pod went away"), RuntimeError("CUDA error: an illegal memory access"), OSError("disk")]
+)
+def test_an_infrastructure_error_in_a_task_is_left_to_its_retries(error):
+    from grpo_flyte.errors import input_errors_not_retried
+
+    with pytest.raises(type(error)) as raised, input_errors_not_retried("generate"):
+        raise error
+    assert raised.value is error

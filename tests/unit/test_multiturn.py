@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -358,7 +359,13 @@ def test_a_run_whose_tool_returns_long_pages_holds_memory_for_its_tokens_not_the
     0.8 GB. Before, (tokens x tokens) attention scores in the prefill and the train step: 5.9 GB."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]))
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), "--env", "chatty_env:Pages", "--max-turns", "3", "--max-episode-tokens", "12000",
+    # the tiny model with a window for the episodes (its config says 1024; the check before start
+    # refuses a longer context)
+    model = tmp_path / "long-window"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**settings, "max_position_embeddings": 16384}))
+    args = ["--local", "--model", str(model), "--env", "chatty_env:Pages", "--max-turns", "3", "--max-episode-tokens", "12000",
             "--max-new-tokens", "8", "--prompts-per-iter", "1", "--group-size", "2", "--eval-size", "0", "--min-informative-groups", "0",
             "--beta", "0.04", "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "grpo_flyte.driver", *args],

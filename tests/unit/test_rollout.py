@@ -109,3 +109,55 @@ def test_a_gpu_pod_without_usable_cuda_fails_at_once_not_retried(tiny_model_dir,
         )  # fmt: skip
     with pytest.raises(flyte.errors.NonRecoverableError, match="needs NVIDIA driver >= 580"):
         asyncio.run(init_adapter(config.base, config.lora, config.seed, Dir(path=str(tiny_model_dir))))
+
+
+def test_ten_adapters_in_flight_on_one_replica_from_remote_paths_all_generate(tiny_model_dir, tmp_path, monkeypatch):
+    """A sweep of 10 configs (or a pipelined run's versions) sends one replica generate calls with
+    10 distinct adapters at once, each a remote folder the replica downloads. The replica's folder
+    cache keeps 8: it must not delete a folder a call still needs (the call would fail with a
+    not-retried AdapterError). The download stands in for an object store: it copies a local
+    adapter into the cache's target folder."""
+    import shutil
+
+    from grpo_flyte import envs, rollout
+    from grpo_flyte.config.constants import MAX_STALENESS
+    from grpo_flyte.runtime.storage import LocalDirCache
+    from grpo_flyte.types import AdapterRef
+
+    config = RunConfig(group_size=2, max_new_tokens=3, backend="hf")
+
+    def build_adapter() -> None:
+        peft = peft_model(config.base, config.lora, str(tiny_model_dir))
+        reset_lora(peft, seed=0)
+        save_adapter(peft, None, 0, tmp_path / "v0")
+
+    on_torch_thread(build_adapter)
+    downloads: list[str] = []
+
+    async def download(self, local_path: str, **_) -> str:
+        downloads.append(self.path)
+        await asyncio.to_thread(shutil.copytree, tmp_path / "v0", local_path)
+        return local_path
+
+    monkeypatch.setattr(Dir, "download", download)
+    monkeypatch.setattr(cache, "_engines", EngineCache(1))
+    # the replica's cache holds rollout_concurrency folders; 8 here, fewer than the calls in flight
+    assert rollout._adapter_dirs.capacity >= envs.settings.rollout_concurrency
+    monkeypatch.setattr(rollout, "_adapter_dirs", LocalDirCache(tmp_path / "replica-adapters", MAX_STALENESS + 2))
+    adapters = [AdapterRef(version=i, dir=Dir(path=f"s3://bucket/sweep/config-{i}/adapters/v1")) for i in range(10)]
+
+    async def calls():
+        return await asyncio.gather(*[
+            generate(config.base, config.engine, config.prompt, config.sampling, config.episode, Dir(path=str(tiny_model_dir)),
+                     adapter, Example(question=f"What is {i} + 1?", answer=str(i + 1)), i, 100 + i)
+            for i, adapter in enumerate(adapters)
+        ])  # fmt: skip
+
+    groups = asyncio.run(calls())
+    assert [g.adapter_version for g in groups] == list(range(10))
+    assert all(len(g.rollouts) == 2 for g in groups)
+    assert sorted(downloads) == sorted(a.dir.path for a in adapters)  # each downloaded once
+    # the calls done, the cache is back within its bound, on disk too
+    kept = rollout._adapter_dirs
+    assert len(kept.entries) <= kept.capacity
+    assert sum(1 for p in kept.root.iterdir() if p.is_dir()) == len(kept.entries)

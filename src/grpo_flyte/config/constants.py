@@ -17,7 +17,7 @@ UNSUPPORTED_FILE_TYPES = (".json", ".tsv", ".txt", ".xlsx", ".arrow", ".gz", ".z
 REWARD_TIMEOUT_S = 10.0  # the default of reward_timeout_s
 # Local data-parallel train processes at most (--train-processes).
 MAX_TRAIN_PROCESSES = 64
-# A pipelined run's generate replica holds up to MAX_STALENESS + 2 adapter folders (rollout._adapter_dirs).
+# A pipelined run's generate replica has up to MAX_STALENESS + 2 adapter versions in use (rollout._adapter_dirs).
 MAX_STALENESS = 6
 # The base models (model and dtype) a sweep may train at once: each is held on every replica that
 # serves it (a generate engine, a loaded base on the train side, a downloaded folder), so a

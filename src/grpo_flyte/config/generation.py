@@ -365,6 +365,13 @@ class EpisodeConfig(Part):
         return self.env != NO_ENV
 
 
+def context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:
+    """The longest sequence a request can reach, the generate engine's max_model_len:
+    max_prompt_tokens + max_new_tokens, or with a multi-turn environment max_prompt_tokens +
+    max_episode_tokens (the whole episode)."""
+    return prompt.max_prompt_tokens + (episode.max_episode_tokens if episode.multi_turn else sampling.max_new_tokens)
+
+
 class RewardConfig(Part):
     """Which rewards score a completion, and what a failing reward does."""
 

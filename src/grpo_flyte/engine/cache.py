@@ -22,7 +22,7 @@ from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.engine.interface import Generator
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.engine.vllm_generator import VLLMGenerator, adapter_rank, vllm_max_lora_rank
-from grpo_flyte.runtime.device import cuda_available
+from grpo_flyte.runtime.device import check_driver, cuda_available
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example
 
@@ -30,7 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_backend(backend: str) -> str:
-    """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend."""
+    """'auto' picks vLLM when it imports and a GPU is visible, else the transformers backend. An
+    explicit 'vllm' gets the same old-driver check (`check_driver`, which leaves CUDA untouched)."""
+    if backend == "vllm":
+        check_driver()
     if backend != "auto":
         return backend
     cuda = cuda_available()  # where a GPU was given, no usable CUDA is an error here

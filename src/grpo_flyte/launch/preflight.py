@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
+from grpo_flyte.config.generation import context_length
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
@@ -122,14 +123,22 @@ def _installed(module: str) -> bool:
 
 def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
     """What the config asks of the model, checked before any task starts: a usable folder (weights,
-    a tokenizer that loads), the LoRA target layers and, when the rows are known here, every
-    prompt's length in the model's tokens."""
-    from grpo_flyte.models.folders import check_model_folder, lora_target_problem
+    a tokenizer that loads), the LoRA target layers, a context (`context_length`: the prompt and a
+    completion, or a whole episode) within the model's window (`context_window`, as vLLM reads it;
+    the transformers engine would run past it) and, when the rows are known here, every prompt's
+    length in the model's tokens."""
+    from grpo_flyte.models.folders import check_model_folder, context_problem, lora_target_problem
 
     tokenizer = check_model_folder(model_dir, field="model")
     problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
     if problem:
         raise ConfigError(problem, field="lora_target_modules")
+    tokens = context_length(config.prompt, config.sampling, config.episode)
+    problem = context_problem(model_dir, tokens)
+    if problem:
+        what = "max_episode_tokens" if config.episode.multi_turn else "max_new_tokens"
+        parts = f"{given('max_prompt_tokens', config.prompt.max_prompt_tokens)} + {given(what, tokens - config.prompt.max_prompt_tokens)}"
+        raise ConfigError(f"{parts}: {problem}", field=None)
     if split is not None:
         check_prompt_lengths(config, tokenizer, [*split[0], *split[1]])
 

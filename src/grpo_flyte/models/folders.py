@@ -123,3 +123,70 @@ def shareable_base(model: str) -> str:
     if model == EMBEDDED_MODEL:
         return EMBEDDED_HUB_ID
     return model if is_repo_id(model) else str(Path(model).expanduser().resolve())
+
+
+# A model's position limit, by the config.json keys vLLM 0.32 reads (the smallest of those present;
+# model_max_length, where the config sets it, wins), as vllm.config.model._get_and_verify_max_len.
+_WINDOW_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+# RoPE types whose max_position_embeddings is already the stretched window: vLLM does not apply
+# their `factor` to it again. Any other type with a factor (linear, dynamic) multiplies it.
+_PRESCALED_ROPE = {"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"}
+
+
+def _rope_parameters(config: dict) -> list[dict]:
+    """The config's RoPE settings (`rope_parameters`, or the older `rope_scaling`), one per layer
+    type where they are nested."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if not isinstance(rope, dict) or not rope:
+        return []
+    nested = [p for p in rope.values() if isinstance(p, dict) and p]
+    return nested if nested and all(isinstance(v, dict) for v in rope.values()) else [rope]
+
+
+def context_window(model_dir: Path) -> tuple[int, str] | None:
+    """The longest sequence the model in `model_dir` takes, read from its config.json and
+    tokenizer_config.json as vLLM 0.32 derives it (and refuses a longer max_model_len), and where it
+    comes from; None when the config names no limit.
+
+    window = min(the config's position keys (`_WINDOW_KEYS`), the tokenizer's model_max_length)
+    x factor, where the config sets a RoPE scaling whose type stretches it (linear, dynamic)."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config") or config
+    found = {key: config[key] for key in _WINDOW_KEYS if isinstance(config.get(key), int) and config[key] > 0}
+    if not found:
+        return None
+    key = "model_max_length" if "model_max_length" in found else min(found, key=found.__getitem__)
+    window, source = found[key], f"{key} in its config.json"
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    limit = json.loads(tokenizer_config.read_text()).get("model_max_length") if tokenizer_config.is_file() else None
+    if isinstance(limit, int) and limit < window:
+        window, source = limit, "model_max_length in its tokenizer_config.json"
+    factor = 1.0
+    if "gemma3" not in str(config.get("model_type", "")):
+        for rope in _rope_parameters(config):
+            if rope.get("rope_type", rope.get("type")) not in _PRESCALED_ROPE:
+                factor = rope.get("factor") or factor
+    if factor != 1.0:
+        window, source = int(window * factor), f"{source}, x{factor:g} by its RoPE scaling"
+    return window, source
+
+
+def context_problem(model_dir: Path, tokens: int) -> str | None:
+    """Why a context of `tokens` tokens does not fit the model in `model_dir` (`context_window`),
+    or None. A config.json that sets model_max_length at least `tokens` passes, as vLLM lets it."""
+    import json
+
+    window = context_window(model_dir)
+    if window is None or tokens <= window[0]:
+        return None
+    config = json.loads((model_dir / "config.json").read_text())
+    stated = (config.get("text_config") or config).get("model_max_length")
+    if isinstance(stated, int) and tokens <= stated:
+        return None
+    return (
+        f"{tokens} tokens; expected at most the model's window, {window[0]} tokens ({window[1]}): a shorter context, or, for a "
+        "model whose window can be stretched, its RoPE scaling set in its config.json (docs/configuration.md#context-longer-than-the-model)"
+    )

@@ -6,6 +6,7 @@ means here.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from grpo_flyte.errors import DeviceError
@@ -46,6 +47,28 @@ REQUIRE_CUDA_ENV = "GRPO_FLYTE_REQUIRE_CUDA"
 
 # torch 2.13's CUDA wheels are built for CUDA 13, which needs this NVIDIA driver or newer.
 CUDA_DRIVER_NEEDED = "580"
+# The loaded NVIDIA kernel module's version, as the driver reports it ("... Kernel Module  580.65.06 ...").
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
+
+
+def _driver_version() -> str:
+    """This node's NVIDIA driver version (NVIDIA_DRIVER_FILE), or 'none found'."""
+    if not NVIDIA_DRIVER_FILE.is_file():
+        return "none found"
+    # "Kernel Module  535.104.05" or, for the open module, "Open Kernel Module for x86_64  580.65.06"
+    found = re.search(r"Kernel Module.*?\s(\d+(?:\.\d+)+)\s", NVIDIA_DRIVER_FILE.read_text())
+    return found.group(1) if found else "unreadable"
+
+
+def _no_cuda_error(found: str) -> DeviceError:
+    import torch
+
+    return DeviceError(
+        f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} "
+        f"{'is built for CUDA ' + torch.version.cuda if torch.version.cuda else 'has no CUDA (a CPU build)'}; the image's "
+        f"CUDA 13 needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); run the GPU pools on "
+        f"nodes with driver >= {CUDA_DRIVER_NEEDED}"
+    )
 
 
 def cuda_available() -> bool:
@@ -56,15 +79,21 @@ def cuda_available() -> bool:
     if torch.cuda.is_available():
         return True
     if os.environ.get(REQUIRE_CUDA_ENV) == "1":
-        driver = Path("/proc/driver/nvidia/version")
-        found = driver.read_text().split("Kernel Module", 1)[-1].split()[0] if driver.is_file() else "none found"
-        raise DeviceError(
-            f"this task was given a GPU ({REQUIRE_CUDA_ENV}=1) but CUDA is not usable: torch {torch.__version__} "
-            f"{'is built for CUDA ' + torch.version.cuda if torch.version.cuda else 'has no CUDA (a CPU build)'}; the image's "
-            f"CUDA 13 needs NVIDIA driver >= {CUDA_DRIVER_NEEDED} (this node's driver: {found}); run the GPU pools on "
-            f"nodes with driver >= {CUDA_DRIVER_NEEDED}"
-        )
+        raise _no_cuda_error(_driver_version())
     return False
+
+
+def check_driver() -> None:
+    """DeviceError where a GPU is required (REQUIRE_CUDA_ENV) but this node has no NVIDIA driver or
+    one older than CUDA_DRIVER_NEEDED: `cuda_available`'s check, read from the driver's file without
+    touching CUDA. For the vLLM backend: a CUDA call in this process before vLLM starts would make
+    vLLM's forked engine process fail ("Cannot re-initialize CUDA in forked subprocess")."""
+    if os.environ.get(REQUIRE_CUDA_ENV) != "1":
+        return
+    found = _driver_version()
+    major = found.split(".")[0]
+    if not major.isdigit() or int(major) < int(CUDA_DRIVER_NEEDED):
+        raise _no_cuda_error(found)
 
 
 def best_device() -> str:

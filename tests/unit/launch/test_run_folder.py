@@ -520,6 +520,49 @@ def test_bad_input_inside_the_driver_is_not_retried(tmp_path, tiny_model_dir, mo
     assert "could not be read (offline)" in caplog.text
 
 
+def test_a_programming_error_in_the_driver_is_attempted_once(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A wrong attribute in the driver's code fails every attempt alike: one attempt (it ran the
+    whole loop 3 times), and one line naming the task and the cause."""
+    from grpo_flyte import driver
+
+    attempts = []
+
+    def wrong_attribute(config, examples):
+        attempts.append(1)
+        return config.prompts_per_iteration  # RunConfig has prompts_per_iter
+
+    monkeypatch.setattr(driver, "train_eval_split", wrong_attribute)
+    monkeypatch.setattr("grpo_flyte.launch.local_run.data_fingerprint", lambda config, examples: {"sha256": "x"})
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
+    assert attempts == [1]
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run failed: ")]
+    assert line == "run failed: train_rl: AttributeError: 'RunConfig' object has no attribute 'prompts_per_iteration'"
+
+
+def test_an_engine_that_refuses_its_settings_is_built_once(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A ValueError from the engine's build (vLLM refusing a setting) fails the same way on every
+    attempt of generate and of the driver: built once (it was 3 generate attempts x 3 driver
+    attempts, 9 builds), and the run's last line names the task and the cause."""
+    from grpo_flyte.engine import cache
+    from grpo_flyte.engine.cache import EngineCache, EngineKey
+
+    builds = []
+    monkeypatch.setattr(cache, "_engines", EngineCache(cache._engines.capacity))  # a fresh replica: no engine yet
+
+    def refused(self):
+        builds.append(self.backend)
+        raise ValueError("max_model_len (4096) is greater than the derived max_model_len (2048)")
+
+    monkeypatch.setattr(EngineKey, "build", refused)
+    with caplog.at_level("ERROR", logger="grpo_flyte"):
+        assert cli_main(_args(tiny_model_dir, tmp_path / "run", 2)) == 1
+    assert builds == ["hf"]
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run failed: ")]
+    # the held-out evaluation before iteration 1 (generate_eval) builds the engine first
+    assert line == "run failed: generate_eval: ValueError: max_model_len (4096) is greater than the derived max_model_len (2048)"
+
+
 # --------------------------------------------------------------------------- remote resume (--resume-run)
 
 

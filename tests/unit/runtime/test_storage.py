@@ -70,6 +70,29 @@ def test_remote_dirs_are_downloaded_once_and_evicted(tmp_path):
     assert list(cache.entries) == ["s3://b/a", "s3://b/c"]
 
 
+def test_a_folder_in_use_is_never_evicted(tmp_path):
+    """Capacity 2, three folders held at once: all three stay until their calls end; then the
+    least recently used idle one goes, and a folder asked for again while held is not downloaded again."""
+    FakeRemoteDir.downloads = []
+    cache = LocalDirCache(tmp_path / "cache", capacity=2)
+
+    async def scenario():
+        async with cache.use(FakeRemoteDir("s3://b/a")) as a, cache.use(FakeRemoteDir("s3://b/b")) as b:
+            async with cache.use(FakeRemoteDir("s3://b/c")) as c:
+                held = [Path(p).exists() for p in (a, b, c)]
+                async with cache.use(FakeRemoteDir("s3://b/a")) as a_again:
+                    assert a_again == a
+            after_c = sorted(cache.entries)
+        return a, b, c, held, after_c
+
+    a, b, c, held, after_c = asyncio.run(scenario())
+    assert held == [True, True, True]
+    assert after_c == ["s3://b/a", "s3://b/b"]  # c, released first while a and b were held, went
+    assert FakeRemoteDir.downloads == ["s3://b/a", "s3://b/b", "s3://b/c"]
+    assert not Path(c).exists() and Path(a).exists() and Path(b).exists()
+    assert cache.holders == {}
+
+
 # --------------------------------------------------------------------------- NodeDirCache
 
 
