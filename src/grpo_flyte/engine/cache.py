@@ -22,6 +22,7 @@ from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.engine.interface import Generator
 from grpo_flyte.engine.prompts import tokenize_prompt
 from grpo_flyte.engine.vllm_generator import VLLMGenerator, adapter_rank, vllm_max_lora_rank
+from grpo_flyte.runtime.closing_lru import ClosingLRU
 from grpo_flyte.runtime.device import check_driver, cuda_available
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example
@@ -64,43 +65,30 @@ class EngineKey:
         return HFGenerator(self.model_path, self.dtype, self.max_adapters)
 
 
-class EngineCache:
+class EngineCache(ClosingLRU[EngineKey, Generator]):
     """A replica's engines, one per key, built on first use; the least recently used is freed
     (before the new one is built) past `capacity` engines, or where a new vLLM engine's share of
     the GPU would take the vLLM engines held past `VLLM_MEMORY_BUDGET`. A run uses one key; a sweep
     over base models one per base, which `config.grid` keeps within both bounds, so that calls that
     interleave the bases never rebuild an engine.
-
-    Hand-written rather than `functools.lru_cache`: that evicts after building the new entry, and
-    two vLLM engines cannot be on one GPU at once. Used only on the torch thread, which serializes
-    every use; warm state is a cache: any engine built from the same key produces the same rollouts.
+    Two vLLM engines cannot be on one GPU at once: `ClosingLRU` frees before it builds.
     """
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.engines: OrderedDict[EngineKey, Generator] = OrderedDict()
+    @property
+    def engines(self) -> OrderedDict[EngineKey, Generator]:
+        return self.held
 
-    def get(self, key: EngineKey) -> Generator:
-        if key in self.engines:
-            self.engines.move_to_end(key)
-            return self.engines[key]
-        while self.engines and not self._fits(key):
-            old_key, old = self.engines.popitem(last=False)
-            logger.info("freeing the %s generator for %s, least recently used, for %s", old_key.backend, old_key.model_path, key.model_path)
-            old.close()
-        self.engines[key] = engine = key.build()
-        return engine
+    def get(self, key: EngineKey) -> Generator:  # type: ignore[override]
+        return super().get(key, key.build)
 
-    def _fits(self, key: EngineKey) -> bool:
-        if len(self.engines) >= self.capacity:
+    def fits(self, key: EngineKey) -> bool:
+        if len(self.held) >= self.capacity:
             return False
-        reserved = sum(k.memory_fraction for k in self.engines if k.backend == "vllm")
+        reserved = sum(k.memory_fraction for k in self.held if k.backend == "vllm")
         return key.backend != "vllm" or reserved + key.memory_fraction <= VLLM_MEMORY_BUDGET
 
-    def clear(self) -> None:
-        while self.engines:
-            _, engine = self.engines.popitem(last=False)
-            engine.close()
+    def describe(self, key: EngineKey) -> str:
+        return f"the {key.backend} generator for {key.model_path}"
 
 
 _engines = EngineCache(MAX_BASES)

@@ -80,7 +80,7 @@ def iteration_metrics(
         is_clipped_fraction=stats.is_clipped_fraction,
         entropy=stats.entropy,
         # the options' metrics only where the option is on: other runs' rows stay as they were
-        entropy_coef=stats.entropy_coef if config.train.entropy_coef or config.train.use_adaptive_entropy else None,
+        entropy_coef=stats.entropy_coef if config.train.entropy_bonus else None,
         off_policy_masked_fraction=stats.off_policy_masked_fraction if config.train.off_policy_mask_threshold is not None else None,
         vespo_phi_mean=stats.vespo_phi_mean,
         grad_norm=stats.grad_norm,

@@ -23,9 +23,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from grpo_flyte.config.constants import MAX_REWARD_MODELS
+from grpo_flyte.runtime.closing_lru import ClosingLRU
 from grpo_flyte.runtime.device import load_device, torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -193,29 +193,21 @@ def _chunks(rows: list[list[int]], budget: int) -> list[list[list[int]]]:
     return chunks
 
 
-class RewardModelCache:
+class RewardModelCache(ClosingLRU[RewardModelKey, "RewardModel"]):
     """A process's loaded reward models, one per key, loaded on first use; past `capacity` the
     least recently used is freed before the next loads (a run names at most MAX_REWARD_MODELS,
-    which the config checks, so a run never reloads one). Used only on the torch thread, which
-    serializes every use: a local run's callers share one copy, as a replica's concurrent calls do."""
+    which the config checks, so a run never reloads one). A local run's callers share one copy, as
+    a replica's concurrent calls do."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.models: OrderedDict[RewardModelKey, RewardModel] = OrderedDict()
+    @property
+    def models(self) -> OrderedDict[RewardModelKey, RewardModel]:
+        return self.held
 
-    def get(self, key: RewardModelKey) -> RewardModel:
-        if key in self.models:
-            self.models.move_to_end(key)
-            return self.models[key]
-        while len(self.models) >= self.capacity:
-            old_key, old = self.models.popitem(last=False)
-            logger.info("freeing the reward model %s, least recently used, for %s", old_key.model_path, key.model_path)
-            old.close()
-        self.models[key] = model = RewardModel(key)
-        return model
+    def get(self, key: RewardModelKey) -> RewardModel:  # type: ignore[override]
+        return super().get(key, lambda: RewardModel(key))
 
-    def state(self) -> dict[str, Any]:
-        return {"loaded": [k.model_path for k in self.models], "capacity": self.capacity}
+    def describe(self, key: RewardModelKey) -> str:
+        return f"the reward model {key.model_path}"
 
 
 _models = RewardModelCache(MAX_REWARD_MODELS)
