@@ -4,7 +4,8 @@ one `RunConfig` per combination (or per entry of a list), each named by what it 
 Everything is checked here, before any task starts: an unknown key, a value its option refuses, a
 key also given as a flag, two configs with one name, and a key whose values would keep the configs
 from sharing the warm pools they share (one generate engine and one loaded base on the train side
-per base model). Each error is one line naming `--sweep`, the key and the value.
+per base model, one judge engine), or, on vLLM, give a shared engine two context lengths
+(`_check_contexts`). Each error is one line naming `--sweep`, the key and the value.
 
 The base model (`model`, `dtype`) may vary: each base gets its own engine and loaded base on every
 replica, which hold `MAX_BASES` at most; on vLLM the bases' engines share a replica's GPU, so their
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_REWARD_MODELS, VLLM_MEMORY_BUDGET
 from grpo_flyte.config.errors import make_config
+from grpo_flyte.config.generation import context_length
 from grpo_flyte.config.run import RunConfig, leaf_index
 from grpo_flyte.config.trl_names import TRL_ALIASES
 from grpo_flyte.errors import ConfigError, flag
@@ -51,8 +53,12 @@ POOL_KEYS = {
 }
 # Keys that choose the base model: each value its own engine and loaded base per replica.
 BASE_KEYS = ("model", "dtype")
-# Keys that set the vLLM engine's context length (max_model_len): shared on transformers only.
-CONTEXT_KEYS = ("max_prompt_tokens", "max_new_tokens", "max_episode_tokens")
+# Keys that set a vLLM engine's context length (max_model_len): the generate engine's
+# (`generation.context_length`) and the judge's. A replica keeps one generate engine per base and
+# the judge's pool one engine, so configs of different lengths would rebuild it at every switch
+# between them: refused on vLLM (`_check_contexts`); transformers engines do not depend on it.
+CONTEXT_KEYS = ("max_prompt_tokens", "max_new_tokens", "max_episode_tokens", "env")
+JUDGE_CONTEXT_KEYS = ("judge_context_tokens",)
 MAX_CONFIGS = 256
 
 
@@ -175,12 +181,6 @@ def _check_shares_pools(name: str, values: list[Any], configs: list[RunConfig], 
             "expected keys that leave it alone (learning_rate, seed, rewards, model, ...): one sweep per value of it",
             field="sweep",
         )
-    if name in CONTEXT_KEYS and _may_use_vllm(configs[0], local):
-        raise ConfigError(
-            f"{name}={_shown(values)}: changes the vLLM engine's context length, which every config of a sweep shares; "
-            "expected --backend hf to sweep it",
-            field="sweep",
-        )
 
 
 def _check_bases(members: list[SweepMember], local: bool) -> None:
@@ -205,6 +205,41 @@ def _check_bases(members: list[SweepMember], local: bool) -> None:
             f"--vllm-memory-fraction at most {VLLM_MEMORY_BUDGET / len(bases):.2f} to sweep them (or --backend hf)",
             field="sweep",
         )
+
+
+def _check_contexts(members: list[SweepMember], local: bool) -> None:
+    """On vLLM, the configs of a base model share its generate engine, whose max_model_len is
+    `context_length` (prompt + completion, or prompt + episode), and the judged configs the judge's
+    engine (max_model_len judge_context_tokens): refused when either would take more than one
+    length. (An engine per length would need its own share of the GPU, as a second base does,
+    shrinking every config's KV cache: one sweep per value keeps each at the full share.)"""
+    if not _may_use_vllm(members[0].config, local):
+        return
+    generate = {}
+    for m in members:
+        generate.setdefault((m.config.base.model, m.config.base.dtype), []).append(m)
+    for group in generate.values():
+        lengths = {context_length(m.config.prompt, m.config.sampling, m.config.episode) for m in group}
+        _one_length(group, lengths, CONTEXT_KEYS, "the vLLM engine's", "the configs of a base model")
+    judged = [m for m in members if m.config.judging]
+    lengths = {m.config.judge.judge_context_tokens for m in judged}
+    _one_length(judged, lengths, JUDGE_CONTEXT_KEYS, "the judge's vLLM engine", "the configs of a sweep")
+
+
+def _one_length(group: list[SweepMember], lengths: set[int], keys: tuple[str, ...], engine: str, sharing: str) -> None:
+    """A one-line error naming the swept keys (`keys` among them, else all) when the `group` of
+    configs sharing an engine would give it more than one of `lengths`."""
+    if len(lengths) < 2:
+        return
+    flat = [m.config.flat() for m in group]
+    swept = [k for k in dict.fromkeys(k for m in group for k in m.overrides) if len({repr(f[k]) for f in flat}) > 1]
+    named = [k for k in swept if k in keys] or swept
+    what = " ".join(f"{k}={_shown(list({repr(f[k]): f[k] for f in flat}.values()))}" for k in named)
+    raise ConfigError(
+        f"{what}: changes {engine} context length (max_model_len {', '.join(map(str, sorted(lengths)))}), which {sharing} share: "
+        "it would be rebuilt at every switch between them; expected one sweep per value, or --backend hf to sweep it",
+        field="sweep",
+    )
 
 
 def _check_reward_models(members: list[SweepMember]) -> None:
@@ -253,6 +288,7 @@ def expand_sweep(
         flat = config.flat()
         members.append(SweepMember(name=name, overrides={key: flat[key] for key in entry}, config=config))
     _check_bases(members, local)
+    _check_contexts(members, local)
     _check_reward_models(members)
     names = [m.name for m in members]
     if len(set(names)) < len(names):

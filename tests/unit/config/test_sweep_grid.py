@@ -70,6 +70,39 @@ def test_a_key_that_would_split_the_vllm_engine_is_refused_unless_on_transformer
     assert len(expand_sweep({}, sweep_grid(["model=a", "seed=1,2"]))) == 2
 
 
+def test_keys_that_change_an_engines_context_are_refused_on_vllm_naming_the_key_and_what_to_do():
+    """The generate engine's max_model_len is max_prompt_tokens + max_new_tokens, or with a multi-turn
+    environment max_prompt_tokens + max_episode_tokens: `env` between 'none' and an environment
+    changes it (512 + 64 = 576 against 512 + 384 = 896), and judge_context_tokens is the judge
+    engine's. A replica keeps one engine per base (the judge's pool one), so each switch between
+    such configs would rebuild it: refused in one line, unless on transformers (no max_model_len)."""
+    with pytest.raises(ConfigError) as err:
+        expand_sweep({}, sweep_grid(["env=none,calculator"]), local=False)  # auto is vLLM on a GPU pod
+    assert user_message(err.value) == (
+        "--sweep env=none,calculator: changes the vLLM engine's context length (max_model_len 576, 896), which the configs of a "
+        "base model share: it would be rebuilt at every switch between them; expected one sweep per value, or --backend hf to sweep it"
+    )
+    judged = {"rewards": {"correct": 1.0, "judge": 1.0}, "judge_model": "embedded"}
+    with pytest.raises(ConfigError) as err:
+        expand_sweep(judged, sweep_grid(["judge_context_tokens=2048,4096"]), local=False)
+    assert user_message(err.value) == (
+        "--sweep judge_context_tokens=2048,4096: changes the judge's vLLM engine context length (max_model_len 2048, 4096), which "
+        "the configs of a sweep share: it would be rebuilt at every switch between them; expected one sweep per value, or "
+        "--backend hf to sweep it"
+    )
+    # on transformers neither engine depends on it; nor does a key that leaves the context as it is
+    assert len(expand_sweep({"backend": "hf"}, sweep_grid(["env=none,calculator"]), local=False)) == 2
+    assert len(expand_sweep({**judged, "backend": "hf"}, sweep_grid(["judge_context_tokens=2048,4096"]), local=False)) == 2
+    assert len(expand_sweep({}, sweep_grid(["env=calculator,guess"]), local=False)) == 2  # both 512 + 384
+    assert len(expand_sweep({}, sweep_grid(["judge_context_tokens=2048,4096"]), local=False)) == 2  # no judge
+    # a list whose entries change it with keys that each take one value: refused all the same
+    with pytest.raises(ConfigError) as err:
+        expand_sweep({"backend": "vllm"}, sweep_grid([], [{"max_new_tokens": 32}, {"seed": 1}]))
+    assert user_message(err.value).startswith(
+        "--sweep max_new_tokens=32,64: changes the vLLM engine's context length (max_model_len 544, 576)"
+    )
+
+
 def test_a_sweep_over_base_models_gives_each_config_its_base():
     members = expand_sweep({"backend": "hf"}, sweep_grid(["model=a,b", "seed=0,1"]), local=False)
     assert [(m.name, m.config.base.model, m.config.seed) for m in members] == [
