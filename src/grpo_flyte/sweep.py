@@ -5,7 +5,9 @@ sweep over base models: each base its own engine and loaded base on those replic
 folder among the task's `base_models`).
 
 Each config is a whole run: its own adapter lineage, checkpoint, metrics, held-out evaluations
-and report (its `train_rl` action's). A failing config ends alone: the others go on, and the
+and report (its `train_rl` action's), and with W&B its own W&B run in the sweep's group: the
+submitter's W&B id names the group, and each config's `train_rl` is submitted with a custom context
+naming its run (`WandbRun.for_config`) and a link to it. A failing config ends alone: the others go on, and the
 parent's report (the comparison, `grpo_flyte.reporting.sweep_report`) says which failed and why.
 
 In Flyte local mode every task of a run shares one raw data folder and one checkpoint, so a local
@@ -26,6 +28,7 @@ from grpo_flyte.driver import train_rl
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
 from grpo_flyte.reporting.sweep_report import ConfigOutcome, render_sweep_fragment
+from grpo_flyte.reporting.tracking import WandbRun
 from grpo_flyte.runtime.storage import is_remote
 from grpo_flyte.types import Example, RunResult
 
@@ -74,9 +77,14 @@ async def train_sweep(
                 "expected a cluster run, or a local sweep: python -m grpo_flyte --local --sweep ... (grpo_flyte.launch.sweep_folder)"
             )
 
+    chosen = WandbRun.from_context(ctx.custom_context if ctx else None)
+
     async def one(member: SweepMember) -> RunResult:
-        with flyte.group(member.name):
-            return await train_rl(
+        # the config's own W&B run (its context and its task's link), else the task as declared
+        run = chosen.for_config(member.name) if chosen else None
+        task = train_rl.override(links=(WandbRun.link(),)) if run else train_rl
+        with flyte.group(member.name), flyte.custom_context(**(run.context() if run else {})):
+            return await task(
                 member.config, base_models[member.config.base.model], examples, None, examples_file, judge_model, reward_models
             )
 

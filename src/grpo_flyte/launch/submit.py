@@ -194,26 +194,31 @@ def _connect(custom_context: dict[str, str] | None = None, env_vars: dict[str, s
     return flyte.with_runcontext(**run_context_options(custom_context, env_vars))
 
 
-def wandb_submission(project: str | None) -> tuple[dict[str, str], tuple[Any, ...]]:
+def wandb_submission(project: str | None, sweep: bool = False) -> tuple[dict[str, str], tuple[Any, ...]]:
     """For W&B on a cluster (--wandb-project, or --report-to wandb): the run context naming a new W&B run, and the W&B link
-    (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B.
+    (flyteplugins-wandb) for the driver task's page in the Flyte UI; ({}, ()) without W&B. A `sweep`'s id names the W&B
+    group its configs' runs go to (each config's own run: `sweep.train_sweep`), and its link opens the group.
 
     The run is chosen here, before submitting, because the link is made when the task is
     submitted; the driver then logs to the run the context names. The link needs the W&B entity
     (user or team), from WANDB_ENTITY; wandb itself picks the key's default entity without it,
     which the link cannot know."""
-    from grpo_flyte.reporting.tracking import WandbRun, new_run_id
+    from grpo_flyte.reporting.tracking import WandbGroupLink, WandbRun, new_run_id
 
     if not project:
         return {}, ()
-    chosen = WandbRun(project=project, id=new_run_id(), entity=os.environ.get("WANDB_ENTITY") or None)
+    run_id = new_run_id()
+    chosen = WandbRun(project=project, id=run_id, entity=os.environ.get("WANDB_ENTITY") or None, group=run_id if sweep else None)
+    what = "group" if sweep else "run"
     if chosen.entity is None:
         logger.warning(
-            "W&B: set WANDB_ENTITY (your W&B user or team) for the Flyte UI's W&B link to open run %s; without it, it opens wandb.ai",
+            "W&B: set WANDB_ENTITY (your W&B user or team) for the Flyte UI's W&B link to open %s %s; without it, it opens wandb.ai",
+            what,
             chosen.id,
         )
-    logger.info("W&B run %s in project %s, linked from the driver task in the Flyte UI", chosen.id, project)
-    return chosen.context(), (WandbRun.link(),)
+    where = "the sweep task (a run per config, each linked from its driver task)" if sweep else "the driver task"
+    logger.info("W&B %s %s in project %s, linked from %s in the Flyte UI", what, chosen.id, project, where)
+    return chosen.context(), (WandbGroupLink() if sweep else WandbRun.link(),)
 
 
 def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int:
@@ -235,7 +240,7 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     for c in configs:
         check_submission(c)
     wandb = "wandb" in config.trackers
-    context, links = wandb_submission(wandb_project_of(config.wandb_project, config.tracking_project) if wandb else None)
+    context, links = wandb_submission(wandb_project_of(config.wandb_project, config.tracking_project) if wandb else None, bool(sweep))
     runner = _connect(context, {name: value for c in configs for name, value in tracking_env(c).items()})
     for c, (_, c_split) in zip(configs, checked, strict=True):
         if not is_repo_id(c.base.model):  # a Hub model is checked where it is fetched, by the trainer

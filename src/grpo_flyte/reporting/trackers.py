@@ -54,13 +54,17 @@ _MLFLOW_PARAMS, _MLFLOW_METRICS, _MLFLOW_VALUE_CHARS = 100, 1000, 6000
 
 class WandbTracker:
     """A W&B run. WANDB_MODE, WANDB_ENTITY and WANDB_API_KEY are read by wandb itself;
-    WANDB_MODE=offline writes the run under WANDB_DIR (a local run's folder) for `wandb sync`."""
+    WANDB_MODE=offline writes the run under WANDB_DIR (a local run's folder) for `wandb sync`.
+    A cluster sweep's config names its run and groups it under the sweep (`name`, `group`)."""
 
-    def __init__(self, project: str, run_id: str, config: dict[str, Any], entity: str | None):
+    def __init__(
+        self, project: str, run_id: str, config: dict[str, Any], entity: str | None, name: str | None = None, group: str | None = None
+    ):
         import wandb
 
-        # entity None: WANDB_ENTITY, else the key's default entity (wandb's own choice)
-        self._run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", config=config)
+        # entity None: WANDB_ENTITY, else the key's default entity; name and group None: wandb's own (a
+        # generated name, no group)
+        self._run = wandb.init(project=project, entity=entity, id=run_id, resume="allow", config=config, name=name, group=group)
         logger.info("logging metrics to W&B project %s, run %s", project, run_id)
 
     def log(self, step: int, values: dict[str, float], tables: dict[str, Table]) -> None:
@@ -192,8 +196,9 @@ def open_tracker(name: str, config: RunConfig, run_id: str, folder: Path | None,
     params = json.loads(json.dumps(config.flat(), default=str))  # plain JSON values: tuples, paths
     try:
         if name == "wandb":
-            project = chosen.project if chosen else wandb_project_of(config.wandb_project, config.tracking_project)
-            return WandbTracker(project, run_id, params, chosen.entity if chosen else None)
+            if chosen is None:
+                return WandbTracker(wandb_project_of(config.wandb_project, config.tracking_project), run_id, params, None)
+            return WandbTracker(chosen.project, run_id, params, chosen.entity, chosen.name, chosen.group)
         if name == "trackio":
             return TrackioTracker(config.tracking_project, run_id, params)
         if name == "mlflow":

@@ -9,11 +9,14 @@ TRACKIO_*, MLFLOW_*) configure it; on a cluster, give the driver W&B's key as a 
 
 On a cluster the CLI chooses the W&B run before it submits (`WandbRun`): the run's custom context
 names it the way flyteplugins-wandb does, so the plugin's link on the driver task opens it from the
-Flyte UI, and the driver logs to it.
+Flyte UI, and the driver logs to it. A sweep's id names its W&B group instead: each config's
+train_rl is submitted with a run of its own in that group (`WandbRun.for_config`), and the sweep
+task's link opens the group (`WandbGroupLink`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import uuid
@@ -45,17 +48,28 @@ class WandbRun:
     flyteplugins-wandb's keys (`wandb_config`): the plugin's `Wandb` link reads them when the task
     is submitted, so the link exists before the driver's pod does, and the driver reads them to
     log to that run. Its entity is the W&B user or team the link needs (the link opens the W&B
-    front page without one)."""
+    front page without one). A sweep's configs each have one (`for_config`), named for the config
+    and grouped under the sweep (W&B's `group`)."""
 
     project: str
     id: str
     entity: str | None = None
+    group: str | None = None
+    name: str | None = None
 
     def context(self) -> dict[str, str]:
         """The custom context of a run logging to this W&B run (needs flyteplugins-wandb)."""
         from flyteplugins.wandb import wandb_config
 
-        return dict(wandb_config(project=self.project, entity=self.entity, id=self.id))
+        return dict(wandb_config(project=self.project, entity=self.entity, id=self.id, group=self.group, name=self.name))
+
+    def for_config(self, name: str) -> WandbRun:
+        """The W&B run of the sweep config `name`, when this is the sweep's: in the group of the
+        sweep's id, named `name`, with the id `<sweep id>-<first 12 hex digits of sha256(name)>`,
+        the same for every attempt of the config (a retried or recovered sweep reattaches each
+        config to its own run) and within W&B's id characters (a config's name may hold '=', '/')."""
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        return WandbRun(project=self.project, id=f"{self.id}-{digest}", entity=self.entity, group=self.group or self.id, name=name)
 
     @staticmethod
     def link() -> Any:
@@ -72,7 +86,30 @@ class WandbRun:
         context = context or {}
         if not context.get("wandb_project") or not context.get("wandb_id"):
             return None
-        return cls(project=context["wandb_project"], id=context["wandb_id"], entity=context.get("wandb_entity") or None)
+        return cls(
+            project=context["wandb_project"],
+            id=context["wandb_id"],
+            entity=context.get("wandb_entity") or None,
+            group=context.get("wandb_group") or None,
+            name=context.get("wandb_name") or None,
+        )
+
+
+@dataclass(frozen=True)
+class WandbGroupLink:
+    """A Flyte UI link (flyte's `Link` protocol) to the W&B group a sweep's configs log to:
+    `https://wandb.ai/<entity>/<project>/groups/<group>`, from the task's custom context (the
+    group the submitter chose, `WandbRun`); W&B's front page without a project or an entity."""
+
+    name: str = "Weights & Biases (the sweep's runs)"
+    icon_uri: str = ""
+    host: str = "https://wandb.ai"
+
+    def get_link(self, context: Mapping[str, str] | None = None, **_: Any) -> str:
+        chosen = WandbRun.from_context(context)
+        if chosen is None or chosen.entity is None:
+            return self.host
+        return f"{self.host}/{chosen.entity}/{chosen.project}/groups/{chosen.group or chosen.id}"
 
 
 @dataclass(frozen=True)

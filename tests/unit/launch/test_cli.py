@@ -884,7 +884,7 @@ class DryRun:
 submit._connect = lambda custom_context=None, env_vars=None: DryRun(custom_context)
 submit.resolve_remote_model = lambda model: Dir(path="s3://bucket/model")
 common = ["--model", sys.argv[2], "--iterations", "1", "--eval-size", "2"]
-for argv in ([*common, "--wandb-project", "grpo-test"], common):
+for argv in ([*common, "--wandb-project", "grpo-test"], common, [*common, "--wandb-project", "grpo-test", "--sweep", "seed=0,1"]):
     assert cli.main(argv) == 0
     tt = submitted[-1].task_spec.task_template
     args = list(tt.container.args)
@@ -905,7 +905,7 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
     env = {**os.environ, "WANDB_ENTITY": "my-team", "GRPO_FLYTE_WANDB_SECRET": "wandb-api-key"}
     out = warm_python.run(["-c", _WANDB_DRY_RUN, src, tiny_model_dir], timeout=180, cwd=tmp_path, env=env, cli=True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    with_wandb, without = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+    with_wandb, without, swept = (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
     context = with_wandb["context"]
     run_id = context["wandb_id"]
     assert (context["wandb_project"], context["wandb_entity"], len(run_id)) == ("grpo-test", "my-team", 12)
@@ -914,6 +914,12 @@ def test_a_cluster_run_with_wandb_links_the_driver_to_the_run_it_logs_to(tmp_pat
     assert with_wandb["retries"] == without["retries"] == 2
     assert f"W&B run {run_id} in project grpo-test" in out.stderr
     assert without["links"] == [] and not any(key.startswith("wandb") for key in without["context"])
+    # a sweep: its id names the W&B group of its configs' runs (each config's own: tests/unit/test_sweep.py),
+    # and the sweep task's link opens the group
+    group = swept["context"]["wandb_group"]
+    assert swept["task"] == ["grpo_flyte.sweep", "train_sweep"] and swept["context"]["wandb_id"] == group and len(group) == 12
+    assert swept["links"] == [["Weights & Biases (the sweep's runs)", f"https://wandb.ai/my-team/grpo-test/groups/{group}"]]
+    assert f"W&B group {group} in project grpo-test" in out.stderr
 
 
 def test_a_cluster_run_with_wandb_needs_the_plugin_in_one_line(monkeypatch, capsys):

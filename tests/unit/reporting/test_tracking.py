@@ -71,6 +71,32 @@ def test_the_driver_logs_to_the_run_its_context_names_and_a_resumed_loop_keeps_i
     assert len(init["id"]) == 12 and init["id"] not in ("chosen000001", "another00002") and init["entity"] is None
 
 
+def test_a_sweep_configs_run_is_named_and_grouped_in_wandb_and_its_id_is_its_own(monkeypatch):
+    """The driver of a sweep's config opens the W&B run its context names (`WandbRun.for_config`):
+    wandb.init gets its id, its name (the config's) and its group (the sweep's id); the sweep's
+    link opens the group. A lone run's has neither name nor group (wandb's own)."""
+    import wandb
+
+    from grpo_flyte.reporting.trackers import Trackers
+    from grpo_flyte.reporting.tracking import WandbGroupLink
+
+    fake = _FakeWandb()
+    monkeypatch.setattr(wandb, "init", fake.init)
+    config = RunConfig(wandb_project="grpo")
+    sweep = WandbRun(project="grpo", id="sweep0000001", entity="my-team", group="sweep0000001")
+    run = sweep.for_config("learning_rate=1e-4")
+    assert WandbRun.from_context(run.context()) == run
+    assert run.id == "sweep0000001-" + __import__("hashlib").sha256(b"learning_rate=1e-4").hexdigest()[:12]
+    Trackers(config, run.id, None, run).finish()
+    Trackers(config, "lone00000001", None, WandbRun(project="grpo", id="lone00000001")).finish()
+    assert [(i["id"], i["name"], i["group"], i["resume"]) for i in fake.inits] == [
+        (run.id, "learning_rate=1e-4", "sweep0000001", "allow"),
+        ("lone00000001", None, None, "allow"),
+    ]
+    assert WandbGroupLink().get_link(context=sweep.context(), **LINK_ARGS) == "https://wandb.ai/my-team/grpo/groups/sweep0000001"
+    assert WandbGroupLink().get_link(context=WandbRun(project="grpo", id="x").context(), **LINK_ARGS) == "https://wandb.ai"
+
+
 @pytest.mark.parametrize("module", ["wandb", "flyteplugins"])
 def test_importing_the_package_leaves_wandb_and_the_plugin_out(module):
     import subprocess
