@@ -14,7 +14,7 @@ from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
 from grpo_flyte.config.generation import context_length
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
-from grpo_flyte.errors import ConfigError, UserError, flag, given
+from grpo_flyte.errors import ConfigError, GrpoFlyteError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
 from grpo_flyte.reward_fns import resolve_reward, reward_model_ref
@@ -121,16 +121,18 @@ def _installed(module: str) -> bool:
         return False
 
 
-def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
-    """What the config asks of the model, checked before any task starts: a usable folder (weights,
-    a tokenizer that loads), the LoRA target layers, a context (`context_length`: the prompt and a
-    completion, or a whole episode) within the model's window (`context_window`, as vLLM reads it;
-    the transformers engine would run past it) and, when the rows are known here, every prompt's
-    length in the model's tokens."""
-    from grpo_flyte.models.folders import check_model_folder, context_problem, lora_target_problem
+def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Example], list[Example]] | None, weights: bool = True) -> None:
+    """What the config asks of the model, checked before any task starts: a usable folder (its
+    weights, where `weights` says it holds them: a Hub repo's check files do not, `model_to_check`;
+    a tokenizer that loads), the LoRA target layers, a context (`context_length`: the prompt and a completion,
+    or a whole episode) within the model's window (`context_window`, as vLLM reads it; the
+    transformers engine would run past it) and, when the rows are known here, every prompt's
+    length in the model's tokens. Errors name a Hub model by its id."""
+    from grpo_flyte.models.folders import check_model_folder, context_problem, is_repo_id, lora_target_problem
 
-    tokenizer = check_model_folder(model_dir, field="model")
-    problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules))
+    tokenizer = check_model_folder(model_dir, field="model", weights=weights)
+    shown = config.base.model if is_repo_id(config.base.model) else None
+    problem = lora_target_problem(model_dir, tuple(config.lora.lora_target_modules), shown)
     if problem:
         raise ConfigError(problem, field="lora_target_modules")
     tokens = context_length(config.prompt, config.sampling, config.episode)
@@ -143,7 +145,7 @@ def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Examp
         check_prompt_lengths(config, tokenizer, [*split[0], *split[1]])
 
 
-def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None, weights: bool = True) -> None:
     """What the config asks of the judge model, checked as the base model is: a usable folder, and
     a judge prompt (its instructions, the rubric and the longest training question; no question
     when the rows are not known here) that leaves room in judge_context_tokens for one whole
@@ -151,7 +153,7 @@ def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Examp
     from grpo_flyte.models.folders import check_model_folder
     from grpo_flyte.scoring.judging import completion_room, fixed_tokens, token_count
 
-    tokenizer = check_model_folder(judge_dir, field="judge_model")
+    tokenizer = check_model_folder(judge_dir, field="judge_model", weights=weights)
     questions = [e.question for e in split[0]] if split is not None else []  # the held-out evaluation is not judged
     lengths = [len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"]] if questions else [0]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -193,12 +195,40 @@ def reward_model_dirs(config: RunConfig, fetch: bool = True) -> dict[str, Path]:
     return dirs
 
 
+def model_to_check(model: str, field: str) -> tuple[Path, bool] | None:
+    """The folder the checks before a cluster run read for `model` (the base, the judge's or a
+    reward model: `field`), and whether it holds the weights: a local folder or the embedded model,
+    whole; a Hub repo, its config and tokenizer files alone (`folders.hub_check_files`: no
+    weights, which the cluster fetches). None when the Hub cannot be read from here (no network,
+    a gated or private repo without HF_TOKEN here, no such repo): said in one line, and the checks
+    are left to the cluster, whose prefetch reads the Hub with the cluster's token."""
+    from grpo_flyte.models.folders import hub_check_files, is_repo_id, resolve_local_model
+
+    if not is_repo_id(model):
+        return resolve_local_model(model, field=field), True
+    try:
+        return hub_check_files(model, field=field), False
+    except GrpoFlyteError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- no network, no access, no such repo alike: one line, then on
+        cause = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        logger.warning(
+            "%s %r: the Hugging Face Hub cannot be read from here (%s); its checks are left to the cluster, which fetches it",
+            flag(field),
+            model,
+            cause,
+        )
+        return None
+
+
 # A token covers at least one byte of the text it was cut from; the slack covers tokens added
 # outside the text (as engine.prompts' bound does).
 _TOKEN_SLACK = 4
 
 
-def check_reward_model_fits(config: RunConfig, name: str, model_dir: Path, split: tuple[list[Example], list[Example]] | None) -> None:
+def check_reward_model_fits(
+    config: RunConfig, name: str, model_dir: Path, split: tuple[list[Example], list[Example]] | None, weights: bool = True
+) -> None:
     """What reward `name` asks of its model folder, before any task starts: a sequence-classification
     model with one output or a label picked, its weights and tokenizer, and, when the rows are
     known here, a context that holds the longest training prompt as the reward model reads it with
@@ -213,7 +243,7 @@ def check_reward_model_fits(config: RunConfig, name: str, model_dir: Path, split
     problem = reward_model_problem(model_dir, label)
     if problem:
         raise ConfigError(f"{name!r}: {problem}", field="rewards")
-    tokenizer = check_model_folder(model_dir, field="rewards")
+    tokenizer = check_model_folder(model_dir, field="rewards", weights=weights)
     context = model_context(model_dir, tokenizer)
     if context is None or split is None or not split[0]:
         return

@@ -26,6 +26,7 @@ from grpo_flyte.launch.preflight import (
     check_judge_fits,
     check_model_fits,
     check_reward_model_fits,
+    model_to_check,
     reward_model_dirs,
     tracking_env,
 )
@@ -221,6 +222,28 @@ def wandb_submission(project: str | None, sweep: bool = False) -> tuple[dict[str
     return chosen.context(), (WandbGroupLink() if sweep else WandbRun.link(),)
 
 
+def check_models_here(configs: list[tuple[RunConfig, tuple[list[Example], list[Example]] | None]]) -> None:
+    """The checks a local run makes of its base model, judge and reward models, made before
+    submitting for each (config, split): a Hub model's from its config and tokenizer files alone
+    (`preflight.model_to_check`; skipped, in one line, when the Hub cannot be read from here)."""
+    folders: dict[tuple[str, str], tuple[Path, bool] | None] = {}
+
+    def folder(model: str, field: str) -> tuple[Path, bool] | None:
+        if (model, field) not in folders:  # a sweep's configs share their models: fetched, or said unreachable, once
+            folders[model, field] = model_to_check(model, field)
+        return folders[model, field]
+
+    for config, split in configs:
+        if found := folder(config.base.model, "model"):
+            check_model_fits(config, found[0], split, weights=found[1])
+        if config.judging and (found := folder(config.judge.judge_model, "judge_model")):
+            check_judge_fits(config, found[0], split, weights=found[1])
+        reward_model_dirs(config, fetch=False)  # a reward naming neither a folder nor a Hub id: its own line
+        for name in config.scoring.model_rewards:
+            if found := folder(reward_model_ref(name)[0], "rewards"):
+                check_reward_model_fits(config, name, found[0], split, weights=found[1])
+
+
 def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int:
     """Submit `train_rl` for `config`, or with a `sweep` (`sweep_grid.expand_sweep`), `train_sweep`
     for its configs (which share the data and the judge: the grid refuses keys that change them,
@@ -229,7 +252,6 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     from flyte.io import Dir
 
     from grpo_flyte.driver import train_rl
-    from grpo_flyte.models.folders import is_repo_id, resolve_local_model
     from grpo_flyte.sweep import train_sweep
 
     configs = [m.config for m in sweep] if sweep else [config]
@@ -239,18 +261,10 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     examples = checked[0][0]
     for c in configs:
         check_submission(c)
+    check_models_here([(c, c_split) for c, (_, c_split) in zip(configs, checked, strict=True)])
     wandb = "wandb" in config.trackers
     context, links = wandb_submission(wandb_project_of(config.wandb_project, config.tracking_project) if wandb else None, bool(sweep))
     runner = _connect(context, {name: value for c in configs for name, value in tracking_env(c).items()})
-    for c, (_, c_split) in zip(configs, checked, strict=True):
-        if not is_repo_id(c.base.model):  # a Hub model is checked where it is fetched, by the trainer
-            check_model_fits(c, resolve_local_model(c.base.model), c_split)
-        if c.judging and not is_repo_id(c.judge.judge_model):  # a Hub judge: by the judge task
-            check_judge_fits(c, resolve_local_model(c.judge.judge_model, field="judge_model"), c_split)
-        local_reward_models = reward_model_dirs(c, fetch=False)  # a Hub reward model: by its task
-        for name in c.scoring.model_rewards:
-            if reward_model_ref(name)[0] in local_reward_models:
-                check_reward_model_fits(c, name, local_reward_models[reward_model_ref(name)[0]], c_split)
     base_models = {model: resolve_remote_model(model) for model in dict.fromkeys(c.base.model for c in configs)}
     judging = configs[0].judging
     inputs_judge = {"judge_model": resolve_remote_model(configs[0].judge.judge_model, field="judge_model")} if judging else {}

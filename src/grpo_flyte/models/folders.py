@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 # The files of a model repo a run needs: config, weights as safetensors, tokenizer, chat template.
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+# The files the checks before a cluster run read (config, tokenizer, chat template): no weights.
+CHECK_FILES = [pattern for pattern in MODEL_FILES if pattern != "*.safetensors"]
 
 
 def is_repo_id(model: str) -> bool:
@@ -48,13 +50,14 @@ def resolve_local_model(model: str, field: str = "model") -> Path:
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
 
 
-def check_model_folder(model_dir: Path, field: str = "model"):
-    """A model folder's tokenizer, once the folder is checked usable: its weights are there and its
-    tokenizer loads; else a one-line ModelError naming the option (a folder with only config.json
-    fails in the tokenizer library with 40 lines, or when the weights load, mid-run)."""
+def check_model_folder(model_dir: Path, field: str = "model", weights: bool = True):
+    """A model folder's tokenizer, once the folder is checked usable: its weights are there (with
+    `weights`; a Hub repo's `CHECK_FILES` have none, the cluster fetches them) and its tokenizer
+    loads; else a one-line ModelError naming the option (a folder with only config.json fails in
+    the tokenizer library with 40 lines, or when the weights load, mid-run)."""
     from transformers import AutoTokenizer
 
-    if not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_FILES):
+    if weights and not any(next(model_dir.glob(pattern), None) for pattern in WEIGHT_FILES):
         raise ModelError(
             f"{str(model_dir)!r}: the folder has no weights ({' or '.join(WEIGHT_FILES)}); expected a HF model folder "
             "as save_pretrained writes it",
@@ -92,14 +95,26 @@ def _hub_snapshot(repo_id: str, field: str = "model") -> Path:
     return folder
 
 
+def hub_check_files(repo_id: str, field: str = "model") -> Path:
+    """A Hub repo's `CHECK_FILES` (config, tokenizer; no weights) in the Hugging Face cache, for
+    the checks before a cluster run (whose pods fetch the whole repo). The Hub's own error when it
+    cannot be read; a ModelError when the repo has no config.json."""
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(repo_id, allow_patterns=CHECK_FILES))
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{repo_id!r}: the repo has no config.json (expected a transformers model repo)", field=field)
+    return folder
+
+
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output layer
 
 
-def lora_target_problem(model_dir: Path, targets: tuple[str, ...]) -> str | None:
+def lora_target_problem(model_dir: Path, targets: tuple[str, ...], shown: str | None = None) -> str | None:
     """Why LoRA cannot go on `targets` in this model (None: it can), found without loading its
-    weights (the model is built on the meta device from its config). A target matches a linear
-    layer named like it or ending in '.<target>', as PEFT matches them; 'all-linear' matches every
-    linear layer but the output layer."""
+    weights (the model is built on the meta device from its config), naming the model `shown`
+    (default: its folder's name). A target matches a linear layer named like it or ending in
+    '.<target>', as PEFT matches them; 'all-linear' matches every linear layer but the output layer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -113,7 +128,7 @@ def lora_target_problem(model_dir: Path, targets: tuple[str, ...]) -> str | None
     known = sorted({name.rsplit(".", 1)[-1] for name in linear})
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in linear):
-            return f"{target!r} names no linear layer of {model_dir.name}; expected some of {', '.join(known)}, or '{ALL_LINEAR}'"
+            return f"{target!r} names no linear layer of {shown or model_dir.name}; expected some of {', '.join(known)}, or '{ALL_LINEAR}'"
     return None
 
 

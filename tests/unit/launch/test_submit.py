@@ -26,6 +26,29 @@ class _Submitted(Exception):
     """Raised by the stand-in runner: the run was handed to Flyte."""
 
 
+class _FakeHub:
+    """huggingface_hub.snapshot_download without a network: serves `repos` (repo id -> a local model
+    folder) as the Hub does, only the files `allow_patterns` match (huggingface_hub's own filter),
+    copied into a snapshot folder of the Hugging Face cache's shape; records what it served. With
+    `down`, every call fails as the Hub does without a network."""
+
+    def __init__(self, cache: Path, repos: dict[str, Path], down: bool = False):
+        self.cache, self.repos, self.down, self.served = cache, repos, down, []
+
+    def __call__(self, repo_id: str, allow_patterns=None, **_):
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.utils import filter_repo_objects
+
+        if self.down:
+            raise LocalEntryNotFoundError("Got: ConnectError: [Errno -2] Name or service not known\nAn error happened ...")
+        snapshot = self.cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for name in filter_repo_objects(sorted(p.name for p in self.repos[repo_id].iterdir()), allow_patterns=allow_patterns):
+            shutil.copy(self.repos[repo_id] / name, snapshot / name)
+            self.served.append(name)
+        return str(snapshot)
+
+
 def test_a_large_dataset_folder_still_exists_when_flyte_uploads_it(tmp_path, monkeypatch, tiny_model_dir):
     """The real Dir.from_local_sync outside a task defers its upload to runner.run: the folder it
     names must still be there then (it was a TemporaryDirectory already removed)."""
@@ -87,9 +110,14 @@ def test_a_cluster_run_sends_each_reward_model_as_a_folder_checked_here_when_it_
     tmp_path, monkeypatch, capsys, tiny_model_dir, embedded_dir
 ):
     """train_rl gets `reward_models`, one folder per model its rewards name (without '@label'): a
-    local folder checked here, then uploaded; a Hub id prefetched (checked by its task, on the pod).
+    local folder checked here, then uploaded; a Hub id prefetched (checked here when the Hub can be
+    read, which here it cannot: `test_a_hub_base_model_is_checked_before_submitting_...`).
     A local folder that is no reward model is refused before anything is submitted."""
+    import huggingface_hub
+
     from tests.support.tiny_model import build_tiny_reward_model
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _FakeHub(tmp_path / "hub", {}, down=True))
 
     folder = build_tiny_reward_model(tmp_path / "rm", embedded_dir, num_labels=2)
     uploaded, submitted = [], []
@@ -123,6 +151,50 @@ def _refused(argv: list[str], monkeypatch, capsys) -> str:
     monkeypatch.setattr(submit, "resolve_remote_model", lambda model: pytest.fail("nothing may be uploaded"))
     assert cli.main(argv) == 2
     return capsys.readouterr().err
+
+
+def test_a_hub_base_model_is_checked_before_submitting_from_its_config_and_tokenizer_alone(
+    tmp_path, monkeypatch, capsys, caplog, tiny_model_dir
+):
+    """A Hub base model gets the checks a local folder gets (LoRA targets, the context against the
+    model's window, a reward model's kind), in the same one line, before anything is submitted,
+    from its config and tokenizer files alone: no weights are fetched here. Where the Hub cannot
+    be reached from here, one line says so and the submission goes on (the cluster fetches it)."""
+    import huggingface_hub
+
+    hub = _FakeHub(tmp_path / "hub", {"org/tiny": tiny_model_dir})
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    tiny = ["--backend", "hf", "--iterations", "1", "--eval-size", "2"]
+    cases = (
+        ["--lora-target-modules", "q_proj,query_key_value"],
+        ["--max-prompt-tokens", "512", "--max-new-tokens", "600"],
+        ["--rewards", "correct=1,{model}=0.5"],
+    )
+    for flags in cases:
+        local = _refused([*tiny, "--model", str(tiny_model_dir), *[f.format(model=tiny_model_dir) for f in flags]], monkeypatch, capsys)
+        on_hub = _refused([*tiny, "--model", "org/tiny", *[f.format(model="org/tiny") for f in flags]], monkeypatch, capsys)
+        assert on_hub.count("\n") == 1 and on_hub == local.replace(str(tiny_model_dir), "org/tiny").replace(tiny_model_dir.name, "org/tiny")
+    assert "names no linear layer of org/tiny" in _refused([*tiny, "--model", "org/tiny", *cases[0]], monkeypatch, capsys)
+    assert "config.json" in hub.served and "tokenizer.json" in hub.served
+    assert not [name for name in hub.served if name.endswith((".safetensors", ".bin"))]
+
+    submitted = []
+
+    class Runner:
+        def run(self, task, **inputs):
+            submitted.append(inputs["base_model"].path)
+            return type("Run", (), {"url": "dry-run"})()
+
+    monkeypatch.setattr(submit, "_connect", lambda custom_context=None, env_vars=None: Runner())
+    monkeypatch.setattr(submit, "resolve_remote_model", lambda model, field="model": Dir(path=f"s3://bucket/{model}"))
+    assert cli.main([*tiny, "--model", "org/tiny"]) == 0 and submitted == ["s3://bucket/org/tiny"]  # it fits: submitted
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", _FakeHub(tmp_path / "hub2", {}, down=True))
+    with caplog.at_level("WARNING", logger="grpo_flyte"):
+        assert cli.main([*tiny, "--model", "org/tiny", *cases[0]]) == 0  # unchecked here: the cluster's to find
+    assert submitted == ["s3://bucket/org/tiny"] * 2
+    (line,) = [r.getMessage() for r in caplog.records if "org/tiny" in r.getMessage()]
+    assert line.startswith("--model 'org/tiny': the Hugging Face Hub cannot be read from here (LocalEntryNotFoundError: Got: ConnectError")
+    assert line.endswith("its checks are left to the cluster, which fetches it") and "\n" not in line
 
 
 def test_wandb_on_a_cluster_without_its_secret_is_refused_in_one_line(monkeypatch, capsys):
