@@ -505,12 +505,15 @@ def test_a_batch_too_large_to_inline_travels_as_a_file_with_the_same_result(tmp_
     assert received and all(n > 0 and not as_file for n, as_file in received)
     received.clear()
     monkeypatch.setattr(storage, "INLINE_LIMIT_BYTES", 0)  # every batch is "too large"
+    monkeypatch.setattr(storage, "GROUPS_INLINE_BYTES", 0)  # and every group a generate task returns (issue 54, item 7)
     spilled = tmp_path / "spilled"
     assert cli_main(_args(tiny_model_dir, spilled, 2)) == 0
     assert received and all(n == 0 and as_file for n, as_file in received)
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (inline, spilled))
     assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
     assert not list((spilled / "flyte" / "payloads").glob("scored-*"))  # consumed, then removed
+    # the groups went as folders (training and held-out alike), each removed once the driver read it back
+    assert (spilled / "flyte" / "groups").is_dir() and not list((spilled / "flyte" / "groups").iterdir())
 
 
 def torch_equal(x, y) -> bool:
