@@ -42,7 +42,7 @@ from grpo_flyte.errors import ModelError, RewardError, input_errors_not_retried
 from grpo_flyte.models.reward_model import RewardModelKey, get_reward_model, reward_model_problem
 from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.device import resolve_dtype
-from grpo_flyte.runtime.storage import replica_cache
+from grpo_flyte.runtime.storage import fetch_group, replica_cache
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.scoring.compose import checked_model_scores
 from grpo_flyte.scoring.judging import (
@@ -163,7 +163,7 @@ async def judge_group(
         key = cache.judge_engine_key(
             model_path, resolve_dtype("auto"), engine.backend, judging.judge_context_tokens, engine.vllm_memory_fraction
         )
-        return await judge(key, judging, scoring.on_reward_error, group)
+        return await judge(key, judging, scoring.on_reward_error, await fetch_group(group))
 
 
 # --------------------------------------------------------------------------- reward models
@@ -211,4 +211,4 @@ async def reward_model_group(
     with input_errors_not_retried("reward_model_group"):
         model_path = await _reward_model_dirs.get(reward_model)
         key = RewardModelKey(model_path, resolve_dtype("auto"))
-        return await score_with_reward_model(key, reward, prompt, scoring.on_reward_error, group)
+        return await score_with_reward_model(key, reward, prompt, scoring.on_reward_error, await fetch_group(group))

@@ -14,12 +14,14 @@ import time
 from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
+from grpo_flyte.runtime.storage import fetch_group
 from grpo_flyte.scoring.compose import Group, score_completions
 from grpo_flyte.scoring.workers import start_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
 def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
+    assert group.stowed is None, "a stowed group is read back (runtime.storage.fetch_group) before it is scored"
     started = time.perf_counter()
     example = group.example
     episodes = all(r.episode is not None for r in group.rollouts)
@@ -50,17 +52,23 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
 async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     """Score every completion of one prompt group with the configured weighted rewards.
 
-    A reward that fails on these completions fails the same way again: not retried."""
+    A group that came stowed (`runtime.storage.stow_groups`) is read from its folder and returned
+    as it came. A reward that fails on these completions fails the same way again: not retried."""
     with input_errors_not_retried("score_group"):
+        whole = await fetch_group(group)
         # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
-        return await asyncio.to_thread(score, scoring, sampling, group)
+        scored = await asyncio.to_thread(score, scoring, sampling, whole)
+    return scored.model_copy(update={"group": group})
 
 
 @reward_env.task(retries=2)
 async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
-    """Score many groups in one task (held-out evaluation: one single-completion group per question)."""
+    """Score many groups in one task (held-out evaluation: one single-completion group per question);
+    stowed groups as score_group takes them."""
     with input_errors_not_retried("score_groups"):
-        return await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in groups])
+        whole = [await fetch_group(g) for g in groups]
+        scored = await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in whole])
+    return [s.model_copy(update={"group": g}) for s, g in zip(scored, groups, strict=True)]
 
 
 @reward_env.task(retries=2)

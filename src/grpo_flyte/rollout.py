@@ -25,7 +25,7 @@ from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.envs import rollout_env, settings
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.runtime.device import resolve_dtype
-from grpo_flyte.runtime.storage import replica_cache
+from grpo_flyte.runtime.storage import replica_cache, stow_groups
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
 
 # One base model folder per base a sweep trains (a run: one).
@@ -91,8 +91,9 @@ async def generate(
     seed: int,
 ) -> RolloutGroup:
     """Sample `sampling.group_size` completions of one prompt with the given adapter (with a
-    multi-turn environment: that many episodes, see grpo_flyte.multiturn). A broken multi-turn
-    environment, adapter or GPU fails the same way on every attempt: not retried."""
+    multi-turn environment: that many episodes, see grpo_flyte.multiturn). A group too large to
+    return inline (long episodes) comes back stowed in a folder (`runtime.storage.stow_groups`). A
+    broken multi-turn environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
     with input_errors_not_retried("generate"):
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
@@ -100,7 +101,7 @@ async def generate(
             [rollouts] = await _sample(
                 key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
             )
-    return RolloutGroup(
+    group = RolloutGroup(
         index=index,
         example=example,
         adapter_version=adapter.version,
@@ -108,6 +109,8 @@ async def generate(
         rollouts=rollouts,
         generate_s=time.perf_counter() - started,
     )
+    [group] = await stow_groups([group])
+    return group
 
 
 # The held-out questions' seeds: sub_seed(run seed, EVAL_STREAM, question), apart from every
@@ -151,7 +154,7 @@ async def generate_eval(
                 ]
             answered = await _sample(key, adapter_path, examples, prompts, requests, episode, prompt)
     elapsed = time.perf_counter() - started
-    return [
+    groups = [
         RolloutGroup(
             index=first_index + i,
             example=example,
@@ -162,3 +165,4 @@ async def generate_eval(
         )
         for i, (example, prompt_ids, rollouts) in enumerate(zip(examples, prompts, answered, strict=True))
     ]
+    return await stow_groups(groups)

@@ -158,7 +158,12 @@ class Rollout(TaskValue):
 
 
 class RolloutGroup(TaskValue):
-    """All completions of one prompt; `index` is the prompt's position within its iteration."""
+    """All completions of one prompt; `index` is the prompt's position within its iteration.
+
+    `stowed`: the folder that holds `prompt_ids` and `rollouts` (both empty here) when the group is
+    too large to cross a task boundary inline (a long episode's group); a task that reads them
+    calls `runtime.storage.fetch_group` first (see `runtime.storage.stow_groups`).
+    """
 
     index: int
     example: Example
@@ -166,6 +171,7 @@ class RolloutGroup(TaskValue):
     prompt_ids: list[int]
     rollouts: list[Rollout]
     generate_s: float
+    stowed: Dir | None = None
 
 
 class RewardParts(TaskValue):

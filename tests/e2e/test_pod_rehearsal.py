@@ -17,6 +17,7 @@ of two runs in one long-lived process, as unionai-reuse's executor does.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib
 import json
@@ -480,3 +481,74 @@ def test_a_replicas_caches_stay_bounded(warm_replica):
     for name, cache in state["caches"].items():
         assert cache["entries"] <= cache["capacity"] and cache["on_disk"] == cache["entries"], (name, cache)
     assert state["caches"]["rollout models"]["entries"] == state["caches"]["train models"]["entries"] == 2
+
+
+# --------------------------------------------------------------------------- a sweep on one replica (issue 54)
+
+SWEEP_RATES = [1e-3 * (i + 1) for i in range(10)]
+
+
+def test_a_sweep_of_ten_configs_runs_to_its_end_with_their_generate_calls_on_one_replica(rehearsal, tiny_model_dir):
+    """A sweep of 10 configs (learning_rate=...), two iterations each, every action on one warm
+    replica through the object store (`local://` adapter paths, which the replica downloads): each
+    iteration, all 10 configs' generate calls (two prompts each) at once, then their train steps on
+    the groups scored, one at a time as the train pool runs them. Before issue 54's item 2, the replica kept 8 adapter folders and deleted one
+    a call still needed past 8 configs; here every call succeeds, each config's adapter reaches v2,
+    and every download cache stays within its bound."""
+    from grpo_flyte.reward import score
+
+    replica = Replica(rehearsal.root.parent / "replica-sweep", rehearsal.bin_dir, rehearsal.submission)
+    base = _object_store(tiny_model_dir)
+    configs = [CONFIG.model_copy(update={"train": CONFIG.train.model_copy(update={"learning_rate": lr})}) for lr in SWEEP_RATES]
+    names = [f"lr-{i}" for i in range(len(configs))]
+    try:
+        adapters = _ok(replica.run([Call(init_adapter, n, (c.base, c.lora, c.seed, base)) for n, c in zip(names, configs, strict=True)])[0])
+        assert len({a.dir.path for a in adapters}) == 10 and all(a.dir.path.startswith("local://") for a in adapters)
+        for iteration in range(2):
+            calls = [
+                Call(generate, n, (c.base, c.engine, c.prompt, c.sampling, c.episode, base, a, QUESTIONS[k], k, 100 * iteration + k))
+                for n, c, a in zip(names, configs, adapters, strict=True)
+                for k in range(2)
+            ]
+            results, state = replica.run(calls)
+            groups = _ok(results)
+            assert [g.adapter_version for g in groups] == [iteration] * 20
+            assert all(len(g.rollouts) == CONFIG.sampling.group_size for g in groups)
+            # the train pool runs one step at a time (concurrency 1, envs.train_env): one action a batch
+            trained = []
+            for i, (n, c, a) in enumerate(zip(names, configs, adapters, strict=True)):
+                scored = [score(c.scoring, c.sampling, g) for g in groups[2 * i : 2 * i + 2]]
+                [result], state = replica.run([Call(train_step, n, (c.base, c.lora, c.train, c.sampling, base, a, scored))])
+                trained.append(_ok([result])[0])
+            adapters = [r.adapter for r in trained]
+    finally:
+        replica.close()
+    assert [a.version for a in adapters] == [2] * 10
+    assert len(state["engine_builds"]) == 1  # one base: one engine for the whole sweep
+    for name, cache in state["caches"].items():
+        assert cache["entries"] <= cache["capacity"] and cache["on_disk"] == cache["entries"], (name, cache)
+
+
+def test_a_long_episode_group_crosses_the_score_group_pod_as_a_file(rehearsal, tmp_path):
+    """Issue 54, item 7, from the pod's side: a group of about 450k tokens (more than Flyte's 10 MiB
+    inline, flyte.models.MAX_INLINE_IO_BYTES), stowed as generate returns it, in the object store.
+    The score_group pod reads it from there and scores its 8 episodes; its inputs.pb and
+    outputs.pb, as the remote controller would check them, stay under 1 MiB, and the group it
+    returns reads back whole."""
+    from flyte.models import MAX_INLINE_IO_BYTES
+
+    from grpo_flyte.runtime.storage import fetch_group, inline_size
+    from tests.support.long_group import long_group, stowed_in_local_run
+
+    big = long_group()
+    assert inline_size(big) > MAX_INLINE_IO_BYTES
+    [stub] = stowed_in_local_run([big], tmp_path / "raw")
+    stub = stub.model_copy(update={"stowed": _object_store(stub.stowed.path)})
+    config = RunConfig(rewards={"format": 1.0})
+    pod = rehearsal.run(score_group, config.scoring, config.sampling, stub)
+    assert pod.error is None, pod.log[-4000:]
+    metadata = rehearsal.root / "metadata" / f"a{rehearsal.count}-score_group"
+    assert max((metadata / name).stat().st_size for name in ("inputs.pb", "outputs.pb")) < 2**20
+    scored = pod.outputs
+    assert scored.group == stub and len(scored.rewards) == 8
+    assert asyncio.run(fetch_group(scored.group)) == big

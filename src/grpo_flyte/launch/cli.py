@@ -33,6 +33,7 @@ from grpo_flyte.config.table import shown_default
 from grpo_flyte.config.trl_names import TRL_ALIASES, TRL_REFUSED, TRL_TRANSLATED, refused
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
 from grpo_flyte.launch.local_run import run_local
+from grpo_flyte.launch.stopping import ctrl_c_stops
 from grpo_flyte.launch.submit import resume_remote, run_remote
 from grpo_flyte.launch.sweep_folder import is_sweep_dir, run_sweep_local
 from grpo_flyte.models.loading import quiet_bitsandbytes
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logger.setLevel(logging.INFO)
     quiet_libraries()
+    ctrl_c_stops()  # a run started with `cmd &` by a script or a tool would not stop on Ctrl-C
     argv = sys.argv[1:] if argv is None else argv
     try:
         options, config, explicit = parse_args(argv)

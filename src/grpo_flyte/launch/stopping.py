@@ -4,6 +4,12 @@ kept and how to continue, with exit status 130 or 143.
 SIGTERM (a scheduler, `kill`) is made to stop a run as Ctrl-C does; the process then ends without
 waiting for the work on its other threads, which leaves what a killed run leaves (whole files
 only), and --resume continues it.
+
+A process can start with SIGINT ignored: a shell without job control (a script, a CI step, an
+agent's tool) ignores it in what it starts with `cmd &`, and Python then never installs its
+KeyboardInterrupt handler, so Ctrl-C or `kill -INT` does nothing at all, however long one waits
+(what looked like a Ctrl-C lost under load). `ctrl_c_stops` gives the CLI its handler back where
+the ignoring protects nobody (`ctrl_c_wanted`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +32,35 @@ logger = logging.getLogger("grpo_flyte")
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler, `kill`): stops the run as Ctrl-C does."""
+
+
+def ctrl_c_wanted(stdin_is_terminal: bool, has_terminal: bool) -> bool:
+    """Whether a CLI that started with SIGINT ignored should handle it anyway.
+
+    Yes when its input is a terminal (a user runs it and types Ctrl-C at it), and when it has no
+    controlling terminal (no key press can reach it: a SIGINT is someone's `kill -INT` meant for
+    it). No for a background job of a shell script run at a terminal (input from /dev/null, as
+    POSIX gives `cmd &` without job control): that is what the ignoring is for, so that the
+    Ctrl-C meant for the script's foreground command leaves it running; SIGTERM stops it."""
+    return stdin_is_terminal or not has_terminal
+
+
+def _has_terminal() -> bool:
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+    except OSError:
+        return False
+    return True
+
+
+def ctrl_c_stops() -> None:
+    """Give SIGINT Python's KeyboardInterrupt handler again when this process started with it
+    ignored and `ctrl_c_wanted` says so (the main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        return
+    stdin_is_terminal = sys.stdin is not None and sys.stdin.isatty()
+    if ctrl_c_wanted(stdin_is_terminal, _has_terminal()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from grpo_flyte.loop.metrics import informative_group
 from grpo_flyte.reward import score_group
 from grpo_flyte.reward_fns import JUDGE_REWARD, reward_model_ref
 from grpo_flyte.rollout import generate
-from grpo_flyte.runtime.storage import as_payload
+from grpo_flyte.runtime.storage import as_payload, discard_stowed, fetch_group
 from grpo_flyte.scoring.compose import with_judge, with_reward_model
 from grpo_flyte.scoring.judging import busy_seconds
 from grpo_flyte.trainer import DISTRIBUTED_STEP, train_step
@@ -51,6 +51,19 @@ async def generate_and_score(generating: list[asyncio.Task], score: Callable[[An
             task.cancel()
         raise
     return results, generated - started, time.perf_counter() - generated
+
+
+def read_back(score: Callable[[Any], Awaitable[ScoredGroup]]) -> Callable[[Any], Awaitable[ScoredGroup]]:
+    """`score` whose scored group holds its prompt ids and rollouts: a group that travelled as a
+    file (`runtime.storage.stow_groups`) is read back while it is scored, and its folder let go
+    once scored (`discard_stowed`)."""
+
+    async def scored_whole(group: Any) -> ScoredGroup:
+        scored, whole = await asyncio.gather(score(group), fetch_group(group))
+        discard_stowed(group)
+        return scored.model_copy(update={"group": whole})
+
+    return scored_whole
 
 
 def engine_settings(config: RunConfig) -> EngineConfig:
@@ -141,7 +154,7 @@ async def collect_batch(
     scored: list[ScoredGroup] = []
     timings = {"generate_s": 0.0, "score_s": 0.0}  # score_s: the scoring tail after generation
     spans: dict[str, list[tuple[float, float]]] = {}
-    score = group_scorer(config, models, spans)
+    score = read_back(group_scorer(config, models, spans))
     truncated = config.train.truncated
     for round_ in range(config.max_topup_rounds + 1):
         first = len(scored)

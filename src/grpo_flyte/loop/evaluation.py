@@ -17,6 +17,7 @@ from grpo_flyte.loop.batches import generate_and_score, generate_parts
 from grpo_flyte.loop.metrics import eval_results
 from grpo_flyte.reward import score_groups
 from grpo_flyte.rollout import generate_eval
+from grpo_flyte.runtime.storage import discard_stowed, fetch_group
 from grpo_flyte.types import AdapterRef, EvalMetrics, Example, ScoredGroup
 
 # Held-out completions per generate_eval task (greedy: questions; with num_generations_eval N, a
@@ -36,7 +37,12 @@ async def run_eval(
 
     async def score_chunk(groups: list[Any]) -> list[ScoredGroup]:
         nonlocal answered
-        chunk = await score_groups(config.scoring, config.sampling, groups)
+        chunk, whole = await asyncio.gather(
+            score_groups(config.scoring, config.sampling, groups), asyncio.gather(*map(fetch_group, groups))
+        )
+        for group in groups:  # a group that travelled as a file (runtime.storage.stow_groups) is read back
+            discard_stowed(group)
+        chunk = [scored.model_copy(update={"group": g}) for scored, g in zip(chunk, whole, strict=True)]
         answered += len(groups)
         observers.evaluating(iteration, answered, len(questions))
         return chunk

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from grpo_flyte.runtime.cache import cache_root
 from grpo_flyte.runtime.files import build_dir_atomic, write_bytes_atomic
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
+from grpo_flyte.types import Rollout, RolloutGroup
 
 
 def is_remote(path: str) -> bool:
@@ -198,9 +199,14 @@ async def publish_dir(build: Callable[[Path], T], name: str, folder: str = "adap
         return await Dir.from_local(tmp, dir_cache_key=key), value
 
 
-# Flyte passes task inputs inline up to 10 MiB. A list that could outgrow that (the token ids and
-# log-probs of a large batch: 32 groups x 8 x 2048 tokens is about 13 MB) travels as a folder
-# holding one JSON line per item once its JSON passes this size.
+# Flyte's remote controller refuses a call whose inputs, or whose outputs, serialize to more than the
+# task's max_inline_io_bytes: flyte.models.MAX_INLINE_IO_BYTES, 10 MiB (checked in
+# flyte/_internal/controllers/remote/_controller.py, upload_inputs_with_retry and
+# load_and_convert_outputs; local mode and a pod's own upload of its outputs do not check).
+FLYTE_INLINE_LIMIT_BYTES = 10 * 2**20
+# A list that could outgrow that (the token ids and log-probs of a large batch: 32 groups x 8 x 2048
+# tokens is about 13 MB) travels as a folder holding one JSON line per item once its JSON passes
+# this size.
 INLINE_LIMIT_BYTES = 4 * 2**20
 PAYLOAD_FILE = "items.jsonl"
 M = TypeVar("M", bound=BaseModel)
@@ -244,3 +250,73 @@ async def from_payload(items: list[M], payload: list[Dir], model: type[M], cache
         text = await asyncio.to_thread((Path(path) / PAYLOAD_FILE).read_text, encoding="utf-8")
         items = [*items, *(model.model_validate_json(line) for line in text.splitlines() if line)]
     return items
+
+
+# --------------------------------------------------------------------------- groups as files
+
+# The generate tasks' groups past this inline size, together, travel as folders: a long episode's
+# group (about 24 bytes a token inline: its id, log-prob, mask and text, twice in an episode) passes
+# Flyte's 10 MiB near 450k tokens. Under it, with room for the other inputs of the calls that take a
+# group (score_group, judge_group, reward_model_group).
+GROUPS_INLINE_BYTES = 4 * 2**20
+GROUP_FILE = "group.json"
+
+
+class _GroupBody(BaseModel):
+    """What a stowed group's folder holds."""
+
+    prompt_ids: list[int]
+    rollouts: list[Rollout]
+
+
+def inline_size(value: BaseModel) -> int:
+    """The bytes of `value`'s Flyte literal: MessagePack of its JSON (flyte's PydanticTransformer)."""
+    import msgpack
+
+    return len(msgpack.dumps(value.model_dump(mode="json")))
+
+
+async def stow_groups(groups: list[RolloutGroup]) -> list[RolloutGroup]:
+    """The groups as a task returns them: while their inline size (`inline_size`) passes
+    GROUPS_INLINE_BYTES, the largest one's prompt ids and rollouts go to a published folder
+    (`RolloutGroup.stowed`, named by its content's hash), so that what crosses the task boundary
+    stays far under Flyte's limit however long the episodes."""
+    sizes = [inline_size(g) for g in groups]
+    total, out = sum(sizes), list(groups)
+    for i in sorted(range(len(groups)), key=lambda i: -sizes[i]):
+        if total <= GROUPS_INLINE_BYTES:
+            break
+        text = _GroupBody(prompt_ids=groups[i].prompt_ids, rollouts=groups[i].rollouts).model_dump_json()
+        key = payload_key(text)
+
+        def write(folder: Path, text: str = text) -> None:
+            (folder / GROUP_FILE).write_text(text, encoding="utf-8")
+
+        folder, _ = await publish_dir(write, f"group-{key[:16]}", folder="groups", key=key)
+        out[i] = groups[i].model_copy(update={"prompt_ids": [], "rollouts": [], "stowed": folder})
+        total += inline_size(out[i]) - sizes[i]
+    return out
+
+
+async def fetch_group(group: RolloutGroup) -> RolloutGroup:
+    """The group with its prompt ids and rollouts, read back from its folder when it was stowed."""
+    if group.stowed is None:
+        return group
+    if is_remote(group.stowed.path):
+        with tempfile.TemporaryDirectory() as tmp:
+            local = await group.stowed.download(str(Path(tmp) / "group"))
+            text = await asyncio.to_thread((Path(local) / GROUP_FILE).read_text, encoding="utf-8")
+    else:
+        text = await asyncio.to_thread((Path(local_path(group.stowed.path)) / GROUP_FILE).read_text, encoding="utf-8")
+    body = _GroupBody.model_validate_json(text)
+    return group.model_copy(update={"prompt_ids": body.prompt_ids, "rollouts": body.rollouts, "stowed": None})
+
+
+def discard_stowed(group: RolloutGroup) -> None:
+    """Delete a stowed group's folder once its last reader (the driver, after scoring) has it, in
+    Flyte local mode only: there a run folder would keep every long group, and a resume generates
+    again whatever was in flight. On a cluster the folder is the generate action's output, which a
+    recovered run reuses."""
+    ctx = flyte.ctx()
+    if group.stowed is not None and ctx and ctx.mode == "local" and not is_remote(group.stowed.path):
+        shutil.rmtree(local_path(group.stowed.path), ignore_errors=True)

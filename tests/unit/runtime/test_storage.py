@@ -125,3 +125,40 @@ def test_the_processes_of_a_node_download_a_folder_once_and_share_it(tmp_path):
     # a later process of the node (a retried step on the same pod) finds it too
     assert asyncio.run(NodeDirCache(tmp_path / "node").get(FakeRemoteDir("s3://b/base"))) == got[0]
     assert FakeRemoteDir.downloads == ["s3://b/base"]
+
+
+# --------------------------------------------------------------------------- groups as files (issue 54, item 7)
+
+
+def test_a_long_episode_group_crosses_task_boundaries_as_a_file(tmp_path):
+    """A group of 8 episodes of 56k tokens serializes to more than Flyte's 10 MiB inline limit
+    (flyte.models.MAX_INLINE_IO_BYTES, which the remote controller enforces on a call's inputs and
+    outputs). Returned by a task (Flyte local mode here), it comes back stowed: the literals of
+    generate's output and of score_group's inputs and output, as Flyte's own converters build
+    them, stay under 1 MiB, and the group reads back whole. Small groups stay inline."""
+    from flyte._internal.runtime import convert
+    from flyte.models import MAX_INLINE_IO_BYTES
+
+    from grpo_flyte.config.run import RunConfig
+    from grpo_flyte.reward import score_group
+    from grpo_flyte.rollout import generate
+    from grpo_flyte.runtime.storage import FLYTE_INLINE_LIMIT_BYTES, fetch_group, inline_size
+    from grpo_flyte.types import RewardParts, ScoredGroup
+    from tests.support.long_group import long_group, stowed_in_local_run
+
+    assert FLYTE_INLINE_LIMIT_BYTES == MAX_INLINE_IO_BYTES == 10 * 2**20
+    big, small = long_group(), long_group(group_size=2, tokens=50, seed=1)
+    assert inline_size(big) > MAX_INLINE_IO_BYTES  # inline, the remote controller would refuse it
+    stub, same_small = stowed_in_local_run([big, small], tmp_path / "raw")
+    assert same_small == small  # under the threshold: inline, as before
+    assert stub.stowed is not None and stub.rollouts == [] and stub.prompt_ids == []
+    assert Path(stub.stowed.path).is_relative_to(tmp_path / "raw")
+
+    config = RunConfig()
+    output = asyncio.run(convert.convert_from_native_to_outputs(stub, generate.native_interface))
+    inputs = asyncio.run(convert.convert_from_native_to_inputs(score_group.native_interface, config.scoring, config.sampling, stub))
+    scored = ScoredGroup(group=stub, rewards=[RewardParts(reward=1.0, correct=True, format=True)] * 8)
+    scored_output = asyncio.run(convert.convert_from_native_to_outputs(scored, score_group.native_interface))
+    for literal in (output.proto_outputs, inputs.proto_inputs, scored_output.proto_outputs):
+        assert literal.ByteSize() < 2**20
+    assert asyncio.run(fetch_group(stub)) == big
