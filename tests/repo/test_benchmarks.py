@@ -87,6 +87,44 @@ def seed_summary(
     }  # fmt: skip
 
 
+def _without(tmp_path: Path, *packages: str) -> dict[str, str]:
+    """An environment in which importing any of `packages` fails: a package of that name, first on
+    PYTHONPATH, that raises ImportError (a GPU machine with torch and grpo_flyte only)."""
+    for name in packages:
+        (tmp_path / "blocked" / name).mkdir(parents=True)
+        (tmp_path / "blocked" / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed here')\n")
+    src = Path(__file__).resolve().parents[2] / "src"
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocked"), str(src)])}
+
+
+def test_the_fork_check_says_no_cuda_on_a_cpu_and_needs_neither_flyte_nor_transformers(tmp_path):
+    """`device_check.py --fork-check` is the GPU rehearsal of issue 54's item 1, for a lent GPU
+    machine that has torch and grpo_flyte but no flyte, vLLM or transformers. On this CPU build of
+    torch it forks nothing and says why, instead of reporting checks it could not make; each
+    sub-check (benchmarks/_fork_check.py) runs too, and reports the child's error honestly."""
+    import subprocess
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    env = _without(tmp_path, "flyte", "transformers", "vllm", "peft")
+    out = tmp_path / "fork.json"
+    done = subprocess.run(
+        [sys.executable, "device_check.py", "--fork-check", "--out", str(out)], cwd=benchmarks, env=env, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())["fork_check"]
+    assert result == {"cuda": False, "reason": result["reason"]} and "CPU build" in result["reason"]
+    assert "nothing was forked" in done.stdout
+    done = subprocess.run(
+        [sys.executable, "_fork_check.py", "grpo_flyte_dtype_bfloat16", "fork"], cwd=benchmarks, env=env, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    sub = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sub["probe_result"] == ["bfloat16", "cpu"] and sub["cuda_initialized_after_probe"] is False
+    assert "not compiled with CUDA" in sub["child"]  # the forked child ran, and CUDA is not here
+
+
 def test_learning_curve_over_seeds_reports_each_seed_and_their_spread():
     import learning_curve
 

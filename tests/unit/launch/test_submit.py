@@ -312,3 +312,55 @@ def test_a_checkout_submission_bundles_every_module_of_the_package(tmp_path):
     bundled = set(json.loads(out.stdout.strip().splitlines()[-1]))
     package = {str(p.relative_to(submit.BUNDLE_ROOT)) for p in submit.PACKAGE_DIR.rglob("*.py")}
     assert package - bundled == set()
+
+
+def _filled(model, rewards: list[str]):
+    """`model` with every field set to a value as large as a run writes: floats and ints at their
+    widest MessagePack forms, strings of 300 characters (a guard's reason), a literal's longest
+    value, a mean per reward name."""
+    import types
+    import typing
+
+    values = {}
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if typing.get_origin(kind) is typing.Literal:
+            values[name] = max(typing.get_args(kind), key=len)
+        elif kind is str:
+            values[name] = "x" * 300
+        elif typing.get_origin(kind) is dict:
+            wide = 2**40 if typing.get_args(kind)[1] is int else 0.123456789
+            values[name] = {f"{reward}/{name}": wide for reward in rewards}
+        elif kind is bool:
+            values[name] = True
+        elif kind is int:
+            values[name] = 2**40
+        else:
+            values[name] = 0.123456789
+    return model(**values)
+
+
+def test_a_sweep_whose_metrics_history_could_pass_flytes_inline_limit_is_refused_before_submitting():
+    from grpo_flyte.types import EvalMetrics, GuardRecord, MetricsRow, TrainMetrics
+
+    rewards = ["correct", "format", "correct_format"]
+    row = MetricsRow(
+        iteration=2**20, adapter_version=2**20, train=_filled(TrainMetrics, rewards), eval=_filled(EvalMetrics, rewards),
+        guard=_filled(GuardRecord, rewards),
+    )  # fmt: skip
+    # the bound the check uses holds for a row with every field filled
+    assert storage.inline_size(row) <= submit.HISTORY_ROW_BYTES + submit.HISTORY_ROW_BYTES_PER_REWARD * len(rewards)
+
+    config = RunConfig(rewards={name: 1.0 for name in rewards})
+    row_bytes = submit.HISTORY_ROW_BYTES + submit.HISTORY_ROW_BYTES_PER_REWARD * len(rewards)
+    most = storage.FLYTE_INLINE_LIMIT_BYTES // row_bytes - 1
+    submit.check_history_inline(config.model_copy(update={"iterations": most}))
+    with pytest.raises(Exception) as refused:
+        submit.check_history_inline(config.model_copy(update={"iterations": most + 1}))
+    assert str(refused.value) == (
+        f"--iterations {most + 1} in a cluster sweep: each config returns its metrics history inline, up to {row_bytes} "
+        f"bytes an iteration, and Flyte's inline limit is 10 MiB; expected at most {most} iterations (or run the configs "
+        "as separate runs)"
+    )
