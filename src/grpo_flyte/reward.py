@@ -14,6 +14,7 @@ import time
 from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
+from grpo_flyte.runtime import memory
 from grpo_flyte.scoring.compose import Group, score_completions
 from grpo_flyte.scoring.workers import start_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
@@ -51,9 +52,10 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
     """Score every completion of one prompt group with the configured weighted rewards.
 
     A reward that fails on these completions fails the same way again: not retried."""
-    with input_errors_not_retried("score_group"):
+    with input_errors_not_retried("score_group"), memory.span() as measured:
         # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
-        return await asyncio.to_thread(score, scoring, sampling, group)
+        scored = await asyncio.to_thread(score, scoring, sampling, group)
+    return scored.model_copy(update={"memory": measured.peak})
 
 
 @reward_env.task(retries=2)
