@@ -37,7 +37,7 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
-from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics
+from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, memory_metrics
 from grpo_flyte.loop.pipeline import BatchesAhead
 from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
@@ -46,6 +46,7 @@ from grpo_flyte.reporting.trackers import Trackers
 from grpo_flyte.reporting.tracking import WandbRun, new_run_id
 from grpo_flyte.reward import start_reward_workers
 from grpo_flyte.reward_fns import reward_model_ref
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
 from grpo_flyte.types import AdapterRef, Example, MetricsRow, RunResult
@@ -105,13 +106,21 @@ async def train_rl(
     with input_errors_not_retried("train_rl"):
         if examples_file:
             examples = await from_payload(examples or [], examples_file, Example, _driver_dirs)
-        return await _train_rl(config, base_model, examples, resume_from, ScoringModels(judge_model, reward_models or {}))
+        # the peak memory of this process's tree, from here to each row (the row's MemoryMetrics)
+        with memory.span() as driver_memory:
+            models = ScoringModels(judge_model, reward_models or {})
+            return await _train_rl(config, base_model, examples, resume_from, models, driver_memory)
 
 
 async def _train_rl(
-    config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None, models: ScoringModels | None = None
+    config: RunConfig,
+    base_model: Dir,
+    examples: list[Example] | None,
+    resume_from: str | None,
+    models: ScoringModels,
+    driver_memory: memory.Span,
 ) -> RunResult:
-    models = models or ScoringModels()
+    """The loop; `driver_memory`: the span each row's peak memory is read from (and restarted)."""
     if config.judging and models.judge is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
     missing = [name for name in config.scoring.model_rewards if reward_model_ref(name)[0] not in models.reward_models]
@@ -182,8 +191,9 @@ async def _train_rl(
             await lockstep.meet(run)
             with flyte.group("eval-0"):
                 metrics, answers = await run_eval(config, base_model, state.adapter, held_out, 0)
+            peak = memory_metrics(memory.sampler().take(driver_memory))
             row, guard = guarded_row(
-                MetricsRow(iteration=0, adapter_version=state.adapter.version, eval=metrics), answers, state.adapter, []
+                MetricsRow(iteration=0, adapter_version=state.adapter.version, eval=metrics, memory=peak), answers, state.adapter, []
             )
             state = await record(state.model_copy(update={"history": [row, *state.history], "guard": guard}), row, answers)
         while state.iterations_done < config.iterations and state.guard.stopped is None:
@@ -206,6 +216,7 @@ async def _train_rl(
                     await lockstep.meet(run)  # the configs' evaluations meet too: their questions in one batch
                     metrics, answers = await run_eval(config, base_model, result.adapter, held_out, it + 1)
                     row = row.model_copy(update={"eval": metrics})
+                row = row.model_copy(update={"memory": memory_metrics(memory.sampler().take(driver_memory), scored, result)})
             row, guard = guarded_row(row, answers, result.adapter, state.history)
             adapter = result.adapter
             if row.guard is not None and row.guard.guard_event == "rollback":

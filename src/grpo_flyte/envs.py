@@ -231,6 +231,7 @@ def build_image(settings: DeploySettings) -> flyte.Image:
         "datasets>=3.0",
         "math-verify>=0.8",
         "async-lru>=2.0",
+        "psutil>=5.9",  # each task's peak memory (grpo_flyte.runtime.memory)
         "wandb>=0.19",
         # W&B's Flyte plugin, for your own tasks in this image (`@wandb_init`); the driver reads the
         # W&B run the CLI chose from the run's context without it

@@ -39,6 +39,12 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("judge_calls", "judge_retries", "judge_invalid", "judge_split_groups"),
     ),
     ("Staleness (generation ahead of training)", ("staleness_mean", "staleness_max", "stale_dropped")),
+    # types.MemoryMetrics: locally the driver's process tree is the whole run's; on a cluster each task's process
+    ("Peak resident memory, GB (process trees)", ("peak_rss_gb", "generate_peak_rss_gb", "score_peak_rss_gb", "train_peak_rss_gb")),
+    (
+        "Peak GPU memory, GB (torch: reserved, allocated)",
+        ("generate_peak_gpu_gb", "train_peak_gpu_gb", "generate_peak_gpu_allocated_gb", "train_peak_gpu_allocated_gb"),
+    ),
 )
 # The chart that marks the best adapter's iteration.
 _BEST_CHART = "Held-out evaluation"

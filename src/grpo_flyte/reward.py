@@ -14,6 +14,7 @@ import time
 from grpo_flyte.config.generation import RewardConfig, SamplingConfig
 from grpo_flyte.envs import reward_env
 from grpo_flyte.errors import input_errors_not_retried
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.storage import fetch_group
 from grpo_flyte.scoring.compose import Group, score_completions
 from grpo_flyte.scoring.workers import start_workers
@@ -54,11 +55,11 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
 
     A group that came stowed (`runtime.storage.stow_groups`) is read from its folder and returned
     as it came. A reward that fails on these completions fails the same way again: not retried."""
-    with input_errors_not_retried("score_group"):
+    with input_errors_not_retried("score_group"), memory.span() as measured:
         whole = await fetch_group(group)
         # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
         scored = await asyncio.to_thread(score, scoring, sampling, whole)
-    return scored.model_copy(update={"group": group})
+    return scored.model_copy(update={"group": group, "memory": measured.peak})
 
 
 @reward_env.task(retries=2)

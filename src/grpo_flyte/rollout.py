@@ -24,6 +24,7 @@ from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.envs import rollout_env, settings
 from grpo_flyte.errors import input_errors_not_retried
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.device import resolve_dtype
 from grpo_flyte.runtime.storage import replica_cache, stow_groups
 from grpo_flyte.types import AdapterRef, Example, Rollout, RolloutGroup
@@ -95,7 +96,7 @@ async def generate(
     return inline (long episodes) comes back stowed in a folder (`runtime.storage.stow_groups`). A
     broken multi-turn environment, adapter or GPU fails the same way on every attempt: not retried."""
     started = time.perf_counter()
-    with input_errors_not_retried("generate"):
+    with input_errors_not_retried("generate"), memory.span(gpu=True) as measured:
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             [prompt_ids] = await cache.tokenize(key, [example], prompt)
             [rollouts] = await _sample(
@@ -108,6 +109,7 @@ async def generate(
         prompt_ids=prompt_ids,
         rollouts=rollouts,
         generate_s=time.perf_counter() - started,
+        memory=measured.peak,
     )
     [group] = await stow_groups([group])
     return group
@@ -142,7 +144,7 @@ async def generate_eval(
     one greedy completion each, or with `num_generations` that many sampled at the run's
     sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
     started = time.perf_counter()
-    with input_errors_not_retried("generate_eval"):
+    with input_errors_not_retried("generate_eval"), memory.span(gpu=True) as measured:
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
             prompts = await cache.tokenize(key, examples, prompt)
             if num_generations is None:
@@ -162,6 +164,7 @@ async def generate_eval(
             prompt_ids=prompt_ids,
             rollouts=rollouts,
             generate_s=elapsed,
+            memory=measured.peak,
         )
         for i, (example, prompt_ids, rollouts) in enumerate(zip(examples, prompts, answered, strict=True))
     ]

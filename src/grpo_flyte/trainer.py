@@ -24,6 +24,7 @@ from grpo_flyte.envs import train_dist_env, train_env
 from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.learning import data_parallel, merge, policy
 from grpo_flyte.learning import update as policy_update
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.storage import from_payload, is_remote, publish_dir, replica_cache
 from grpo_flyte.types import AdapterRef, ScoredGroup, StepStats, TrainStepResult
 
@@ -93,7 +94,7 @@ async def train_step(
         policy.record_base(out, model.model)
         return peft, optimizer, stats.model_copy(update={"restore_s": restore_s}), policy.files_of(str(out))
 
-    with input_errors_not_retried("train_step"):  # e.g. a damaged adapter stays damaged
+    with input_errors_not_retried("train_step"), memory.span(gpu=True) as measured:  # e.g. a damaged adapter stays damaged
         new_dir, (peft, optimizer, stats, files) = await publish_dir(build, f"v{version:04d}")
     if peft is not None:
         _warm.keep(peft, new_dir.path, optimizer, None if is_remote(new_dir.path) else files)
@@ -103,6 +104,7 @@ async def train_step(
         num_contributing=policy_update.num_contributing(sequences),
         stats=stats,
         train_s=time.perf_counter() - started,
+        memory=measured.peak,
     )
 
 
@@ -130,12 +132,13 @@ if train_dist_env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         def step() -> TrainStepResult | None:
-            with input_errors_not_retried("train_step_distributed"):
-                return asyncio.run(
+            with input_errors_not_retried("train_step_distributed"), memory.span(gpu=True) as measured:
+                result = asyncio.run(
                     data_parallel.distributed_step(
                         model, lora, train, sampling, base_model, adapter, scored, scored_payload, total_iterations, reward_weights
                     )
                 )
+            return None if result is None else result.model_copy(update={"memory": measured.peak})  # rank 0's process
 
         return record(step)()
 

@@ -157,8 +157,20 @@ class Rollout(TaskValue):
         return self.text if self.episode is None else self.episode.final_text
 
 
+class MemoryPeak(TaskValue):
+    """The peak memory of a task's process while it ran (grpo_flyte.runtime.memory), in GB (10^9
+    bytes): `rss_gb` the resident memory of the process and the processes below it, polled;
+    `gpu_gb` and `gpu_allocated_gb` torch's peak reserved and allocated GPU memory in the process
+    (None: no GPU in use there)."""
+
+    rss_gb: float
+    gpu_gb: float | None = None
+    gpu_allocated_gb: float | None = None
+
+
 class RolloutGroup(TaskValue):
-    """All completions of one prompt; `index` is the prompt's position within its iteration.
+    """All completions of one prompt; `index` is the prompt's position within its iteration;
+    `memory`: the generate task's process while it ran (None from a caller that did not measure).
 
     `stowed`: the folder that holds `prompt_ids` and `rollouts` (both empty here) when the group is
     too large to cross a task boundary inline (a long episode's group); a task that reads them
@@ -172,6 +184,7 @@ class RolloutGroup(TaskValue):
     rollouts: list[Rollout]
     generate_s: float
     stowed: Dir | None = None
+    memory: MemoryPeak | None = None
 
 
 class RewardParts(TaskValue):
@@ -224,6 +237,7 @@ class ScoredGroup(TaskValue):
     rewards: list[RewardParts]
     score_s: float = 0.0
     judge: JudgeVerdict | None = None  # with the 'judge' reward: what the judge said of this group
+    memory: MemoryPeak | None = None  # the score_group task's process (its reward workers included) while it ran
 
     @property
     def reward_values(self) -> list[float]:
@@ -264,6 +278,7 @@ class TrainStepResult(TaskValue):
     num_contributing: int  # rollouts with a nonzero advantage
     stats: StepStats
     train_s: float
+    memory: MemoryPeak | None = None  # the train task's process (rank 0's with several) while it ran
 
 
 class TrainMetrics(TaskValue):
@@ -358,6 +373,30 @@ class EvalMetrics(TaskValue):
 GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]
 
 
+class MemoryMetrics(TaskValue):
+    """The peak memory of one row's stretch of the run, in GB (10^9 bytes; see
+    grpo_flyte.runtime.memory for what is polled and what is exact).
+
+    `peak_rss_gb`: the resident memory of the driver's process and every process below it, from the
+    previous row to this one. In a local run every task runs in that process, so this is the whole
+    run's (the generator, the trainer, the reward workers); on a cluster it is the driver's pod.
+    The others are what the tasks of the row's iteration reported for their own processes, the
+    largest over its calls: `generate_peak_*` over the generate calls, `score_peak_rss_gb` over the
+    score_group calls (their reward workers included), `train_peak_*` the train step's; `*_gpu_gb`
+    is torch's peak reserved GPU memory there, `*_gpu_allocated_gb` its peak allocated (None
+    without a GPU). Iteration 0's row (the evaluation before training) has `peak_rss_gb` only.
+    """
+
+    peak_rss_gb: float
+    generate_peak_rss_gb: float | None = None
+    generate_peak_gpu_gb: float | None = None
+    generate_peak_gpu_allocated_gb: float | None = None
+    score_peak_rss_gb: float | None = None
+    train_peak_rss_gb: float | None = None
+    train_peak_gpu_gb: float | None = None
+    train_peak_gpu_allocated_gb: float | None = None
+
+
 class GuardRecord(BaseModel):
     """What the run's guard (grpo_flyte.loop.guard) made of one iteration.
 
@@ -384,20 +423,23 @@ class GuardRecord(BaseModel):
 
 class MetricsRow(TaskValue):
     """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
-    an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of it."""
+    an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of
+    it; `memory`: the peak memory of its stretch of the run (None in a history written before it was
+    measured)."""
 
     iteration: int
     adapter_version: int
     train: TrainMetrics | None = None
     eval: EvalMetrics | None = None
     guard: GuardRecord | None = None
+    memory: MemoryMetrics | None = None
 
     def flat(self) -> dict[str, Any]:
         """The row as flat keys (`reward/<name>`, `eval_reward/<name>`, `ended/<reason>`): metrics.jsonl,
         the report, W&B. Multi-turn metrics appear in multi-turn runs only."""
         row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
         nested = {"reward_means": "reward/", "eval_reward_means": "eval_reward/", "episode_ends": "ended/"}
-        for part in (self.train, self.eval, self.guard):
+        for part in (self.train, self.eval, self.guard, self.memory):
             if part is None:
                 continue
             for key, value in part.model_dump().items():
@@ -423,6 +465,7 @@ class MetricsRow(TaskValue):
             ("train", TrainMetrics, "mean_reward"),
             ("eval", EvalMetrics, "eval_reward"),
             ("guard", GuardRecord, None),
+            ("memory", MemoryMetrics, "peak_rss_gb"),
         ):
             fields = {key: values[key] for key in model.model_fields if key in values}
             if (marker is None and fields) or (marker is not None and marker in values):

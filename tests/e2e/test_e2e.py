@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,10 +41,13 @@ def lora_tensors(adapter_dir: Path) -> dict:
     return load_file(str(adapter_dir / "adapter_model.safetensors"))
 
 
-def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
+def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset, caplog):
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(jsonl_dataset), "--iterations", "2"]
-    assert cli_main([*args, *TINY, "--run-dir", str(run_dir)]) == 0
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main([*args, *TINY, "--run-dir", str(run_dir)]) == 0
+    done = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("done: "))
+    run_peak = float(re.search(r"; peak memory (\d+\.\d\d) GB resident \(this process and its children\)$", done).group(1))
 
     config = json.loads((run_dir / "config.json").read_text())
     assert config["iterations"] == 2 and config["sampling"]["group_size"] == 3  # saved in parts
@@ -77,6 +81,10 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         "train_tokens_per_s",
         "train_world_size",
         "train_restore_s",
+        "peak_rss_gb",
+        "generate_peak_rss_gb",
+        "score_peak_rss_gb",
+        "train_peak_rss_gb",
     }
     evaluated = {"eval_reward", "eval_accuracy", "eval_format_rate", "eval_size", "eval_reward_ci95", "eval_s"}
     assert evaluated <= rows[0].keys() and "mean_reward" not in rows[0]
@@ -87,6 +95,11 @@ def test_local_run_writes_every_file(tmp_path, tiny_model_dir, jsonl_dataset):
         assert row["iteration_s"] >= row["generate_s"] + row["train_s"] - 1e-6
         assert 0 <= row["frac_zero_std_groups"] <= 1 and 0 <= row["truncated_fraction"] <= 1
         assert row["completion_len_max"] <= 8  # --max-new-tokens 8
+        # one process runs every task: the driver's tree over the iteration saw each task's readings
+        stages = [row[f"{stage}_peak_rss_gb"] for stage in ("generate", "score", "train")]
+        assert row["peak_rss_gb"] >= max(stages) and min(stages) > 0.1 and "train_peak_gpu_gb" not in row  # no GPU here
+    assert rows[0]["peak_rss_gb"] > 0.1 and "train_peak_rss_gb" not in rows[0]
+    assert run_peak >= round(max(row["peak_rss_gb"] for row in rows), 2) - 0.01  # the run's span holds every row's
     assert "eval_reward" not in rows[1] and evaluated <= rows[2].keys()  # eval_every 10: first and last only
     for iteration in (0, 2):
         answers = [json.loads(x) for x in (run_dir / "eval" / f"iter-{iteration:04d}.jsonl").read_text().splitlines()]

@@ -116,6 +116,15 @@ def _iteration_row(i: int) -> dict[str, object]:
         "env_tokens_mean": 12.0 + i,
         "ended/done": 60 - i,
         "ended/turn_tokens": 4 + i,
+        # the peak memory (types.MemoryMetrics), the GPU's as a GPU run records it; apart, so every series stays visible
+        "peak_rss_gb": 2.4 + 0.1 * i,
+        "generate_peak_rss_gb": 1.9 + 0.05 * i,
+        "score_peak_rss_gb": 0.3,
+        "train_peak_rss_gb": 1.3 + 0.1 * i,
+        "generate_peak_gpu_gb": 12.0 + 0.2 * i,
+        "train_peak_gpu_gb": 8.0 + 0.5 * i,
+        "generate_peak_gpu_allocated_gb": 10.0 + 0.1 * i,
+        "train_peak_gpu_allocated_gb": 5.0 + 0.4 * i,
     }
 
 
@@ -151,7 +160,7 @@ def _guard(i: int) -> dict[str, object]:
 
 def _history() -> list[dict[str, object]]:
     """A 4-iteration run evaluated before training and every 2 iterations, as the driver records it."""
-    history: list[dict[str, object]] = [{"iteration": 0, "adapter_version": 0, **_eval_metrics(0), **_guard(0)}]
+    history: list[dict[str, object]] = [{"iteration": 0, "adapter_version": 0, **_eval_metrics(0), **_guard(0), "peak_rss_gb": 1.8}]
     for i in range(1, 5):
         history.append({**_iteration_row(i), **(_eval_metrics(i) if i % 2 == 0 else {}), **_guard(i)})
     return history

@@ -239,3 +239,20 @@ def test_recipe_sweep_reports_the_seeds_a_stopped_sweep_finished_and_runs_nothin
     assert "| lr=5e-4 | 1 | +2.0% | +2.0% |" in table and "| 0/1 |" in table
     with pytest.raises(SystemExit):
         recipe_sweep.main(["--report"])  # the table of which runs?
+
+
+def test_gpu_sizing_shapes_are_the_public_models_and_their_parameters_counted_right():
+    """gpu_sizing.py's shapes against the Qwen3 model cards' non-embedding parameter counts (0.44B,
+    1.4B, 3.6B), and its count against what transformers builds from a shape."""
+    import gpu_sizing
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    embedding = gpu_sizing.COMMON["vocab_size"]
+    non_embedding = {
+        name: round((gpu_sizing.num_params(shape, gpu_sizing.COMMON) - embedding * shape["hidden_size"]) / 1e9, 2)
+        for name, shape in gpu_sizing.SHAPES.items()
+    }
+    assert non_embedding == {"Qwen3-0.6B": 0.44, "Qwen3-1.7B": 1.41, "Qwen3-4B": 3.63}
+    [shape] = gpu_sizing.TINY.values()
+    model = Qwen3ForCausalLM(Qwen3Config(**gpu_sizing.TINY_COMMON, **shape))
+    assert sum(p.numel() for p in model.parameters()) == gpu_sizing.num_params(shape, gpu_sizing.TINY_COMMON)

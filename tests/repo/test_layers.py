@@ -44,7 +44,7 @@ TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 # Inside a package, bottom to top: a module imports only modules listed before it (its `__init__`
 # may import any of them, to re-export a public path).
 INSIDE = {
-    "runtime": ("closing_lru", "allocator", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
+    "runtime": ("closing_lru", "allocator", "memory", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
     "scoring": ("judging", "workers", "compose"),
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders", "reward_model"),

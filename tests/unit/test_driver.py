@@ -9,7 +9,7 @@ from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.loop.answers import EvalAnswer
-from grpo_flyte.loop.metrics import completion_sample, eval_results, iteration_metrics, mean_ci95, reward_means
+from grpo_flyte.loop.metrics import completion_sample, eval_results, iteration_metrics, mean_ci95, memory_metrics, reward_means
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
@@ -17,6 +17,7 @@ from grpo_flyte.types import (
     EpisodeTurn,
     EvalMetrics,
     Example,
+    MemoryPeak,
     MetricsRow,
     RewardParts,
     Rollout,
@@ -103,6 +104,43 @@ def test_iteration_metrics_hand_computed():
     assert row["train_tokens_per_s"] == pytest.approx(12 / 3.0)
     assert (row["kl"], row["clip_fraction"], row["is_ratio_max"], row["adapter_version"]) == (0.01, 0.25, 1.9, 3)
     assert (row["reward/correct"], row["reward/format"], row["reward_errors"]) == (0.25, 0.25, 0)
+
+
+def test_memory_metrics_take_each_stages_largest_peak_and_the_drivers():
+    scored = [_scored(i, [0.0, 1.0], ["stop", "stop"], [1, 1]) for i in range(3)]
+    generated = [MemoryPeak(rss_gb=2.5, gpu_gb=6.0, gpu_allocated_gb=4.0), MemoryPeak(rss_gb=2.75, gpu_gb=5.5, gpu_allocated_gb=4.5), None]
+    scored = [
+        sg.model_copy(update={"group": sg.group.model_copy(update={"memory": peak}), "memory": MemoryPeak(rss_gb=0.25 + i)})
+        for i, (sg, peak) in enumerate(zip(scored, generated, strict=True))
+    ]
+    result = TrainStepResult(
+        adapter=AdapterRef(version=1, dir=Dir(path="/tmp/none")),
+        num_rollouts=6,
+        num_contributing=6,
+        stats=StepStats(),
+        train_s=1.0,
+        memory=MemoryPeak(rss_gb=3.0, gpu_gb=9.0, gpu_allocated_gb=7.0),
+    )
+    row = MetricsRow(iteration=1, adapter_version=1, memory=memory_metrics(MemoryPeak(rss_gb=4.0), scored, result))
+    assert row.flat() == {
+        "iteration": 1,
+        "adapter_version": 1,
+        "peak_rss_gb": 4.0,
+        "generate_peak_rss_gb": 2.75,  # the largest of the generate calls that reported one
+        "generate_peak_gpu_gb": 6.0,  # each figure's own largest: reserved and allocated may come from different calls
+        "generate_peak_gpu_allocated_gb": 4.5,
+        "score_peak_rss_gb": 2.25,
+        "train_peak_rss_gb": 3.0,
+        "train_peak_gpu_gb": 9.0,
+        "train_peak_gpu_allocated_gb": 7.0,
+    }
+    assert MetricsRow.from_flat(row.flat()) == row
+    # iteration 0's row: the driver's alone; a CPU run's: no GPU keys in metrics.jsonl
+    alone = MetricsRow(iteration=0, adapter_version=0, memory=memory_metrics(MemoryPeak(rss_gb=1.5))).flat()
+    assert alone == {"iteration": 0, "adapter_version": 0, "peak_rss_gb": 1.5}
+    cpu = memory_metrics(MemoryPeak(rss_gb=1.5), [scored[2]], result.model_copy(update={"memory": MemoryPeak(rss_gb=1.0)}))
+    assert "train_peak_gpu_gb" not in MetricsRow(iteration=1, adapter_version=1, memory=cpu).flat()
+    assert cpu.generate_peak_rss_gb is None and cpu.score_peak_rss_gb == 2.25
 
 
 def test_reward_means_per_named_reward_and_failures():

@@ -40,6 +40,7 @@ from grpo_flyte.launch.run_log import flyte_log_in, one_line
 from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
 from grpo_flyte.loop import observers
 from grpo_flyte.reward_fns import reward_model_ref
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.files import write_text_atomic
 from grpo_flyte.types import Example, RunResult
 
@@ -242,7 +243,7 @@ def _run_locked(
         logger.info("resuming from %s", resume_from)
     try:
         # the bars stop (and the terminal is whole again) before any message below
-        with run.watched(), run.progress.shown(), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c():
+        with run.watched(), run.progress.shown(), _wandb_dir(run_dir), sigterm_stops_like_ctrl_c(), memory.span() as whole:
             result = run.run()
     except KeyboardInterrupt as exc:
         stop_interrupted(exc, run_dir, lambda: f"{_kept(run_dir, config)} in {run_dir}")
@@ -258,5 +259,5 @@ def _run_locked(
             logger.error("%s; %s; continue with: %s", kept, log, resume)
         logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
         return 1
-    finish_local_run(run.files, config, result)
+    finish_local_run(run.files, config, result, whole.peak)
     return 0

@@ -20,7 +20,7 @@ from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.runtime.storage import is_remote
-from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, MetricsRow, RunResult
+from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, MemoryPeak, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -84,13 +84,33 @@ class LocalRunFiles:
         return target
 
 
-def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult) -> None:
+def peak_words(peak: MemoryPeak, history: list[MetricsRow] = ()) -> str:
+    """A run's peak memory for its last lines: `peak`, this process's tree over the run, and the
+    largest GPU peak its rows recorded (reserved by torch in the generate and train tasks)."""
+    gpu = [
+        v
+        for row in history
+        if row.memory is not None
+        for v in (row.memory.generate_peak_gpu_gb, row.memory.train_peak_gpu_gb)
+        if v is not None
+    ]
+    on_gpu = f", GPU {max(gpu):.2f} GB (torch's peak reserved)" if gpu else ""
+    return f"peak memory {peak.rss_gb:.2f} GB resident (this process and its children){on_gpu}"
+
+
+def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult, peak: MemoryPeak | None = None) -> None:
     """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
-    and the lines that say where they are and which adapter was best."""
+    and the lines that say where they are, the run's peak memory (`peak`: this process's tree over
+    the run; a sweep's configs share the process, so the sweep says it once) and which adapter was
+    best."""
     run_dir = files.root
     files.export_adapter(result.adapter)
     best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
-    logger.info("done: adapter %s%s, report %s, metrics %s", run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
+    where = (run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
+    if peak is None:
+        logger.info("done: adapter %s%s, report %s, metrics %s", *where)
+    else:
+        logger.info("done: adapter %s%s, report %s, metrics %s; %s", *where, peak_words(peak, result.history))
     if result.merged is not None:
         merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
         where = files.export_merged(result.merged.path)

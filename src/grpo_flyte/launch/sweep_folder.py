@@ -36,7 +36,7 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
 from grpo_flyte.launch.local_run import ScoringDirs, begin_run, check_data, check_fits, new_run_name
 from grpo_flyte.launch.lock import run_dir_lock
-from grpo_flyte.launch.run_files import finish_local_run
+from grpo_flyte.launch.run_files import finish_local_run, peak_words
 from grpo_flyte.launch.run_folder import (
     CONFIG_FILE,
     LOG_FILE,
@@ -55,6 +55,7 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.lockstep import leave, lockstep
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
+from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.files import write_text_atomic
 from grpo_flyte.types import REPORT_FILE, Example, MetricsRow
 
@@ -255,7 +256,7 @@ def _run_all(
 
     try:
         # the bars stop (and the terminal is whole again) before any message below
-        with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()):
+        with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()), memory.span() as whole:
             errors = asyncio.run(all_configs())
     except KeyboardInterrupt as exc:
         stop_interrupted(exc, sweep_dir, lambda: _kept(sweep_dir, todo))
@@ -268,7 +269,7 @@ def _run_all(
     failed = [o for o in board.outcomes.values() if o.status == "failed"]
     board.write("failed" if failed else "complete")
     logger.info("%s", "\n  ".join(comparison_lines(list(board.outcomes.values()), {m.name: m.config.iterations for m in members})))
-    logger.info("sweep done: report %s, figures %s", sweep_dir / REPORT_FILE, sweep_dir / OUTCOMES_FILE)
+    logger.info("sweep done: report %s, figures %s; %s", sweep_dir / REPORT_FILE, sweep_dir / OUTCOMES_FILE, peak_words(whole.peak))
     for outcome in failed:
         logger.error("config %s failed: %s", outcome.name, outcome.error)
     if failed:

@@ -14,7 +14,7 @@ from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import advantages
 from grpo_flyte.loop.answers import BestCompletion, CompletionSample, EvalAnswer, EvalCompletion
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+from grpo_flyte.types import EvalMetrics, MemoryMetrics, MemoryPeak, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -99,6 +99,29 @@ def iteration_metrics(
         staleness_mean=statistics.fmean(staleness),
         staleness_max=max(staleness),
         stale_dropped=stale_dropped,
+    )
+
+
+def _largest(values: list[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
+def memory_metrics(driver: MemoryPeak, scored: list[ScoredGroup] = (), result: TrainStepResult | None = None) -> MemoryMetrics:
+    """A row's peak memory: the driver's process tree over the row's stretch, and the largest peak
+    each stage's tasks reported for their processes (over the generate calls, over the score_group
+    calls, the train step); None where no task of the stage reported one."""
+    generated = [sg.group.memory for sg in scored if sg.group.memory is not None]
+    trained = result.memory if result is not None else None
+    return MemoryMetrics(
+        peak_rss_gb=driver.rss_gb,
+        generate_peak_rss_gb=_largest([m.rss_gb for m in generated]),
+        generate_peak_gpu_gb=_largest([m.gpu_gb for m in generated]),
+        generate_peak_gpu_allocated_gb=_largest([m.gpu_allocated_gb for m in generated]),
+        score_peak_rss_gb=_largest([sg.memory.rss_gb for sg in scored if sg.memory is not None]),
+        train_peak_rss_gb=trained.rss_gb if trained else None,
+        train_peak_gpu_gb=trained.gpu_gb if trained else None,
+        train_peak_gpu_allocated_gb=trained.gpu_allocated_gb if trained else None,
     )
 
 

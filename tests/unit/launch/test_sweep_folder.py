@@ -24,7 +24,7 @@ from tests.support import warm_python
 from tests.unit.launch.test_run_folder import DRILL, _check_whole_files, _interrupt, _iterations, _temp_names
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
-TIMINGS = ("_s", "per_s")
+TIMINGS = ("_s", "per_s", "_gb")  # the machine's measurements: seconds and memory
 progress_class = progress.RunProgress
 
 
@@ -71,7 +71,8 @@ def test_each_config_runs_as_its_lone_run_would_on_one_engine_and_one_base(tmp_p
         "  over seeds 0, 1 of learning_rate=0.0001",
         "  over seeds 0, 1 of learning_rate=0.005",
     ]
-    assert messages[-1] == f"sweep done: report {sweep_dir / 'report.html'}, figures {sweep_dir / 'sweep.jsonl'}"
+    done = f"sweep done: report {sweep_dir / 'report.html'}, figures {sweep_dir / 'sweep.jsonl'}; peak memory "
+    assert messages[-1].startswith(done) and messages[-1].endswith(" GB resident (this process and its children)")
     # a progress bar per config, all on one display (drawn on a terminal only), each at its end
     assert len({id(b.bars) for b in bars}) == 1
     assert [(t.description, t.completed, t.total) for t in bars[0].bars.tasks] == [(n, 2, 2) for n in names]
