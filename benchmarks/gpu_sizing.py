@@ -95,17 +95,18 @@ def without_flyte() -> None:
     sys.modules.update({"flyte": flyte, "flyte.io": io})
 
 
-def recipe(quick: bool, load_in_4bit: bool):
+def recipe(quick: bool, load_in_4bit: bool, changes: dict[str, str] | None = None):
     """The default RunConfig in bfloat16 (--quick: 2 prompts x 4 completions of 16 tokens, in the
-    dtype 'auto' picks: float32 on a CPU without fast bfloat16, where bfloat16 is emulated)."""
+    dtype 'auto' picks: float32 on a CPU without fast bfloat16, where bfloat16 is emulated), with
+    `changes` (--set: RunConfig fields, values as on the command line) in place of its values."""
     from grpo_flyte.config.run import RunConfig
 
     sizes = {"prompts_per_iter": 2, "group_size": 4, "max_new_tokens": 16, "dtype": "auto"} if quick else {"dtype": "bfloat16"}
-    return RunConfig(load_in_4bit=load_in_4bit, eval_size=0, **sizes)
+    return RunConfig(**{"load_in_4bit": load_in_4bit, "eval_size": 0, **sizes, **(changes or {})})
 
 
-def recipe_summary(quick: bool, prompt_tokens: int) -> dict[str, Any]:
-    config = recipe(quick, False)
+def recipe_summary(quick: bool, prompt_tokens: int, changes: dict[str, str] | None = None) -> dict[str, Any]:
+    config = recipe(quick, False, changes)
     return {
         "rollouts": config.prompts_per_iter * config.sampling.group_size,
         "prompts_per_iter": config.prompts_per_iter,
@@ -195,7 +196,7 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
         raise SystemExit("no CUDA GPU here: the full run measures a GPU (--quick runs the tiny shape on a CPU)")
     shape, common, folder = job["shape"], job["common"], Path(job["folder"])
     load_in_4bit = MODES[job["mode"]]
-    config = recipe(job["quick"], load_in_4bit)
+    config = recipe(job["quick"], load_in_4bit, job.get("changes"))
     row: dict[str, Any] = {
         "model": job["name"], "mode": job["mode"], "params": num_params(shape, common), "device": device,
         "dtype": resolve_dtype(config.base.dtype),
@@ -290,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="the model shapes (default: all three)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each rollout's prompt length")
+    p.add_argument(
+        "--set", nargs="+", default=[], metavar="FIELD=VALUE",
+        help="RunConfig fields changed from the default recipe, e.g. gradient_checkpointing=true micro_batch_tokens=2048",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
     p.add_argument("--in-process", action="store_true", help="every job in this process, memory freed between (the default with --quick)")
     p.add_argument("--processes", action="store_true", help="with --quick: a fresh process per job, as the full run")
@@ -302,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(measure(json.loads(args.job))), flush=True)
         return 0
     without_flyte()  # recipe_summary reads RunConfig
+    changes = dict(item.split("=", 1) for item in args.set if "=" in item)
+    if len(changes) != len(args.set):
+        p.error(f"--set {args.set}: expected FIELD=VALUE items")
     shapes, common = (TINY, TINY_COMMON) if args.quick else ({name: SHAPES[name] for name in args.sizes}, COMMON)
     in_process = args.in_process or (args.quick and not args.processes)
     root = Path(tempfile.mkdtemp(prefix="gpu_sizing-"))
@@ -313,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 job = {
                     "name": name, "shape": shape, "common": common, "mode": mode, "folder": str(root / name),
                     "quick": args.quick, "prompt_tokens": 16 if args.quick else args.prompt_tokens, "steps": args.steps,
+                    "changes": changes,
                 }  # fmt: skip
                 print(f"{name} {mode} ...", flush=True)
                 rows.append(_in_this_process(job) if in_process else in_a_process(job, args.job_timeout_s))
@@ -327,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {total_s:.0f} s")
     result = {
         "benchmark": "gpu_sizing",
-        "recipe": recipe_summary(args.quick, 16 if args.quick else args.prompt_tokens),
+        "recipe": recipe_summary(args.quick, 16 if args.quick else args.prompt_tokens, changes),
         "l4_gib": L4_GIB,
         "timed_steps": args.steps,
         "in_process": in_process,
