@@ -43,7 +43,7 @@ SETTINGS = [
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples.tools_calculator` imports from the root
-    from grpo_flyte.launch.cli import main
+    from grpo_flyte.__main__ import main
 
     sys.exit(
         main(

@@ -362,21 +362,16 @@ class EpisodeConfig(Part):
     tools: tuple[str, ...] = Field(
         (),
         description=(
-            "Plain Python functions the model calls through its chat template (TRL's tools), a comma-separated list of "
-            "'module:function': each one's JSON schema comes from its type hints and docstring, the prompt shows them "
-            "(tools= to the chat template, or a fallback for a template without tools), the model's calls are read in its "
-            "template's format, run in a sandbox process and answered as tool messages. Not with --env. See "
-            "docs/rewards-and-environments.md#tools-python-functions."
+            "Python functions the model calls through its chat template (TRL's tools), comma-separated 'module:function': "
+            "schemas from their type hints and docstrings, shown by the template (or a fallback), calls read in its format, "
+            "run in a sandbox, answered as tool messages. Not with --env; docs/rewards-and-environments.md#tools-python-functions."
         ),
     )
     max_tool_calling_iterations: int | None = Field(
         None,
         ge=0,
         le=255,
-        description=(
-            "With --tools: turns whose tool calls are run, per episode (TRL's name); the turn after the last one ends the "
-            "episode, its calls not run. Unset: max_turns bounds the episode."
-        ),
+        description="With --tools: turns whose calls run, per episode (TRL's name); the next turn ends it. Unset: max_turns.",
     )
 
     @field_validator("env")
