@@ -52,12 +52,26 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
             )
     if config.episode.tools:
         load_tools(config.episode.tools)  # each imports and has a schema
+        check_tool_prompts(config, split)
     elif config.episode.multi_turn:
         load_environment(config.episode.env)
     check_trackers(config, local)
     if config.lora.load_in_4bit and local:
         check_bitsandbytes()
     return examples, split
+
+
+def check_tool_prompts(config: RunConfig, split: tuple[list[Example], list[Example]] | None) -> None:
+    """--tools shows the tools through the chat template: every prompt must be chat messages."""
+    from grpo_flyte.engine.prompts import is_chat
+
+    plain = [ex for part in split or () for ex in part if not is_chat(ex, config.prompt)]
+    if plain or (split is None and config.prompt.prompt_format == "plain"):
+        raise ConfigError(
+            f"{config.prompt.prompt_format!r} with --tools: the chat template shows the model its tools, and "
+            f"{len(plain) or 'the'} prompts are plain text; expected --prompt-format chat (or rows whose prompt is chat messages)",
+            field="prompt_format",
+        )
 
 
 # Where a cluster driver's trackers send their runs (read where you submit, given to the driver):

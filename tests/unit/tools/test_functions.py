@@ -64,3 +64,15 @@ def test_the_option_takes_a_comma_separated_list_a_list_or_a_config_file_key(tmp
         RunConfig(tools="x.y")
     with pytest.raises(ValueError, match="with env='calculator': expected one of them"):
         RunConfig(tools="a:b", env="calculator")
+
+
+def test_the_checks_before_start_import_every_tool_and_want_chat_prompts():
+    from grpo_flyte.errors import ConfigError
+    from grpo_flyte.launch.preflight import check_inputs
+
+    with pytest.raises(ToolSpecError, match="'tests.support.tool_fns:missing': module 'tests.support.tool_fns' has no attribute"):
+        check_inputs(RunConfig(tools=f"{FNS}:add,{FNS}:missing", dataset="calculator_tools", eval_size=4), local=True)
+    with pytest.raises(ConfigError, match="'plain' with --tools") as raised:
+        check_inputs(RunConfig(tools=f"{FNS}:add", prompt_format="plain", eval_size=4), local=True)
+    assert raised.value.field == "prompt_format"
+    check_inputs(RunConfig(tools=f"{FNS}:add", dataset="calculator_tools", prompt_format="plain", eval_size=4), local=True)  # chat rows
