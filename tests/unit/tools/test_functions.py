@@ -70,7 +70,7 @@ def test_the_checks_before_start_import_every_tool_and_want_chat_prompts():
     from grpo_flyte.errors import ConfigError
     from grpo_flyte.launch.preflight import check_inputs
 
-    with pytest.raises(ToolSpecError, match="'tests.support.tool_fns:missing': module 'tests.support.tool_fns' has no attribute"):
+    with pytest.raises(ToolSpecError, match=r"'tests\.support\.tool_fns:missing': module 'tests\.support\.tool_fns' has no attribute"):
         check_inputs(RunConfig(tools=f"{FNS}:add,{FNS}:missing", dataset="calculator_tools", eval_size=4), local=True)
     with pytest.raises(ConfigError, match="'plain' with --tools") as raised:
         check_inputs(RunConfig(tools=f"{FNS}:add", prompt_format="plain", eval_size=4), local=True)
