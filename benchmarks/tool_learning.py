@@ -10,6 +10,12 @@ iteration, and the seconds per iteration; writes them to benchmarks/tool_learnin
     python benchmarks/tool_learning.py                  # the figures in docs/measurements.md
     python benchmarks/tool_learning.py --iterations 3   # a quicker look
     python benchmarks/tool_learning.py --quick          # seconds: the plumbing only (CI)
+    python benchmarks/tool_learning.py --function-tools # the calculator as a Python function (--tools)
+
+`--function-tools` runs the same questions and held-out split with the calculator of
+examples/tools_calculator.py as a `--tools` function (the embedded model's template has no tools:
+the fallback `<tool_call>` format) instead of the `<calc>` environment; it writes
+benchmarks/tool_learning_functions.json.
 """
 
 from __future__ import annotations
@@ -27,13 +33,30 @@ from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
 from grpo_flyte.loop.metrics import mean_ci95
 
+ROOT = Path(__file__).resolve().parents[1]
 # The budget: fits the issue's 30 minutes on this 2-core CPU with room to spare (see the JSON).
 ITERATIONS = 6
 EVAL_EVERY = 2
 EVAL_SIZE = 100
 SETTINGS = ["--env", "calculator", "--max-new-tokens", "48", "--max-turns", "3", "--max-episode-tokens", "160",
             "--prompts-per-iter", "8", "--group-size", "6", "--min-informative-groups", "0"]  # fmt: skip
+# The same budgets with the calculator as a Python function (a call is ~33 tokens in the fallback format).
+FUNCTION_TOOLS = ["--tools", "examples.tools_calculator:calculator", "--dataset", "calculator_tools", "--rewards", "correct=1.0,format=0.2",
+                  "--max-new-tokens", "48", "--max-turns", "3", "--max-episode-tokens", "160",
+                  "--prompts-per-iter", "8", "--group-size", "6", "--min-informative-groups", "0"]  # fmt: skip
 QUICK = ["--max-new-tokens", "6", "--prompts-per-iter", "2", "--group-size", "2"]
+QUICK_FUNCTION_TOOLS = [
+    "--max-new-tokens",
+    "40",
+    "--max-turns",
+    "2",
+    "--max-episode-tokens",
+    "96",
+    "--prompts-per-iter",
+    "2",
+    "--group-size",
+    "2",
+]
 
 
 def tool_summary(run_dir: Path) -> dict:
@@ -85,21 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
+    parser.add_argument("--function-tools", action="store_true", help="the calculator as a --tools Python function, not --env calculator")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/tool_learning.json (--quick: only with --out)")
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-tools-"))
+    settings = FUNCTION_TOOLS if args.function_tools else SETTINGS
+    if args.function_tools and str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # examples.tools_calculator (the run's processes inherit the path)
+    quick = (QUICK_FUNCTION_TOOLS if args.function_tools else QUICK) if args.quick else []
     started = time.perf_counter()
     code = cli_main([
         "--local", "--run-dir", str(run_dir), "--iterations", str(args.iterations), "--eval-every", str(args.eval_every),
-        "--eval-size", str(args.eval_size), *SETTINGS, *(QUICK if args.quick else []), *driver_flags,
+        "--eval-size", str(args.eval_size), *settings, *quick, *driver_flags,
     ])  # fmt: skip
     if code != 0:
         return code
     result = {**summarize(run_dir, time.perf_counter() - started), **tool_summary(run_dir)}
-    out = args.out or (None if args.quick else Path(__file__).with_name("tool_learning.json"))
+    name = "tool_learning_functions.json" if args.function_tools else "tool_learning.json"
+    out = args.out or (None if args.quick else Path(__file__).with_name(name))
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))

@@ -74,6 +74,14 @@ class EnvironmentSpecError(GrpoFlyteError, ValueError):
         super().__init__(detail, field=field)
 
 
+class ToolSpecError(GrpoFlyteError, ValueError):
+    """A `tools` entry that names no importable function with a docstring and type hints for its schema,
+    or a chat template whose tool calls cannot be read."""
+
+    def __init__(self, detail: str, *, field: str | None = "tools"):
+        super().__init__(detail, field=field)
+
+
 class EpisodeError(GrpoFlyteError, RuntimeError):
     """A multi-turn environment that broke its contract (a step returned no Reply); the message shows
     the episode."""

@@ -56,14 +56,38 @@ class Reply:
     error: bool = False
 
 
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool call's answer: the tool's name and the text of its `tool` message."""
+
+    name: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ToolReply(Reply):
+    """A turn's tool calls answered, one `tool` message each (`results`, in the calls' order; the
+    chat template renders them together, as it renders consecutive tool messages), with the turn's
+    counts for the tool_calls, tool_errors and tool_malformed metrics (`tool_call` and `error` are
+    not read). Played by `grpo_flyte.engine.tool_episodes` for --tools."""
+
+    results: tuple[ToolResult, ...] = ()
+    calls: int = 0
+    errors: int = 0
+    malformed: int = 0
+
+
 class MultiTurnEnv:
     """Subclass this (or write any class with the same methods): one instance plays one episode.
 
     `stop`: strings that end the model's turn besides its end-of-turn token (a tool call's closing
-    tag), kept in the turn. `reset` gets the dataset row; `step` gets the text of the model's turn.
+    tag), kept in the turn. `reset` gets the dataset row; `step` gets the text of the model's turn,
+    without its special tokens unless `keep_special_tokens` (a tool call's markers may be special
+    tokens: Mistral's [TOOL_CALLS], Llama's <|python_tag|>).
     """
 
     stop: tuple[str, ...] = ()
+    keep_special_tokens: bool = False
 
     def reset(self, example: Example) -> None:
         """Start an episode for this dataset row (the model's prompt is the row's prompt)."""
@@ -191,6 +215,34 @@ def _calculator_split() -> _Split:
     return _Split(train=rows[CALCULATOR_EVAL_SIZE:], eval=rows[:CALCULATOR_EVAL_SIZE])
 
 
+# The calculator's questions for --tools (a `calculator(expression)` Python function, as in
+# examples/tools_calculator.py): the same rows and held-out split, the worked exchange in the
+# <tool_call> format (Hermes, and the fallback of a template without tools).
+CALCULATOR_TOOLS_SYSTEM = (
+    "You solve arithmetic problems. You have a calculator tool: call it with the expression and its result comes back in "
+    "the next message. End your reply with the final answer as '#### <integer>'."
+)
+CALCULATOR_TOOLS_DEMO = (
+    Message(role="user", content="What is 12 * 34?"),
+    Message(role="assistant", content='<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'),
+    Message(role="tool", content="408"),
+    Message(role="assistant", content="#### 408"),
+)
+
+
+def _calculator_tools_split() -> _Split:
+    def row(example: Example) -> Example:
+        prompt = [
+            Message(role="system", content=CALCULATOR_TOOLS_SYSTEM),
+            *CALCULATOR_TOOLS_DEMO,
+            Message(role="user", content=example.question),
+        ]
+        return example.model_copy(update={"prompt": prompt})
+
+    parts = _split_of("calculator")
+    return _Split(train=tuple(map(row, parts.train)), eval=tuple(map(row, parts.eval)))
+
+
 # --------------------------------------------------------------------------- guess the number
 
 GUESS_LOW, GUESS_HIGH = 1, 20
@@ -235,7 +287,11 @@ def _guess_split() -> _Split:
 
 BUILTIN_ENVIRONMENTS: dict[str, type[MultiTurnEnv]] = {"calculator": Calculator, "guess": GuessNumber}
 # Each built-in environment's own dataset (same name), and its rewards when none are given.
-_DATASETS: dict[str, Callable[[], _Split]] = {"calculator": _calculator_split, "guess": _guess_split}
+_DATASETS: dict[str, Callable[[], _Split]] = {
+    "calculator": _calculator_split,
+    "guess": _guess_split,
+    "calculator_tools": _calculator_tools_split,
+}
 ENV_DEFAULT_REWARDS: dict[str, dict[str, float]] = {"calculator": {"correct": 1.0, "format": 0.2}, "guess": {"env": 1.0}}
 BUILTIN_DATASETS = tuple(_DATASETS)
 

@@ -18,7 +18,7 @@ from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
 from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig, context_length
-from grpo_flyte.engine import batching, cache, episodes, interface
+from grpo_flyte.engine import batching, cache, episodes, interface, tool_episodes
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.sampling import sub_seed
@@ -70,6 +70,13 @@ async def _sample(
     at once)."""
     if not episode.multi_turn:
         return await batching.generate_groups(key, adapter_path, requests)
+    if episode.tools:
+        return await batching.all_or_none(
+            [
+                tool_episodes.play_tool_episodes(key, adapter_path, example, ids, request, episode, prompt)
+                for example, ids, request in zip(examples, prompts, requests, strict=True)
+            ]
+        )
     return await batching.all_or_none(
         [
             episodes.play_episodes(key, adapter_path, episode.env, example, ids, request, episode, prompt)
@@ -98,6 +105,8 @@ async def generate(
     started = time.perf_counter()
     with input_errors_not_retried("generate"), memory.span(gpu=True) as measured:
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+            if episode.tools:  # the prompt shows the model its tools
+                prompt = await tool_episodes.tool_prompt(key, prompt, episode)
             [prompt_ids] = await cache.tokenize(key, [example], prompt)
             [rollouts] = await _sample(
                 key, adapter_path, [example], [prompt_ids], [interface.sampling_request(sampling, prompt_ids, seed)], episode, prompt
@@ -146,6 +155,8 @@ async def generate_eval(
     started = time.perf_counter()
     with input_errors_not_retried("generate_eval"), memory.span(gpu=True) as measured:
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
+            if episode.tools:
+                prompt = await tool_episodes.tool_prompt(key, prompt, episode)
             prompts = await cache.tokenize(key, examples, prompt)
             if num_generations is None:
                 requests = [interface.sampling_request(sampling, ids, seed=0, greedy=True) for ids in prompts]

@@ -103,6 +103,7 @@ class Episode(TaskValue):
     turns: list[EpisodeTurn]
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_malformed: int = 0  # --tools: calls that could not be read (not JSON, no name, ...)
     end: Literal["done", "turns", "turn_tokens", "episode_tokens"] = "done"
     reward: float | None = None
 
@@ -345,6 +346,8 @@ class TrainMetrics(TaskValue):
     tool_calls_mean: float | None = None
     tool_call_rate: float | None = None
     tool_errors: int | None = None
+    tool_calls: int | None = None  # the batch's tool calls (tool_calls_mean x episodes)
+    tool_malformed: int | None = None  # --tools: calls that could not be read
     model_tokens_mean: float | None = None
     env_tokens_mean: float | None = None
     episode_ends: dict[str, int] = {}

@@ -22,7 +22,7 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 LAYERS = (
     ("errors", "types"),  # the values every module shares
     ("runtime",),  # the process's machinery: files, storage, the torch thread, child processes, the sandbox, the device
-    ("reward_fns", "multiturn"),  # what users extend: reward functions and RL environments, each with its registry
+    ("reward_fns", "multiturn", "tools"),  # what users extend: reward functions, RL environments, tools as Python functions
     ("scoring",),  # composing rewards into a group's scores; the LLM judge's pure parts
     ("config",),  # the one config object, its files, TRL's names, a sweep's grid
     ("__init__",),  # the package's own names (RunConfig, MultiTurnEnv, Reply), imported on first use
@@ -46,6 +46,7 @@ TASK_MODULES = {"rollout", "reward", "judge", "trainer"}
 INSIDE = {
     "runtime": ("closing_lru", "allocator", "memory", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
     "scoring": ("judging", "workers", "compose"),
+    "tools": ("functions", "formats", "execution"),
     "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
     "models": ("attention", "loading", "embedded", "folders", "reward_model"),
     "learning": ("distribution", "grpo", "losses", "policy", "update", "data_parallel", "merge"),
@@ -62,6 +63,7 @@ INSIDE = {
         "cache",
         "batching",
         "episodes",
+        "tool_episodes",
     ),
     "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
     "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),

@@ -27,6 +27,7 @@ from grpo_flyte.config.part import Part
 from grpo_flyte.multiturn import NO_ENV, check_env_name
 from grpo_flyte.reward_fns import DEFAULT_REWARDS, JUDGE_REWARD, check_reward_name, is_reward_model, reward_model_ref
 from grpo_flyte.scoring.judging import DEFAULT_RUBRIC, read_rubric
+from grpo_flyte.tools.functions import tool_names
 
 
 class ModelConfig(Part):
@@ -76,7 +77,7 @@ class DataConfig(Part):
         min_length=1,
         description=(
             "'arithmetic' (built-in generator with a held-out split), 'calculator' and 'guess' (the built-in "
-            "multi-turn environments' own, see --env), 'gsm8k' (openai/gsm8k: train split, "
+            "multi-turn environments' own, see --env; 'calculator_tools': the calculator's for --tools), 'gsm8k' (openai/gsm8k: train split, "
             "held-out questions from test), a local .jsonl, .parquet or .csv file, or anything "
             "datasets.load_dataset reads (a Hub id such as 'trl-lib/DeepMath-103K', or a local dataset "
             "folder; see --dataset-split). Rows hold a question and an answer (--question-column, "
@@ -338,7 +339,9 @@ class EpisodeConfig(Part):
             "for your own environment (see docs/rewards-and-environments.md). With an environment, max_new_tokens is per model turn."
         ),
     )
-    max_turns: int = Field(4, ge=1, le=256, description="Multi-turn: model turns per episode at most.")
+    max_turns: int = Field(
+        4, ge=1, le=256, description="Multi-turn: model turns per episode at most (--max-tool-calling-iterations N: N + 1)."
+    )
     max_episode_tokens: int = Field(
         384,
         ge=2,
@@ -352,7 +355,24 @@ class EpisodeConfig(Part):
         ),
     )
     tool_timeout_s: float = Field(
-        10.0, gt=0.0, le=3600.0, description="Multi-turn: seconds one environment step may take; past it the model gets an error reply."
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        description="Multi-turn: seconds one environment step (--tools: one call) may take; past it the model gets an error reply.",
+    )
+    tools: tuple[str, ...] = Field(
+        (),
+        description=(
+            "Python functions the model calls through its chat template (TRL's tools), comma-separated 'module:function': "
+            "schemas from their type hints and docstrings, shown by the template (or a fallback), calls read in its format, "
+            "run in a sandbox, answered as tool messages. Not with --env; docs/rewards-and-environments.md#tools-python-functions."
+        ),
+    )
+    max_tool_calling_iterations: int | None = Field(
+        None,
+        ge=0,
+        le=255,
+        description="With --tools: turns whose calls run, per episode (TRL's name); the next turn ends it. Unset: max_turns.",
     )
 
     @field_validator("env")
@@ -361,9 +381,22 @@ class EpisodeConfig(Part):
         check_env_name(env)
         return env
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_list(cls, value: Any) -> Any:
+        return tool_names(value)  # each one 'module:function'
+
+    @model_validator(mode="after")
+    def _tools_or_env(self) -> EpisodeConfig:
+        if self.tools and self.env != NO_ENV:
+            raise ValueError(f"tools={','.join(self.tools)!r} with env={self.env!r}: expected one of them (tools play their own episodes)")
+        if self.max_tool_calling_iterations is not None and not self.tools:
+            raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations} without tools: expected --tools too")
+        return self
+
     @property
     def multi_turn(self) -> bool:
-        return self.env != NO_ENV
+        return self.env != NO_ENV or bool(self.tools)
 
 
 def context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:

@@ -119,10 +119,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "ref_model_mixup_alpha": ((0.6,), "applies to sync_ref_model, which is refused: the reference is the base model with the adapter off"),
     "ref_model_sync_steps": ((512,), "applies to sync_ref_model, which is refused: the reference is the base model with the adapter off"),
-    "max_tool_calling_iterations": (
-        (None,),
-        "tools called through the chat template are not implemented yet; --env runs a multi-turn environment",
-    ),
     "use_transformers_continuous_batching": (
         (False,),
         ("the hf backend decodes with its own batched loop (per-row seeded sampling, shared prompt prefixes, adapters per row)"),

@@ -27,7 +27,7 @@ from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.prompts import is_chat
 from grpo_flyte.engine.sampling import sub_seed
 from grpo_flyte.errors import EpisodeError, quoted
-from grpo_flyte.multiturn import Reply
+from grpo_flyte.multiturn import Reply, ToolReply
 from grpo_flyte.runtime.torch_thread import run_on_torch_thread
 from grpo_flyte.types import Episode, EpisodeTurn, Example, Rollout
 
@@ -187,7 +187,7 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
     logprobs: list[float] = []
     mask: list[bool] = []
     turns: list[EpisodeTurn] = []
-    tool_calls = tool_errors = 0
+    tool_calls = tool_errors = tool_malformed = 0
     reward: float | None = None
     end = "done"
     stepper = _Stepper(env, budgets.tool_timeout_s)
@@ -208,9 +208,13 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
         if turn.finish_reason == "length":
             end = "turn_tokens" if want == budgets.max_turn_tokens else "episode_tokens"
             break
-        reply, failed = await _env_step(stepper, text, turns)
-        tool_calls += reply.tool_call
-        tool_errors += failed
+        raw = tokenizer.decode(turn.completion_ids, skip_special_tokens=False) if getattr(env, "keep_special_tokens", False) else text
+        reply, failed = await _env_step(stepper, raw, turns)
+        if isinstance(reply, ToolReply):  # several calls in one turn, counted one by one
+            tool_calls, tool_errors, tool_malformed = tool_calls + reply.calls, tool_errors + reply.errors, tool_malformed + reply.malformed
+        else:
+            tool_calls += reply.tool_call
+            tool_errors += failed
         if reply.done:
             reward = float(reply.reward) if reply.reward is not None else None
             break
@@ -224,8 +228,9 @@ async def run_episode(env, prompt_ids: list[int], sample_turn: SampleTurn, splic
         ids += reply_ids
         logprobs += [0.0] * len(reply_ids)
         mask += [False] * len(reply_ids)
-        turns.append(EpisodeTurn(role=reply.role, text=reply.content, num_tokens=len(reply_ids)))
-    episode = Episode(turns=turns, tool_calls=tool_calls, tool_errors=tool_errors, end=end, reward=reward)
+        shown = "\n".join(r.content for r in reply.results) if isinstance(reply, ToolReply) and reply.results else reply.content
+        turns.append(EpisodeTurn(role=reply.role, text=shown, num_tokens=len(reply_ids)))
+    episode = Episode(turns=turns, tool_calls=tool_calls, tool_errors=tool_errors, tool_malformed=tool_malformed, end=end, reward=reward)
     return Rollout(
         completion_ids=ids,
         sampling_logprobs=logprobs,
@@ -283,7 +288,23 @@ async def play_episodes(
     engine = await run_on_torch_thread(cache.get_engine, key)
     splicer = Splicer(engine.tokenizer, is_chat(example, prompt), prompt.template_kwargs)
     budgets = Budgets(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, episode.tool_timeout_s)
-    stop = multiturn.stop_strings(cls)
+    return await play_group(
+        key, adapter_path, lambda: new_environment(cls, example), prompt_ids, request, splicer, budgets, multiturn.stop_strings(cls)
+    )
+
+
+async def play_group(
+    key: EngineKey,
+    adapter_path: str,
+    new_env: Callable[[], object],
+    prompt_ids: list[int],
+    request: SamplingRequest,
+    splicer: Splicer,
+    budgets: Budgets,
+    stop: tuple[str, ...],
+) -> list[Rollout]:
+    """`request.group_size` episodes from one prompt, each with an environment from `new_env`,
+    played concurrently (`play_episodes`)."""
 
     async def play(row: int) -> Rollout:
         async def sample_turn(context: list[int], max_new_tokens: int, turn: int) -> Rollout:
@@ -300,6 +321,6 @@ async def play_episodes(
             [[rollout]] = await batching.generate_groups(key, adapter_path, [one])
             return rollout
 
-        return await run_episode(new_environment(cls, example), prompt_ids, sample_turn, splicer, budgets)
+        return await run_episode(new_env(), prompt_ids, sample_turn, splicer, budgets)
 
     return await batching.all_or_none([play(row) for row in range(request.group_size)])

@@ -11,13 +11,14 @@ import os
 from pathlib import Path
 
 from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
-from grpo_flyte.config.generation import context_length
+from grpo_flyte.config.generation import PromptConfig, context_length
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, GrpoFlyteError, UserError, flag, given
 from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
 from grpo_flyte.reward_fns import resolve_reward, reward_model_ref
+from grpo_flyte.tools.functions import load_tools
 from grpo_flyte.types import Example
 
 logger = logging.getLogger("grpo_flyte")
@@ -49,12 +50,28 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
                 f"--select-by eval_accuracy: {unanswered} of the {len(split[1])} held-out questions have no gold answer, so "
                 "their accuracy is not measured; expected --select-by eval_reward (or auto), or answers in --answer-column"
             )
-    if config.episode.multi_turn:
+    if config.episode.tools:
+        load_tools(config.episode.tools)  # each imports and has a schema
+        check_tool_prompts(config, split)
+    elif config.episode.multi_turn:
         load_environment(config.episode.env)
     check_trackers(config, local)
     if config.lora.load_in_4bit and local:
         check_bitsandbytes()
     return examples, split
+
+
+def check_tool_prompts(config: RunConfig, split: tuple[list[Example], list[Example]] | None) -> None:
+    """--tools shows the tools through the chat template: every prompt must be chat messages."""
+    from grpo_flyte.engine.prompts import is_chat
+
+    plain = [ex for part in split or () for ex in part if not is_chat(ex, config.prompt)]
+    if plain or (split is None and config.prompt.prompt_format == "plain"):
+        raise ConfigError(
+            f"{config.prompt.prompt_format!r} with --tools: the chat template shows the model its tools, and "
+            f"{len(plain) or 'the'} prompts are plain text; expected --prompt-format chat (or rows whose prompt is chat messages)",
+            field="prompt_format",
+        )
 
 
 # Where a cluster driver's trackers send their runs (read where you submit, given to the driver):
@@ -141,8 +158,13 @@ def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Examp
         what = "max_episode_tokens" if config.episode.multi_turn else "max_new_tokens"
         parts = f"{given('max_prompt_tokens', config.prompt.max_prompt_tokens)} + {given(what, tokens - config.prompt.max_prompt_tokens)}"
         raise ConfigError(f"{parts}: {problem}", field=None)
+    prompt = config.prompt
+    if config.episode.tools:  # the template's tool-call format is one we read; prompts are measured with the tools shown
+        from grpo_flyte.engine.tool_episodes import tool_prompt_config
+
+        prompt = tool_prompt_config(tokenizer, config.prompt, config.episode.tools)
     if split is not None:
-        check_prompt_lengths(config, tokenizer, [*split[0], *split[1]])
+        check_prompt_lengths(config, tokenizer, [*split[0], *split[1]], prompt)
 
 
 def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None, weights: bool = True) -> None:
@@ -271,11 +293,12 @@ def check_reward_model_fits(
         )
 
 
-def check_prompt_lengths(config: RunConfig, tokenizer, rows: list[Example]) -> None:
+def check_prompt_lengths(config: RunConfig, tokenizer, rows: list[Example], prompt: PromptConfig | None = None) -> None:
+    """Every prompt within max_prompt_tokens, rendered with `prompt` (default: the config's)."""
     from grpo_flyte.engine.prompts import overlong_prompts
 
     limit = config.prompt.max_prompt_tokens
-    over = overlong_prompts(tokenizer, rows, config.prompt)
+    over = overlong_prompts(tokenizer, rows, prompt or config.prompt)
     if not over:
         return
     longest = max(over, key=over.__getitem__)

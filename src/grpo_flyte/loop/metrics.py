@@ -135,6 +135,8 @@ def episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
         "tool_calls_mean": statistics.fmean(e.tool_calls for _, e in episodes),
         "tool_call_rate": statistics.fmean(e.tool_calls > 0 for _, e in episodes),
         "tool_errors": sum(e.tool_errors for _, e in episodes),
+        "tool_calls": sum(e.tool_calls for _, e in episodes),
+        "tool_malformed": sum(e.tool_malformed for _, e in episodes),
         "model_tokens_mean": statistics.fmean(r.num_model_tokens for r, _ in episodes),
         "env_tokens_mean": statistics.fmean(len(r.completion_ids) - r.num_model_tokens for r, _ in episodes),
         "episode_ends": dict(collections.Counter(e.end for _, e in episodes)),

@@ -261,6 +261,7 @@ CUSTOM_CHECKS = {
     "generation_kwargs": [{"temperature": 1.0}, {"no_such_key": 1}],
     "chat_template_kwargs": [{"tokenize": False}],
     "report_to": ["comet", "all", "wandb,nope", "none,wandb"],
+    "tools": ["no_colon", "a:b:c", "tests.support.tool_fns:add,nope"],
 }
 
 

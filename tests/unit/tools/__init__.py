@@ -1,0 +1,1 @@
+"""Tests of grpo_flyte.tools: schemas, tool-call formats, calls in the sandbox."""
