@@ -62,6 +62,8 @@ INSIDE = {
         "cache",
         "batching",
         "episodes",
+        "chat_client",
+        "agents",
     ),
     "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
     "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),

@@ -15,7 +15,7 @@ from grpo_flyte.config.generation import context_length
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, UserError, flag, given
-from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
+from grpo_flyte.multiturn import BUILTIN_DATASETS, NO_ENV, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
 from grpo_flyte.reward_fns import resolve_reward, reward_model_ref
 from grpo_flyte.types import Example
@@ -49,8 +49,12 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
                 f"--select-by eval_accuracy: {unanswered} of the {len(split[1])} held-out questions have no gold answer, so "
                 "their accuracy is not measured; expected --select-by eval_reward (or auto), or answers in --answer-column"
             )
-    if config.episode.multi_turn:
+    if config.episode.env != NO_ENV:
         load_environment(config.episode.env)
+    if config.episode.agent != NO_ENV:
+        from grpo_flyte.engine.agents import load_agent
+
+        load_agent(config.episode.agent)
     check_trackers(config, local)
     if config.lora.load_in_4bit and local:
         check_bitsandbytes()
