@@ -44,6 +44,19 @@ TOOLS = [
     }
 ]
 
+# One worked exchange before the question (as the built-in calculator's prompt has): a small model
+# calls the tool in many more of its first replies with it, which leaves RL room to act.
+DEMO = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "12*34"}'}}],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "408"},
+    {"role": "assistant", "content": "#### 408"},
+]
+
 
 def calculate(expression: str) -> str:
     """The tool: the expression's value, or an error the model reads."""
@@ -56,7 +69,7 @@ def calculate(expression: str) -> str:
 async def rollout(client: openai.AsyncOpenAI, example) -> float | None:
     """One episode: ask, run each tool call the model makes and answer it, until a reply without
     one (at most three requests)."""
-    messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": example.question}]
+    messages: list = [{"role": "system", "content": SYSTEM}, *DEMO, {"role": "user", "content": example.question}]
     for _ in range(3):
         try:
             response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)

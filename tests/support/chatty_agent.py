@@ -29,9 +29,7 @@ async def branching(client, example):
     """Two completions from the same history (two requests), then one continuing the first: two
     sequences, the first holding two calls."""
     messages = [{"role": "user", "content": example.question}]
-    first, second = await asyncio.gather(
-        *(client.chat.completions.create(model="m", messages=messages, stop=STOP) for _ in range(2))
-    )
+    first, _second = await asyncio.gather(*(client.chat.completions.create(model="m", messages=messages, stop=STOP) for _ in range(2)))
     more = [*messages, first.choices[0].message, {"role": "user", "content": "and then?"}]
     await client.chat.completions.create(model="m", messages=more, stop=STOP)
     return None

@@ -382,7 +382,9 @@ class EpisodeConfig(Part):
     @model_validator(mode="after")
     def _env_or_agent(self) -> EpisodeConfig:
         if self.env != NO_ENV and self.agent != NO_ENV:
-            raise ValueError(f"{given_option('env', self.env)} with {given_option('agent', self.agent)}: expected one of them (an agent plays its own episodes)")
+            raise ValueError(
+                f"{given_option('env', self.env)} with {given_option('agent', self.agent)}: expected one of them (an agent plays its own episodes)"
+            )
         return self
 
     @property

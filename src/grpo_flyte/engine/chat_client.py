@@ -287,7 +287,11 @@ class ChatServer:
             "created": int(time.time()),
             "model": str(body.get("model", "policy")),
             "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens, "total_tokens": len(prompt_ids) + completion_tokens},
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
         }
 
     def _new_prompt_tokens(self, prompt_ids: list[int]) -> int:

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -23,6 +24,8 @@ from grpo_flyte.learning.update import build_sequences
 from grpo_flyte.types import Example, RewardParts, Rollout, RolloutGroup, ScoredGroup
 from tests.support import SUPPORT, warm_python
 
+SRC = Path(__file__).resolve().parents[3] / "src"
+
 
 @pytest.fixture(scope="module")
 def tokenizer(embedded_dir):
@@ -35,7 +38,11 @@ def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def scripted_server(tokenizer, texts: list[str], limits=Limits(4, 64, 512, 2048), seen: list | None = None) -> ChatServer:
+LIMITS = Limits(4, 64, 512, 2048)
+QUESTION = Example(question="2+3?", answer="5")
+
+
+def scripted_server(tokenizer, texts: list[str], limits=LIMITS, seen: list | None = None) -> ChatServer:
     """A server whose model writes the given texts in turn, each token's log-prob -(position+1)/10."""
     script = iter(texts)
 
@@ -47,7 +54,9 @@ def scripted_server(tokenizer, texts: list[str], limits=Limits(4, 64, 512, 2048)
             ids = _ids(tokenizer, next(script))
             finish = "length" if len(ids) > max_new_tokens else "stop"
             ids = ids[:max_new_tokens]
-            out.append(Rollout(completion_ids=ids, sampling_logprobs=[-(i + 1) / 10 for i in range(len(ids))], finish_reason=finish, text=""))
+            out.append(
+                Rollout(completion_ids=ids, sampling_logprobs=[-(i + 1) / 10 for i in range(len(ids))], finish_reason=finish, text="")
+            )
         return out
 
     return ChatServer(tokenizer, sample, limits)
@@ -69,7 +78,9 @@ def test_a_create_without_tools_is_a_chat_completion_of_the_sampled_text(tokeniz
     server = scripted_server(tokenizer, ["Five.<|im_end|>"])
 
     async def ask():
-        return await openai_client(server.complete).chat.completions.create(model="gpt-anything", messages=[{"role": "user", "content": "2+3?"}])
+        return await openai_client(server.complete).chat.completions.create(
+            model="gpt-anything", messages=[{"role": "user", "content": "2+3?"}]
+        )
 
     response = _run(ask())
     [choice] = response.choices
@@ -78,7 +89,9 @@ def test_a_create_without_tools_is_a_chat_completion_of_the_sampled_text(tokeniz
     [call] = server.calls
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}], tokenize=False, add_generation_prompt=True)
     assert call.prompt_ids == _ids(tokenizer, prompt)  # the template's rendering, tokenized once
-    assert response.usage.prompt_tokens == len(call.prompt_ids) and response.usage.completion_tokens == len(_ids(tokenizer, "Five.<|im_end|>"))
+    assert response.usage.prompt_tokens == len(call.prompt_ids) and response.usage.completion_tokens == len(
+        _ids(tokenizer, "Five.<|im_end|>")
+    )
 
 
 def test_a_create_with_tools_renders_them_and_returns_the_models_call(tokenizer):
@@ -151,7 +164,9 @@ def test_the_budgets_cut_a_completion_and_refuse_a_request_past_them(tokenizer):
         client = openai_client(tight.complete)
         messages = [{"role": "user", "content": "count"}]
         first = await client.chat.completions.create(model="m", messages=messages)
-        await client.chat.completions.create(model="m", messages=[*messages, first.choices[0].message, {"role": "user", "content": "go on"}])
+        await client.chat.completions.create(
+            model="m", messages=[*messages, first.choices[0].message, {"role": "user", "content": "go on"}]
+        )
 
     with pytest.raises(openai.BadRequestError, match="max_episode_tokens"):
         _run(twice())
@@ -161,7 +176,7 @@ def test_the_budgets_cut_a_completion_and_refuse_a_request_past_them(tokenizer):
 # --------------------------------------------------------------------------- episodes as sequences
 
 
-def _episode(tokenizer, agent, texts, example=Example(question="2+3?", answer="5"), timeout_s=5.0):
+def _episode(tokenizer, agent, texts, example=QUESTION, timeout_s=5.0):
     server = scripted_server(tokenizer, texts)
 
     async def play():
@@ -193,8 +208,12 @@ def test_a_linear_conversation_is_one_sequence_of_the_sampled_ids_with_the_agent
     ]
     assert [t.role for t in rollout.episode.turns] == ["model", "user", "model", "user", "model"]
     assert rollout.episode.final_text == "c"
-    group = RolloutGroup(index=0, example=Example(question="q", answer=""), adapter_version=0, prompt_ids=[9, 9], rollouts=[rollout], generate_s=0)
-    [sequence], total = build_sequences([ScoredGroup(group=group, rewards=[RewardParts(reward=1.0, correct=True, format=True)])], make_config().train)
+    group = RolloutGroup(
+        index=0, example=Example(question="q", answer=""), adapter_version=0, prompt_ids=[9, 9], rollouts=[rollout], generate_s=0
+    )
+    [sequence], total = build_sequences(
+        [ScoredGroup(group=group, rewards=[RewardParts(reward=1.0, correct=True, format=True)])], make_config().train
+    )
     assert total == 1 and sequence.prompt_ids == calls[0].prompt_ids and sequence.completion_ids == rollout.completion_ids
 
 
@@ -209,13 +228,15 @@ async def _branching(client, example):
 
 def test_calls_that_branch_are_separate_sequences_trained_with_the_episodes_advantage(tokenizer):
     rollout, server = _episode(tokenizer, _branching, ["a<|im_end|>", "b<|im_end|>", "c<|im_end|>"])
-    first, second, third = server.calls
+    _first, second, third = server.calls
     assert rollout.prompt_ids + rollout.completion_ids == third.ids  # the last call's sequence holds the first call
     [branch] = rollout.branches
     assert branch.prompt_ids == second.prompt_ids and branch.completion_ids == second.completion.completion_ids
     assert branch.model_mask == [True] * len(branch.completion_ids)
     other = rollout.model_copy(update={"branches": [], "completion_ids": [], "sampling_logprobs": [], "model_mask": []})
-    group = RolloutGroup(index=0, example=Example(question="q", answer=""), adapter_version=0, prompt_ids=[9], rollouts=[rollout, other], generate_s=0)
+    group = RolloutGroup(
+        index=0, example=Example(question="q", answer=""), adapter_version=0, prompt_ids=[9], rollouts=[rollout, other], generate_s=0
+    )
     parts = [RewardParts(reward=r, correct=False, format=False) for r in (1.0, 0.0)]
     sequences, total = build_sequences([ScoredGroup(group=group, rewards=parts)], make_config().train)
     assert total == 2 and len(sequences) == 2  # the empty episode trains nothing
@@ -383,7 +404,9 @@ def test_an_agent_run_goes_to_the_end_and_resumes_after_a_kill(tmp_path, tiny_mo
 
 
 @pytest.mark.parametrize(("agent", "end"), [("raising", "agent_error"), ("silent", "no_calls"), ("blocking", "agent_error")])
-def test_agents_that_fail_or_never_call_end_their_episodes_counted_and_the_run_goes_on(tmp_path, tiny_model_dir, monkeypatch, caplog, agent, end):
+def test_agents_that_fail_or_never_call_end_their_episodes_counted_and_the_run_goes_on(
+    tmp_path, tiny_model_dir, monkeypatch, caplog, agent, end
+):
     monkeypatch.syspath_prepend(str(SUPPORT))
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--agent", f"chatty_agent:{agent}", "--tool-timeout-s", "0.5",
@@ -396,3 +419,57 @@ def test_agents_that_fail_or_never_call_end_their_episodes_counted_and_the_run_g
         assert row["num_tokens"] == 0
     else:  # one line for every episode that failed alike, no traceback
         assert caplog.text.count(f"agent 'chatty_agent:{agent}' failed an episode") == 1 and "Traceback" not in caplog.text
+
+
+_BUNDLE = """
+import json, sys
+from pathlib import Path
+import flyte
+from flyte.io import Dir
+from grpo_flyte.config.run import RunConfig
+from grpo_flyte.driver import train_rl
+from grpo_flyte.engine.agents import load_agent
+from grpo_flyte.launch import submit
+
+load_agent("pod_agent:chatty")  # as the submission's checks before start do (launch.preflight.check_inputs)
+submit.check_submission(RunConfig(iterations=1, agent="pod_agent:chatty"))  # under the bundle root: it ships
+flyte.init(root_dir=submit.BUNDLE_ROOT)
+run = flyte.with_runcontext(mode="remote", dry_run=True).run(
+    train_rl, config=RunConfig(iterations=1, agent="pod_agent:chatty"), base_model=Dir(path="s3://bucket/model"))
+print(json.dumps([str(Path(f).relative_to(submit.BUNDLE_ROOT)) for f in run.code_bundle.files]))
+"""
+_IN_THE_POD = """
+from grpo_flyte.engine.agents import load_agent
+import pod_agent
+print(load_agent("pod_agent:chatty").__name__, pod_agent.__file__)
+"""
+
+
+def test_an_agents_module_travels_with_the_code_bundle_and_imports_in_the_task(tmp_path):
+    """A checkout with the agent's module under src/: the submission's bundle holds it, and in the
+    pod's view (only the bundle's files on the path) the generate task's load_agent finds it."""
+    import shutil
+    import subprocess
+    import sys
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(SRC, checkout / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(SRC.parent / "pyproject.toml", checkout / "pyproject.toml")  # a source checkout: its src/ is the bundle
+    shutil.copy(SUPPORT / "chatty_agent.py", checkout / "src" / "pod_agent.py")
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    bundled = subprocess.run(
+        [sys.executable, "-c", _BUNDLE], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False
+    )
+    assert bundled.returncode == 0, bundled.stderr[-3000:]
+    files = json.loads(bundled.stdout.strip().splitlines()[-1])
+    assert "pod_agent.py" in files and "grpo_flyte/engine/agents.py" in files
+    pod = tmp_path / "pod"
+    for name in files:
+        (pod / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(checkout / "src" / name, pod / name)
+    env = {**os.environ, "PYTHONPATH": str(pod)}
+    found = subprocess.run(
+        [sys.executable, "-c", _IN_THE_POD], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False
+    )
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert found.stdout.split() == ["chatty", str(pod / "pod_agent.py")]
