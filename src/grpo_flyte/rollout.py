@@ -18,7 +18,7 @@ from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
 from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig, context_length
-from grpo_flyte.engine import batching, cache, episodes, interface, tool_episodes
+from grpo_flyte.engine import agents, batching, cache, episodes, interface, tool_episodes
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.sampling import sub_seed
@@ -66,14 +66,22 @@ async def _sample(
     episode: EpisodeConfig,
     prompt: PromptConfig,
 ) -> list[list[Rollout]]:
-    """Each request's rollouts: completions, or with a multi-turn environment, episodes (all played
-    at once)."""
+    """Each request's rollouts: completions, or with a multi-turn environment or an agent, episodes
+    (all played at once)."""
     if not episode.multi_turn:
         return await batching.generate_groups(key, adapter_path, requests)
     if episode.tools:
         return await batching.all_or_none(
             [
                 tool_episodes.play_tool_episodes(key, adapter_path, example, ids, request, episode, prompt)
+                for example, ids, request in zip(examples, prompts, requests, strict=True)
+            ]
+        )
+    if episode.agent != agents.NO_AGENT:
+        window = prompt.max_prompt_tokens + episode.max_episode_tokens  # context_length of an episode: the engine's window
+        return await batching.all_or_none(
+            [
+                agents.play_agent_episodes(key, adapter_path, episode.agent, example, ids, request, episode, prompt, window)
                 for example, ids, request in zip(examples, prompts, requests, strict=True)
             ]
         )

@@ -96,15 +96,16 @@ class Episode(TaskValue):
     """How a multi-turn episode went (see grpo_flyte.multiturn).
 
     `end`: 'done' (the environment ended it), or the budget that ran out: 'turns', 'turn_tokens'
-    (a model turn hit max_new_tokens), 'episode_tokens'. `reward`: the environment's own reward
-    (None: scored by the configured rewards only).
+    (a model turn hit max_new_tokens), 'episode_tokens'; an agent's (grpo_flyte.engine.agents)
+    also 'agent_error' (it raised or ran past its time) or 'no_calls' (it never called the model).
+    `reward`: the environment's own reward (None: scored by the configured rewards only).
     """
 
     turns: list[EpisodeTurn]
     tool_calls: int = 0
     tool_errors: int = 0
     tool_malformed: int = 0  # --tools: calls that could not be read (not JSON, no name, ...)
-    end: Literal["done", "turns", "turn_tokens", "episode_tokens"] = "done"
+    end: Literal["done", "turns", "turn_tokens", "episode_tokens", "agent_error", "no_calls"] = "done"
     reward: float | None = None
 
     @property
@@ -121,6 +122,17 @@ class Episode(TaskValue):
         return [{"role": "assistant" if t.role == "model" else t.role, "content": t.text} for t in self.turns]
 
 
+class Branch(TaskValue):
+    """One more training sequence of an agent's episode (a call that did not continue the rollout's
+    sequence: grpo_flyte.engine.chat_client.chains), trained with the episode's advantage: its own
+    prompt ids, then its tokens as a Rollout's (the model's marked in `model_mask`)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampling_logprobs: list[float]
+    model_mask: list[bool]
+
+
 class Rollout(TaskValue):
     """One completion, or one multi-turn episode: every token after the prompt, in order.
 
@@ -129,6 +141,8 @@ class Rollout(TaskValue):
     and the environment's (False: in the context, out of the loss; their log-prob entries are 0
     and never read); None means every token is the model's. `text` is the completion, or the
     episode's transcript to read (`grpo_flyte.engine.episodes.transcript`); rewards read `answer_text`.
+    An agent's episode (grpo_flyte.engine.agents) has its own `prompt_ids` (None: the group's) and
+    its other training sequences as `branches`.
     """
 
     completion_ids: list[int]
@@ -137,6 +151,8 @@ class Rollout(TaskValue):
     text: str
     model_mask: list[bool] | None = None
     episode: Episode | None = None
+    prompt_ids: list[int] | None = None
+    branches: list[Branch] = []
 
     @model_validator(mode="after")
     def _aligned(self) -> Rollout:

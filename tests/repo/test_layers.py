@@ -64,6 +64,8 @@ INSIDE = {
         "batching",
         "episodes",
         "tool_episodes",
+        "chat_client",
+        "agents",
     ),
     "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
     "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),

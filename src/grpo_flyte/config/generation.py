@@ -24,6 +24,8 @@ from grpo_flyte.config.constants import (
     UNSUPPORTED_FILE_TYPES,
 )
 from grpo_flyte.config.part import Part
+from grpo_flyte.errors import given as given_option
+from grpo_flyte.errors import is_user_attribute
 from grpo_flyte.multiturn import NO_ENV, check_env_name
 from grpo_flyte.reward_fns import DEFAULT_REWARDS, JUDGE_REWARD, check_reward_name, is_reward_model, reward_model_ref
 from grpo_flyte.scoring.judging import DEFAULT_RUBRIC, read_rubric
@@ -339,8 +341,21 @@ class EpisodeConfig(Part):
             "for your own environment (see docs/rewards-and-environments.md). With an environment, max_new_tokens is per model turn."
         ),
     )
+    agent: str = Field(
+        NO_ENV,
+        description=(
+            "'none', or 'module:function' naming your own agent, trained as it is: async def rollout(client, example) -> float | "
+            "None, where client is an openai.AsyncOpenAI whose chat.completions.create calls the policy being trained answers "
+            "(any model name; tools= and tool_choice passed to the chat template), and the return value is the episode's reward "
+            "('env'), or None to let the rewards score the final conversation. The multi-turn budgets apply: max_turns requests, "
+            "max_new_tokens per completion, max_episode_tokens, tool_timeout_s between requests (see docs/rewards-and-environments.md)."
+        ),
+    )
     max_turns: int = Field(
-        4, ge=1, le=256, description="Multi-turn: model turns per episode at most (--max-tool-calling-iterations N: N + 1)."
+        4,
+        ge=1,
+        le=256,
+        description="Multi-turn: model turns (an agent's requests) per episode at most (--max-tool-calling-iterations N: N + 1).",
     )
     max_episode_tokens: int = Field(
         384,
@@ -392,11 +407,32 @@ class EpisodeConfig(Part):
             raise ValueError(f"tools={','.join(self.tools)!r} with env={self.env!r}: expected one of them (tools play their own episodes)")
         if self.max_tool_calling_iterations is not None and not self.tools:
             raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations} without tools: expected --tools too")
+        if self.tools and self.agent != NO_ENV:
+            raise ValueError(
+                f"tools={','.join(self.tools)!r} with {given_option('agent', self.agent)}: expected one of them "
+                "(an agent runs its own tools: pass them to client.chat.completions.create(tools=...))"
+            )
+        return self
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_shape(cls, agent: str) -> str:
+        if agent != NO_ENV and not is_user_attribute(agent):
+            raise ValueError("expected 'none' or 'module:function' naming an async function rollout(client, example)")
+        return agent
+
+    @model_validator(mode="after")
+    def _env_or_agent(self) -> EpisodeConfig:
+        if self.env != NO_ENV and self.agent != NO_ENV:
+            raise ValueError(
+                f"{given_option('env', self.env)} with {given_option('agent', self.agent)}: expected one of them (an agent plays its own episodes)"
+            )
         return self
 
     @property
     def multi_turn(self) -> bool:
-        return self.env != NO_ENV or bool(self.tools)
+        """Whether a generation is an episode: of an environment, of tools or of an agent."""
+        return self.env != NO_ENV or bool(self.tools) or self.agent != NO_ENV
 
 
 def context_length(prompt: PromptConfig, sampling: SamplingConfig, episode: EpisodeConfig) -> int:

@@ -15,7 +15,7 @@ from grpo_flyte.config.generation import PromptConfig, context_length
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, GrpoFlyteError, UserError, flag, given
-from grpo_flyte.multiturn import BUILTIN_DATASETS, load_environment
+from grpo_flyte.multiturn import BUILTIN_DATASETS, NO_ENV, load_environment
 from grpo_flyte.reporting.tracking import PACKAGES, missing_package
 from grpo_flyte.reward_fns import resolve_reward, reward_model_ref
 from grpo_flyte.tools.functions import load_tools
@@ -53,8 +53,12 @@ def check_inputs(config: RunConfig, local: bool) -> tuple[list[Example] | None, 
     if config.episode.tools:
         load_tools(config.episode.tools)  # each imports and has a schema
         check_tool_prompts(config, split)
-    elif config.episode.multi_turn:
+    elif config.episode.env != NO_ENV:
         load_environment(config.episode.env)
+    if config.episode.agent != NO_ENV:
+        from grpo_flyte.engine.agents import load_agent
+
+        load_agent(config.episode.agent)
     check_trackers(config, local)
     if config.lora.load_in_4bit and local:
         check_bitsandbytes()

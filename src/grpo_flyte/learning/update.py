@@ -47,7 +47,8 @@ def advantages(scored: list[ScoredGroup], train: TrainConfig, reward_weights: di
 def build_sequences(
     scored: list[ScoredGroup], train: TrainConfig, reward_weights: dict[str, float] | None = None
 ) -> tuple[list[grpo.TrainSequence], int]:
-    """Every rollout as a training sequence, in a deterministic order, and the rollout count.
+    """Every rollout as a training sequence (an agent's episode: one per branch too), in a
+    deterministic order, and the rollout count.
 
     Advantages: `advantages`, over all the groups of the iteration.
     Zero-advantage and masked rollouts are kept: they count in the loss normalizer
@@ -60,13 +61,17 @@ def build_sequences(
     for sg, group_advantages in zip(ordered, advantages(scored, train, reward_weights), strict=True):
         for rollout, adv, cut in zip(sg.group.rollouts, group_advantages, sg.truncated, strict=True):
             total += 1
-            if rollout.num_model_tokens:
-                masked = train.truncated == "mask" and cut
-                mask = None if rollout.model_mask is None else tuple(rollout.model_mask)
-                sampled = rollout.sampling_logprobs
+            masked = train.truncated == "mask" and cut
+            # an agent's episode: its own prompt, and its other sequences with the same advantage
+            for part in (rollout, *rollout.branches):
+                if not part.completion_ids or (part.model_mask is not None and not any(part.model_mask)):
+                    continue
+                mask = None if part.model_mask is None else tuple(part.model_mask)
+                sampled = part.sampling_logprobs
                 if mask is not None:  # the trainer asks log-probs of the model's tokens only
                     sampled = [lp for lp, own in zip(sampled, mask, strict=True) if own]
-                sequences.append(grpo.TrainSequence(sg.group.prompt_ids, rollout.completion_ids, adv, sampled, masked, mask))
+                prompt_ids = part.prompt_ids or sg.group.prompt_ids
+                sequences.append(grpo.TrainSequence(prompt_ids, part.completion_ids, adv, sampled, masked, mask))
     return sequences, total
 
 

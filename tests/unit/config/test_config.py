@@ -256,6 +256,7 @@ CUSTOM_CHECKS = {
     "dataset": ["data.json", "rows.tsv"],
     "model": [],
     "env": ["calc", "my_env.Class", "a:b:c"],
+    "agent": ["rollout", "my_agent.rollout", "a:b:c"],
     "push_to_hub": ["no-slash", "a/b/c"],
     "judge_rubric": ["no-such-rubric.txt", "rubrics/missing.md"],
     "generation_kwargs": [{"temperature": 1.0}, {"no_such_key": 1}],
