@@ -331,8 +331,10 @@ class TrainMetrics(TaskValue):
 
 class EvalMetrics(TaskValue):
     """One held-out evaluation (greedy answers; with num_generations_eval, means over each question's
-    sampled completions); `*_ci95` are 95% interval half-widths over the questions, None when a
-    single held-out question gives no interval (shown with `plus_minus`)."""
+    sampled completions); `*_ci95` are 95% normal interval half-widths over the questions, None when a
+    single held-out question gives no interval (shown with `plus_minus`). The accuracy, a
+    proportion, has its own 95% interval, inside [0, 1]: `eval_accuracy_lo` to `eval_accuracy_hi`
+    (Wilson's, loop.metrics.wilson_interval; None in rows written before it existed)."""
 
     eval_reward: float
     eval_reward_ci95: float | None
@@ -343,6 +345,8 @@ class EvalMetrics(TaskValue):
     eval_reward_errors: int
     eval_size: int
     eval_s: float
+    eval_accuracy_lo: float | None = None
+    eval_accuracy_hi: float | None = None
     eval_tool_call_rate: float | None = None  # multi-turn: share of held-out episodes with a tool call
     eval_tool_call_rate_ci95: float | None = None
     eval_turns_mean: float | None = None

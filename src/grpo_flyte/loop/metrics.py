@@ -27,6 +27,29 @@ def mean_ci95(values: list[float]) -> tuple[float, float | None]:
     return mean, 1.96 * statistics.stdev(values) / math.sqrt(n)
 
 
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion `p` measured over `n` trials (95% with z = 1.96):
+
+        centre = (p + z^2 / 2n) / (1 + z^2 / n)
+        half   = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2)
+
+    returned as (centre - half, centre + half), inside [0, 1] for every p in [0, 1] (the normal
+    interval p +- z sqrt(p (1 - p) / n) is not: 1 of 4 correct gives -0.17..0.67), and not empty at
+    p = 0 or 1 (0 of 10 gives 0..0.278). For the held-out accuracy with num_generations_eval, p is
+    the mean over the questions of each question's share correct and n the number of questions:
+    the share of a question varies less than a 0/1 answer, so the interval is wider than it need be,
+    never narrower."""
+    if n < 1:
+        raise ValueError(f"a proportion's interval needs n >= 1 trials, got n={n}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"a proportion's interval needs p in [0, 1], got p={p}")
+    z2 = z * z
+    denominator = 1.0 + z2 / n
+    centre = (p + z2 / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1.0 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def _per_second(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else 0.0
 
@@ -216,12 +239,15 @@ def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) ->
     answers = [question_answer(sg, config.evaluation.num_generations_eval is not None) for sg in scored]
     reward, reward_ci = mean_ci95([a.reward for a in answers])
     accuracy, accuracy_ci = mean_ci95([float(a.correct) for a in answers])
+    accuracy_lo, accuracy_hi = wilson_interval(min(1.0, max(0.0, accuracy)), len(answers))
     means, errors = reward_means(config, scored)
     metrics = EvalMetrics(
         eval_reward=reward,
         eval_reward_ci95=reward_ci,
         eval_accuracy=accuracy,
         eval_accuracy_ci95=accuracy_ci,
+        eval_accuracy_lo=accuracy_lo,
+        eval_accuracy_hi=accuracy_hi,
         eval_format_rate=statistics.fmean(a.format for a in answers),
         eval_reward_means=means,
         eval_reward_errors=errors,
