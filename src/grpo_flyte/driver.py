@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import flyte
 from flyte.io import Dir
 
+from grpo_flyte.config.constants import LIST_PRICES
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
@@ -37,10 +39,11 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
-from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics
+from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, stage_cost
 from grpo_flyte.loop.pipeline import BatchesAhead
-from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
+from grpo_flyte.loop.publishing import cluster_pools, exported, publish_report, push_to_hub, report_dir
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
+from grpo_flyte.reporting.cost import prices_with_defaults
 from grpo_flyte.reporting.progress import eta_seconds, progress_line
 from grpo_flyte.reporting.trackers import Trackers
 from grpo_flyte.reporting.tracking import WandbRun, new_run_id
@@ -111,6 +114,15 @@ async def train_rl(
 async def _train_rl(
     config: RunConfig, base_model: Dir, examples: list[Example] | None, resume_from: str | None, models: ScoringModels | None = None
 ) -> RunResult:
+    clock = [observers.started_at(time.perf_counter())]  # when the last row was recorded (at first: the command's start)
+    accelerators, prices = cluster_pools(), prices_with_defaults(config.prices, LIST_PRICES)
+
+    def costed(row: MetricsRow) -> MetricsRow:
+        """The row with where its wall clock went since the last row (types.StageCost)."""
+        now = time.perf_counter()
+        wall_s, clock[0] = now - clock[0], now
+        return row.model_copy(update={"cost": stage_cost(row, wall_s, accelerators, prices)})
+
     models = models or ScoringModels()
     if config.judging and models.judge is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
@@ -169,7 +181,7 @@ async def _train_rl(
         """The row with the guard's record on it, and the guard's next state."""
         values = question_values(answers, state.guard.metric) if answers is not None else None
         guard, record = assess(config.guard, state.guard, [*history, row], values, adapter, last=row.iteration >= config.iterations)
-        return row.model_copy(update={"guard": record}), guard
+        return costed(row.model_copy(update={"guard": record})), guard
 
     ahead = None
     if config.max_staleness:

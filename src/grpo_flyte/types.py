@@ -318,6 +318,9 @@ class TrainMetrics(TaskValue):
     # With a reward model among the rewards (None otherwise): its stage seconds (wall clock while a
     # reward model call was in flight).
     reward_model_s: float | None = None
+    # The score pool's busy seconds: wall clock while a score_group call was in flight (None in rows
+    # written before it was measured).
+    score_busy_s: float | None = None
     # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
     # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
     turns_mean: float | None = None
@@ -353,6 +356,39 @@ class EvalMetrics(TaskValue):
     eval_tool_errors: int | None = None  # multi-turn: environment steps that raised or ran out of time
 
 
+# The pools a run's time is spent on: the Flyte task environments (envs.py) and the driver itself.
+POOLS = ("generate", "score", "judge", "reward_model", "train", "driver")
+
+
+class StageCost(TaskValue):
+    """Where one row's wall clock went (grpo_flyte.loop.metrics.stage_cost).
+
+    `wall_s`: the seconds since the previous row was recorded (the first row: since the driver
+    started). `wait_<stage>_s`: what the loop waited on, a partition of `wall_s`: generation, the
+    scoring after it (with the judge and reward models, which score beside it), the train step, the
+    held-out evaluation, and `driver_s`, the rest: the driver's own work (start-up, checkpoints,
+    reports, the guard, a sweep's configs meeting). `busy_<pool>_s`: the seconds each pool had a
+    call in flight (pools overlap: generation ahead of training, scoring beside generation; the
+    evaluation's seconds count as the generate pool's). On a cluster `accelerator_hours` is the
+    busy seconds times each pool's GPUs, over all pools, and `dollars` that at --prices (None
+    locally)."""
+
+    wall_s: float
+    driver_s: float
+    wait_generate_s: float = 0.0
+    wait_score_s: float = 0.0
+    wait_train_s: float = 0.0
+    wait_eval_s: float = 0.0
+    busy_generate_s: float = 0.0
+    busy_score_s: float = 0.0
+    busy_judge_s: float = 0.0
+    busy_reward_model_s: float = 0.0
+    busy_train_s: float = 0.0
+    busy_driver_s: float = 0.0
+    accelerator_hours: float | None = None
+    dollars: float | None = None
+
+
 GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]
 
 
@@ -382,20 +418,22 @@ class GuardRecord(BaseModel):
 
 class MetricsRow(TaskValue):
     """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
-    an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of it."""
+    an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of it;
+    `cost`: where its wall clock went (None in rows written before it was measured)."""
 
     iteration: int
     adapter_version: int
     train: TrainMetrics | None = None
     eval: EvalMetrics | None = None
     guard: GuardRecord | None = None
+    cost: StageCost | None = None
 
     def flat(self) -> dict[str, Any]:
         """The row as flat keys (`reward/<name>`, `eval_reward/<name>`, `ended/<reason>`): metrics.jsonl,
         the report, W&B. Multi-turn metrics appear in multi-turn runs only."""
         row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
         nested = {"reward_means": "reward/", "eval_reward_means": "eval_reward/", "episode_ends": "ended/"}
-        for part in (self.train, self.eval, self.guard):
+        for part in (self.train, self.eval, self.guard, self.cost):
             if part is None:
                 continue
             for key, value in part.model_dump().items():
@@ -421,6 +459,7 @@ class MetricsRow(TaskValue):
             ("train", TrainMetrics, "mean_reward"),
             ("eval", EvalMetrics, "eval_reward"),
             ("guard", GuardRecord, None),
+            ("cost", StageCost, "wall_s"),
         ):
             fields = {key: values[key] for key in model.model_fields if key in values}
             if (marker is None and fields) or (marker is not None and marker in values):

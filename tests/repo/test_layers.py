@@ -63,7 +63,7 @@ INSIDE = {
         "batching",
         "episodes",
     ),
-    "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
+    "reporting": ("figures", "html", "charts", "cost", "tracking", "trackers", "progress", "hub", "sweep_report"),
     "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
     "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
 }

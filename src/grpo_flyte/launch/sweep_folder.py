@@ -26,6 +26,7 @@ import contextvars
 import datetime as dt
 import json
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,6 +186,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     from grpo_flyte.models.folders import resolve_local_model
     from grpo_flyte.runtime.cache import check_cache_writable
 
+    observers.command_started(time.perf_counter())  # the rows' wall clock counts from here (types.StageCost)
     sweep_dir, members, todo = prepare_sweep(options, members, explicit)
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}
     bases = {model: resolve_local_model(model) for model in dict.fromkeys(todo[name][0].base.model for name in todo)}

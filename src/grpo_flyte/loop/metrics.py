@@ -13,8 +13,9 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import advantages
 from grpo_flyte.loop.answers import BestCompletion, CompletionSample, EvalAnswer, EvalCompletion
+from grpo_flyte.reporting.cost import Accelerators, accelerator_hours, pool_dollars
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import EvalMetrics, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+from grpo_flyte.types import POOLS, EvalMetrics, MetricsRow, Rollout, ScoredGroup, StageCost, TrainMetrics, TrainStepResult
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -256,3 +257,44 @@ def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) ->
         **eval_episode_metrics([sg.group.rollouts for sg in scored]),
     )
     return metrics, answers
+
+
+def stage_cost(
+    row: MetricsRow, wall_s: float, accelerators: Accelerators | None = None, prices: dict[str, float] | None = None
+) -> StageCost:
+    """Where the row's `wall_s` went (types.StageCost).
+
+    What the loop waited on: the batch (batch_wait_s), its last part counted as scoring (the scoring
+    tail, score_s, at most the whole wait: generation ahead of training may have hidden the rest)
+    and the rest as generation; the train step (train_s); the evaluation (eval_s); the driver, what
+    is left: driver_s = wall_s - (generate + score + train + eval), at least 0. What each pool was
+    busy: generate = generate_s + eval_s, score = score_busy_s, judge = judge_s, reward_model =
+    reward_model_s, train = train_s, driver = driver_s. With `accelerators` (a cluster run):
+    accelerator_hours = sum over pools of busy x accelerators / 3600, dollars = sum of each pool's
+    hours x its type's price (None when a type has no price)."""
+    t, e = row.train, row.eval
+    wait = dict.fromkeys(("generate", "score", "train"), 0.0)
+    busy = dict.fromkeys(POOLS, 0.0)
+    eval_s = e.eval_s if e is not None else 0.0
+    if t is not None:
+        scoring = min(t.score_s, t.batch_wait_s)
+        wait.update(generate=t.batch_wait_s - scoring, score=scoring, train=t.train_s)
+        busy.update(generate=t.generate_s, score=t.score_busy_s or 0.0, judge=t.judge_s or 0.0, reward_model=t.reward_model_s or 0.0)
+        busy["train"] = t.train_s
+    busy["generate"] += eval_s
+    busy["driver"] = driver_s = max(0.0, wall_s - sum(wait.values()) - eval_s)
+    hours = dollars = None
+    if accelerators is not None:
+        per_pool = accelerator_hours(busy, accelerators)
+        hours = sum(per_pool.values())
+        priced = pool_dollars(per_pool, accelerators, prices or {})
+        dollars = None if None in priced.values() else sum(v for v in priced.values() if v is not None)
+    return StageCost(
+        wall_s=wall_s,
+        driver_s=driver_s,
+        **{f"wait_{stage}_s": seconds for stage, seconds in wait.items()},
+        wait_eval_s=eval_s,
+        **{f"busy_{pool}_s": seconds for pool, seconds in busy.items()},
+        accelerator_hours=hours,
+        dollars=dollars,
+    )

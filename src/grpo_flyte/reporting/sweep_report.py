@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from grpo_flyte.reporting.charts import overlay_chart
+from grpo_flyte.reporting.cost import totals
 from grpo_flyte.reporting.html import escape, render_page
 
 Status = Literal["pending", "running", "complete", "failed"]
@@ -66,6 +67,25 @@ def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
         "best": best[1] if best else None,
         "best_iteration": best[0] if best else None,
         "seconds_per_iteration": fmean(seconds) if seconds else None,
+        **cost_figures(outcome.history, evaluated[0][1] if evaluated else None, best[1] if best else None),
+    }
+
+
+def cost_figures(history: list[dict[str, Any]], first: float | None, best: float | None) -> dict[str, Any]:
+    """What a config cost and what it bought: its wall hours, accelerator-hours and dollars (summed
+    over its rows; None where its rows have none: a local run has no accelerators), the held-out
+    gain (best - first) and that gain per accelerator-hour and per wall hour."""
+    summed = totals(history)
+    hours = summed.get("wall_s", 0.0) / 3600.0 or None
+    accelerator = summed.get("accelerator_hours") or None
+    gain = best - first if best is not None and first is not None else None
+    return {
+        "wall_hours": hours,
+        "accelerator_hours": accelerator,
+        "dollars": summed.get("dollars"),
+        "gain": gain,
+        "gain_per_accelerator_hour": gain / accelerator if gain is not None and accelerator else None,
+        "gain_per_hour": gain / hours if gain is not None and hours else None,
     }
 
 
@@ -153,7 +173,8 @@ def render_sweep_fragment(outcomes: list[ConfigOutcome], status: str) -> str:
 
 def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool = True) -> str:
     """The comparison page: every config's curves overlaid, the table of final and best held-out
-    figures (and which configs failed, and why), and with several seeds each setting's mean and
+    figures, what each cost and its gain per accelerator-hour (on a cluster) and per wall hour (and
+    which configs failed, and why), and with several seeds each setting's mean and
     worst seed. Names and errors are escaped: a config's values and an error's text are data."""
     key = held_out_key(outcomes)
     lines = [figures(o, key) for o in outcomes]
@@ -170,6 +191,10 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
             "best at",
             "iterations",
             "s / iteration",
+            "gain (best - first)",
+            "accelerator-hours",
+            "gain / accelerator-hour",
+            "gain / wall hour",
             "why it failed",
         ],
         [
@@ -183,6 +208,10 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
                 _number(line["best_iteration"]),
                 _number(line["iterations_done"]),
                 _number(line["seconds_per_iteration"]),
+                _number(line["gain"]),
+                _number(line["accelerator_hours"]),
+                _number(line["gain_per_accelerator_hour"]),
+                _number(line["gain_per_hour"]),
                 escape(line["error"] or ""),
             ]
             for line in lines
