@@ -65,7 +65,19 @@ INSIDE = {
     ),
     "reporting": ("figures", "html", "charts", "cost", "tracking", "trackers", "progress", "hub", "sweep_report"),
     "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
-    "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
+    "launch": (
+        "preflight",
+        "run_folder",
+        "lock",
+        "run_log",
+        "stopping",
+        "run_files",
+        "local_run",
+        "sweep_plan",
+        "sweep_folder",
+        "submit",
+        "cli",
+    ),
 }
 MAX_TOP_LEVEL = 16
 MAX_LINES = 500

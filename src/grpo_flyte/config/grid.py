@@ -19,7 +19,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import itertools
+import logging
 import re
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,33 @@ POOL_KEYS = {
 BASE_KEYS = ("model", "dtype")
 # Keys that set the vLLM engine's context length (max_model_len): shared on transformers only.
 CONTEXT_KEYS = ("max_prompt_tokens", "max_new_tokens", "max_episode_tokens")
+# A sweep's configs at most: each is a run of its own (a local sweep's all in one process, a cluster
+# sweep's all at once on the pools); a larger grid is much more often a mistyped value list than a
+# plan. docs/configuration.md#sweeps.
 MAX_CONFIGS = 256
+# Seconds between the lines that say how far a long check of a sweep's configs has come.
+CHECK_PROGRESS_S = 2.0
+
+logger = logging.getLogger(__name__)
+
+
+class CheckProgress:
+    """Says how far a check of many configs has come: a line at most every CHECK_PROGRESS_S seconds
+    ('checking the sweep's configs: 40 of 110'), and one when a check that said anything ends;
+    nothing for a check that takes less."""
+
+    def __init__(self, what: str, total: int, clock: typing.Callable[[], float] = time.monotonic):
+        self.what, self.total, self.clock = what, total, clock
+        self.started = self.last = clock()
+        self.said = False
+
+    def step(self, done: int) -> None:
+        now = self.clock()
+        if now - self.last >= CHECK_PROGRESS_S and done < self.total:
+            logger.info("%s: %d of %d", self.what, done, self.total)
+            self.last, self.said = now, True
+        elif done == self.total and self.said:
+            logger.info("%s: %d of %d in %.0f s", self.what, done, self.total, now - self.started)
 
 
 class SweepMember(BaseModel):
@@ -245,6 +273,7 @@ def expand_sweep(
     names = [member_name(entry) for entry in entries]
     if len(set(names)) < len(names):  # model folders of one name: named by their paths
         names = [member_name(entry, short_paths=False) for entry in entries]
+    progress = CheckProgress("checking the sweep's configs", len(entries))
     for entry, name in zip(entries, names, strict=True):
         try:
             config = make_config(**{**values, **entry})
@@ -252,6 +281,7 @@ def expand_sweep(
             raise ConfigError(f"{name}: {exc}", field="sweep") from None
         flat = config.flat()
         members.append(SweepMember(name=name, overrides={key: flat[key] for key in entry}, config=config))
+        progress.step(len(members))
     _check_bases(members, local)
     _check_reward_models(members)
     names = [m.name for m in members]

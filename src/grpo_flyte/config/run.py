@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -193,8 +194,10 @@ class RunConfig(Part):
     @field_validator("prices")
     @classmethod
     def _priced(cls, prices: dict[str, float]) -> dict[str, float]:
+        if not prices:
+            raise ValueError("no prices; expected at least one TYPE=DOLLARS_PER_HOUR, e.g. L4=0.80 (leave it out for the list prices)")
         for name, dollars in prices.items():
-            if not name.strip() or ":" in name:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
                 raise ValueError(
                     f"accelerator type {name!r}; expected a GPU name as GRPO_FLYTE_*_GPU gives it without the count, e.g. L4=0.80"
                 )

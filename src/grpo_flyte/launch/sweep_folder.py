@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_flyte.config.constants import PROG
-from grpo_flyte.config.grid import SweepMember
+from grpo_flyte.config.grid import CheckProgress, SweepMember
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
 from grpo_flyte.launch.local_run import ScoringDirs, begin_run, check_data, check_fits, new_run_name
@@ -51,6 +51,7 @@ from grpo_flyte.launch.run_folder import (
 )
 from grpo_flyte.launch.run_log import one_line
 from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
+from grpo_flyte.launch.sweep_plan import machine_memory, plan_line, plan_sweep
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.lockstep import leave, lockstep
@@ -193,6 +194,7 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     model_dirs = {name: bases[config.base.model] for name, (config, _) in todo.items()}
     scoring_dirs = ScoringDirs()
     check_cache_writable()
+    progress = CheckProgress("checking each config's data and model", len(todo))
     for m in members:
         if m.name not in todo:
             continue
@@ -200,6 +202,8 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
         examples, split, fingerprint = check_data(config, sweep_dir / m.name, resuming=resume_from is not None)
         inputs[m.name] = (examples, fingerprint)
         scoring_dirs = scoring_dirs.merged(check_fits(config, model_dirs[m.name], split))  # one judge for every config that judges
+        progress.step(len(inputs))
+    logger.info("%s", _plan(sweep_dir, [m for m in members if m.name in todo], model_dirs, todo))
     create_run_dir(sweep_dir)
     with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
         if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
@@ -217,6 +221,20 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
             board.outcomes[m.name] = board.outcomes[m.name].model_copy(update={**done, "history": _history(sweep_dir / m.name)})
         board.write()
         return _run_all(sweep_dir, members, todo, inputs, model_dirs, scoring_dirs, board)
+
+
+def _plan(sweep_dir: Path, running: list[SweepMember], model_dirs: dict[str, Path], todo: dict[str, tuple[RunConfig, str | None]]) -> str:
+    """The line the sweep starts with (launch.sweep_plan): its configs at once, their memory, and on
+    a resume the time the rest takes at the seconds per iteration its configs kept; a grid whose
+    memory cannot fit this machine is refused (UserError)."""
+    # the configs meet before every iteration (loop.lockstep), so a config's row already took as
+    # long as the sweep's iteration: its wall clock (types.StageCost), else its iteration_s
+    seconds = [
+        row.get("wall_s", row["iteration_s"]) for m in running for row in _history(sweep_dir / m.name) if row.get("iteration_s") is not None
+    ]
+    left = max((config.iterations - max(trained_iterations(sweep_dir / name), default=0) for name, (config, _) in todo.items()), default=0)
+    per_iteration = sum(seconds) / len(seconds) if seconds else None
+    return plan_line(plan_sweep(running, model_dirs), machine_memory(), per_iteration, left)
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
