@@ -34,7 +34,7 @@ from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
-from grpo_flyte.loop import lockstep, observers
+from grpo_flyte.loop import lockstep, observers, pruning
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
@@ -51,7 +51,7 @@ from grpo_flyte.reward import start_reward_workers
 from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
 from grpo_flyte.trainer import init_adapter, merge_adapter
-from grpo_flyte.types import AdapterRef, Example, MetricsRow, RunResult
+from grpo_flyte.types import AdapterRef, Example, GuardRecord, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -109,6 +109,14 @@ async def train_rl(
         if examples_file:
             examples = await from_payload(examples or [], examples_file, Example, _driver_dirs)
         return await _train_rl(config, base_model, examples, resume_from, ScoringModels(judge_model, reward_models or {}))
+
+
+def pruned(row: MetricsRow, guard: GuardState, iteration: int, why: str) -> tuple[MetricsRow, GuardState]:
+    """The row and the guard's state of a config its sweep stopped at `iteration` (loop.pruning): a
+    stop, as the guard's early stop is (the best adapter kept, the checkpoint saying why)."""
+    reason = f"stopped at iteration {iteration}: pruned by --sweep-prune: {why}"
+    record = (row.guard or GuardRecord()).model_copy(update={"guard_event": "stop", "guard_signal": "sweep_prune", "guard_reason": reason})
+    return row.model_copy(update={"guard": record}), guard.model_copy(update={"stopped": reason})
 
 
 async def _train_rl(
@@ -219,6 +227,10 @@ async def _train_rl(
                     metrics, answers = await run_eval(config, base_model, result.adapter, held_out, it + 1)
                     row = row.model_copy(update={"eval": metrics})
             row, guard = guarded_row(row, answers, result.adapter, state.history)
+            if answers is not None and config.sweep_prune:  # a pruned local sweep: the configs compare (loop.pruning)
+                why = await pruning.evaluated(run, it + 1, guard.metric, question_values(answers, guard.metric))
+                if why and guard.stopped is None:
+                    row, guard = pruned(row, guard, it + 1, why)
             adapter = result.adapter
             if row.guard is not None and row.guard.guard_event == "rollback":
                 adapter = restore_from(guard, result.adapter)
@@ -241,6 +253,7 @@ async def _train_rl(
                 answers,
             )
         lockstep.leave(run)
+        pruning.leave(run)
         merged = None
         if config.export_merged:
             with flyte.group("export"):
@@ -254,6 +267,7 @@ async def _train_rl(
         raise
     finally:
         lockstep.leave(run)
+        pruning.leave(run)
         if ahead is not None:
             ahead.cancel()  # batches past the last iteration are never started; a failure leaves none running
     closing = [line for line in (state.guard.stopped, best_summary(state.history)) if line]

@@ -116,6 +116,15 @@ def _iteration_row(i: int) -> dict[str, object]:
         "env_tokens_mean": 12.0 + i,
         "ended/done": 60 - i,
         "ended/turn_tokens": 4 + i,
+        # where the row's wall clock went (types.StageCost): each stage apart, so every series stays visible
+        "wall_s": 100.0,
+        "wait_generate_s": 50.0 - i,
+        "wait_score_s": 4.0,
+        "wait_train_s": 25.0 + i,
+        "wait_eval_s": 12.0,
+        "driver_s": 9.0,
+        "busy_generate_s": 62.0,
+        "busy_train_s": 25.0 + i,
     }
 
 

@@ -64,7 +64,7 @@ INSIDE = {
         "episodes",
     ),
     "reporting": ("figures", "html", "charts", "cost", "tracking", "trackers", "progress", "hub", "sweep_report"),
-    "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
+    "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "pruning", "publishing", "batches", "pipeline", "evaluation"),
     "launch": (
         "preflight",
         "run_folder",

@@ -138,6 +138,15 @@ class RunConfig(Part):
             "max_staleness versions older than the one it trains, so generation and training overlap. 0: the synchronous loop."
         ),
     )
+    sweep_prune: bool = Field(
+        False,
+        description=(
+            "A local sweep stops the configs that fall behind: at each held-out evaluation after training, a config whose "
+            "held-out metric (--select-by) is below the leading config's by more than the paired 99% interval over the same "
+            "questions (the guard's test) stops there, keeping its best adapter and folder; the others go on, faster. "
+            "A sweep of one config never prunes. See docs/configuration.md#sweeps."
+        ),
+    )
     prices: dict[str, float] = Field(
         default_factory=lambda: dict(LIST_PRICES),
         description=(

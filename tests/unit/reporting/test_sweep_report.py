@@ -108,3 +108,14 @@ def test_configs_compare_per_accelerator_hour_on_a_cluster_and_per_wall_hour_any
     assert "gain / accelerator-hour" in render_sweep_report([cheap, costly], "complete")
     # a local run's rows have no accelerator-hours: none, not 0
     assert figures(_outcome(1e-4, 1, [0.2, 0.3]), "eval_accuracy")["gain_per_accelerator_hour"] is None
+
+
+def test_a_pruned_config_is_marked_where_and_why_it_stopped():
+    stopped = _outcome(1.0, 0, [0.2, 0.0], status="pruned").model_copy(update={"stopped": "iteration 1: held-out accuracy 0.0% is ..."})
+    lines = comparison_lines([_outcome(1e-4, 0, [0.2, 0.3, 0.4]), stopped], {"lr=0.0001_seed=0": 2, "lr=1.0_seed=0": 2})
+    assert (
+        lines[0] == "sweep: 1 of 2 configs complete, 1 stopped early by --sweep-prune; held-out accuracy per config (first -> final, best):"
+    )
+    assert lines[2].endswith("pruned at iteration 1: held-out accuracy 0.0% is ...")
+    report = render_sweep_report([stopped], "complete")
+    assert "stopped by --sweep-prune: lr=1.0_seed=0" in report and "iteration 1: held-out accuracy 0.0% is ..." in report
