@@ -69,6 +69,7 @@ class Pruning:
         self._reports: dict[int, dict[str, list[float]]] = {}
         self._waiting: dict[int, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._outcome: dict[int, dict[str, str]] = {}
+        self._last: dict[str, int] = {}  # each run's latest reported iteration
         self._metric = ""
 
     async def evaluated(self, run: str, iteration: int, metric: str, values: list[float]) -> str | None:
@@ -81,8 +82,10 @@ class Pruning:
                 return None
             self._metric = metric
             self._reports.setdefault(iteration, {})[run] = values
+            self._last[run] = iteration
             self._waiting.setdefault(iteration, []).append((loop, done))
-            self._settle(iteration)
+            for pending in sorted(self._waiting):  # a run past an earlier evaluation (a resumed sweep) is not waited for there
+                self._settle(pending)
         await done
         return self._outcome[iteration].get(run)
 
@@ -94,9 +97,10 @@ class Pruning:
                 self._settle(iteration)
 
     def _settle(self, iteration: int) -> None:
-        """Decide `iteration` once every running config due there has reported (with the lock held)."""
+        """Decide `iteration` once every running config due there has reported (with the lock held); a
+        config already past it (a resumed sweep's configs need not be at one iteration) is not due."""
         reported = self._reports.get(iteration, {})
-        due = {run for run in self._running if eval_due(self._configs[run][1], iteration)}
+        due = {run for run in self._running if eval_due(self._configs[run][1], iteration) and self._last.get(run, -1) <= iteration}
         if iteration not in self._waiting or not due <= reported.keys():
             return
         by_name = {self._configs[run][0]: values for run, values in reported.items() if run in self._running}

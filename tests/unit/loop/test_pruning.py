@@ -64,3 +64,20 @@ def test_a_config_not_due_to_evaluate_is_not_waited_for_and_a_lone_config_never_
             assert await pruning.evaluated("run-a", 2, "eval_accuracy", [0.0]) is None
 
     asyncio.run(sweep())
+
+
+def test_a_config_already_past_an_evaluation_is_not_waited_for_there():
+    # a resumed sweep: a is at iteration 3 when b, killed earlier, evaluates iteration 2
+    configs = {"run-a": ("a", RunConfig(eval_every=1)), "run-b": ("b", RunConfig(eval_every=1))}
+
+    async def sweep():
+        with pruning.pruning(configs, lambda *d: None):
+            b_at_2 = asyncio.ensure_future(pruning.evaluated("run-b", 2, "eval_reward", [0.0, 0.0]))
+            await asyncio.sleep(0.05)
+            assert not b_at_2.done()  # a may still come to iteration 2
+            a_at_3 = asyncio.ensure_future(pruning.evaluated("run-a", 3, "eval_reward", [1.0, 1.0]))
+            assert await asyncio.wait_for(b_at_2, 1.0) is None  # a is past 2: b decides alone, and goes on
+            a, b = await asyncio.wait_for(asyncio.gather(a_at_3, pruning.evaluated("run-b", 3, "eval_reward", [0.0, 0.0])), 1.0)
+            assert a is None and b.startswith("held-out reward 0.000")  # at 3 both are there: b stops
+
+    asyncio.run(sweep())
