@@ -24,23 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import flyte
 from flyte.io import Dir
 
+from grpo_flyte.config.constants import LIST_PRICES
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.envs import driver_env
 from grpo_flyte.errors import ConfigError, input_errors_not_retried
-from grpo_flyte.loop import lockstep, observers
+from grpo_flyte.loop import lockstep, observers, pruning
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import ScoringModels, run_iteration
 from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
-from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, memory_metrics
+from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, memory_metrics, stage_cost
 from grpo_flyte.loop.pipeline import BatchesAhead
-from grpo_flyte.loop.publishing import exported, publish_report, push_to_hub, report_dir
+from grpo_flyte.loop.publishing import cluster_pools, exported, publish_report, push_to_hub, report_dir
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
+from grpo_flyte.records import GuardRecord
+from grpo_flyte.reporting.cost import prices_with_defaults
 from grpo_flyte.reporting.progress import eta_seconds, progress_line
 from grpo_flyte.reporting.trackers import Trackers
 from grpo_flyte.reporting.tracking import WandbRun, new_run_id
@@ -112,6 +116,14 @@ async def train_rl(
             return await _train_rl(config, base_model, examples, resume_from, models, driver_memory)
 
 
+def pruned(row: MetricsRow, guard: GuardState, iteration: int, why: str) -> tuple[MetricsRow, GuardState]:
+    """The row and the guard's state of a config its sweep stopped at `iteration` (loop.pruning): a
+    stop, as the guard's early stop is (the best adapter kept, the checkpoint saying why)."""
+    reason = f"stopped at iteration {iteration}: pruned by --sweep-prune: {why}"
+    record = (row.guard or GuardRecord()).model_copy(update={"guard_event": "stop", "guard_signal": "sweep_prune", "guard_reason": reason})
+    return row.model_copy(update={"guard": record}), guard.model_copy(update={"stopped": reason})
+
+
 async def _train_rl(
     config: RunConfig,
     base_model: Dir,
@@ -121,6 +133,16 @@ async def _train_rl(
     driver_memory: memory.Span,
 ) -> RunResult:
     """The loop; `driver_memory`: the span each row's peak memory is read from (and restarted)."""
+    clock = [observers.started_at(time.perf_counter())]  # when the last row was recorded (at first: the command's start)
+    accelerators, prices = cluster_pools(), prices_with_defaults(config.prices, LIST_PRICES)
+
+    def costed(row: MetricsRow) -> MetricsRow:
+        """The row with where its wall clock went since the last row (records.StageCost)."""
+        now = time.perf_counter()
+        wall_s, clock[0] = now - clock[0], now
+        return row.model_copy(update={"cost": stage_cost(row, wall_s, accelerators, prices)})
+
+    models = models or ScoringModels()
     if config.judging and models.judge is None:
         raise ConfigError("rewards name 'judge' but train_rl got no judge_model folder; expected the judge model's Dir")
     missing = [name for name in config.scoring.model_rewards if reward_model_ref(name)[0] not in models.reward_models]
@@ -178,7 +200,7 @@ async def _train_rl(
         """The row with the guard's record on it, and the guard's next state."""
         values = question_values(answers, state.guard.metric) if answers is not None else None
         guard, record = assess(config.guard, state.guard, [*history, row], values, adapter, last=row.iteration >= config.iterations)
-        return row.model_copy(update={"guard": record}), guard
+        return costed(row.model_copy(update={"guard": record})), guard
 
     ahead = None
     if config.max_staleness:
@@ -218,6 +240,10 @@ async def _train_rl(
                     row = row.model_copy(update={"eval": metrics})
                 row = row.model_copy(update={"memory": memory_metrics(memory.sampler().take(driver_memory), scored, result)})
             row, guard = guarded_row(row, answers, result.adapter, state.history)
+            if answers is not None and config.sweep_prune:  # a pruned local sweep: the configs compare (loop.pruning)
+                why = await pruning.evaluated(run, it + 1, guard.metric, question_values(answers, guard.metric))
+                if why and guard.stopped is None:
+                    row, guard = pruned(row, guard, it + 1, why)
             adapter = result.adapter
             if row.guard is not None and row.guard.guard_event == "rollback":
                 adapter = restore_from(guard, result.adapter)
@@ -240,6 +266,7 @@ async def _train_rl(
                 answers,
             )
         lockstep.leave(run)
+        pruning.leave(run)
         merged = None
         if config.export_merged:
             with flyte.group("export"):
@@ -253,6 +280,7 @@ async def _train_rl(
         raise
     finally:
         lockstep.leave(run)
+        pruning.leave(run)
         if ahead is not None:
             ahead.cancel()  # batches past the last iteration are never started; a failure leaves none running
     closing = [line for line in (state.guard.stopped, best_summary(state.history)) if line]

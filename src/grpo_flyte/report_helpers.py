@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo_flyte.reporting.charts import chart, has_key
+from grpo_flyte.reporting.cost import WAIT_STAGES, accelerator_hours, pool_dollars, totals, waits, where_the_time_went
 from grpo_flyte.reporting.html import DASH, MINUS, STATUSES, document, escape, finite, format_value, render_page
 
 # One (chart title, history keys) pair per chart, with at most as many keys as reporting.charts has series colours (6). A chart is drawn only when at
@@ -35,11 +36,15 @@ METRIC_CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # apart from the stages: one chart has as many series as there are colours at most
     ("Seconds waiting: the trainer for its batch, a train step restoring its state", ("batch_wait_s", "train_restore_s")),
     (
+        "Where the time went: seconds the loop waited, by stage",
+        ("wait_generate_s", "wait_score_s", "wait_train_s", "wait_eval_s", "driver_s"),
+    ),
+    (
         "LLM judge: calls, retries, unparsable replies, split groups",
         ("judge_calls", "judge_retries", "judge_invalid", "judge_split_groups"),
     ),
     ("Staleness (generation ahead of training)", ("staleness_mean", "staleness_max", "stale_dropped")),
-    # types.MemoryMetrics: locally the driver's process tree is the whole run's; on a cluster each task's process
+    # records.MemoryMetrics: locally the driver's process tree is the whole run's; on a cluster each task's process
     ("Peak resident memory, GB (process trees)", ("peak_rss_gb", "generate_peak_rss_gb", "score_peak_rss_gb", "train_peak_rss_gb")),
     (
         "Peak GPU memory, GB (torch: reserved, allocated)",
@@ -190,6 +195,50 @@ def _table(history: Sequence[Mapping]) -> str:
         f'<div class="scroll"><table class="iterations"><thead><tr>{head}</tr></thead>'
         f"<tbody>{rows}</tbody></table></div>"
     )
+
+
+# --------------------------------------------------------------------------- cost
+
+# The pools of StageCost's busy_* seconds, as the cost table names them.
+_POOL_ROWS = ("generate", "score", "judge", "reward_model", "train", "driver")
+
+
+def _cost(history: Sequence[Mapping], accelerators: Mapping[str, tuple[str, int]] | None, prices: Mapping[str, float] | None) -> str:
+    """The run's time by stage and by pool, summed over the rows that measured it (reporting.cost):
+    what the loop waited on (a partition of the wall clock) and what each pool was busy; on a
+    cluster (`accelerators`) each GPU pool's accelerator-hours and dollars at `prices`."""
+    summed = totals(history)
+    wall = summed.get("wall_s", 0.0)
+    if wall <= 0:
+        return ""
+    waited = waits(summed)
+    busy = {pool: summed.get(f"busy_{pool}_s", 0.0) for pool in _POOL_ROWS}
+    hours = accelerator_hours(busy, accelerators) if accelerators else {}
+    dollars = pool_dollars(hours, accelerators, prices or {}) if accelerators else {}
+    head = "<th scope='col'>Stage or pool</th><th scope='col'>Loop waited (s)</th><th scope='col'>Share of wall clock</th>"
+    head += "<th scope='col'>Pool busy (s)</th>"
+    if accelerators:
+        head += "<th scope='col'>Accelerators</th><th scope='col'>Accelerator-hours</th><th scope='col'>Dollars</th>"
+    rows = []
+    for name in dict.fromkeys((*WAIT_STAGES, *_POOL_ROWS)):
+        cells = [escape(name), format_value(waited.get(name), "sec"), f"{waited[name] / wall:.1%}" if name in waited else DASH]
+        cells.append(format_value(busy.get(name), "sec") if name in busy else DASH)
+        if accelerators:
+            kind = accelerators.get(name)
+            cells += [escape(f"{kind[0]} x {kind[1]}") if kind else DASH, format_value(hours.get(name), "num"), _dollars(dollars.get(name))]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+    total = f"<p class='meta'>{escape(where_the_time_went(summed))}"
+    if accelerators:
+        total += f"; {summed.get('accelerator_hours', 0.0):.3f} accelerator-hours, {_dollars(summed.get('dollars'))}"
+    total += " (eval runs on the generate and score pools: its seconds count as the generate pool's)</p>"
+    return (
+        "<h2>Where the time went</h2>" + total + f"<div class='scroll'><table class='kv cost'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def _dollars(value: float | None) -> str:
+    return f"${value:,.2f}" if value is not None else "no price"
 
 
 # --------------------------------------------------------------------------- completion and config
@@ -343,13 +392,17 @@ def render_report_fragment(
     message: str | None = None,
     held_out_answers: list[dict[str, object]] | None = None,
     completions: list[dict[str, object]] | None = None,
+    accelerators: Mapping[str, tuple[str, int]] | None = None,
+    prices: Mapping[str, float] | None = None,
 ) -> str:
     """The report as an HTML fragment (its style and its content, no document around them): what
-    `flyte.report.replace` puts inside the report tab's own page, and the body of `render_report`."""
+    `flyte.report.replace` puts inside the report tab's own page, and the body of `render_report`.
+    `accelerators` (a cluster run's GPU pools) and `prices` turn the cost table's busy seconds into
+    accelerator-hours and dollars."""
     if status not in STATUSES:
         raise ValueError(f"unknown report status {status!r}; expected one of {', '.join(STATUSES)}")
     if history:
-        progress = _cards(history) + _charts(history) + _table(history)
+        progress = _cards(history) + _charts(history) + _cost(history, accelerators, prices) + _table(history)
     else:
         progress = '<p class="placeholder empty">No iterations finished yet.</p>'
     body = progress + _best_completion(best_completion) + _completions(completions) + _held_out(held_out_answers) + _config(config)

@@ -17,7 +17,8 @@ from contextlib import asynccontextmanager
 from flyte.io import Dir
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_STALENESS
-from grpo_flyte.config.generation import EngineConfig, EpisodeConfig, ModelConfig, PromptConfig, SamplingConfig, context_length
+from grpo_flyte.config.episode import EpisodeConfig, context_length
+from grpo_flyte.config.generation import EngineConfig, ModelConfig, PromptConfig, SamplingConfig
 from grpo_flyte.engine import agents, batching, cache, episodes, interface, tool_episodes
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest

@@ -1,5 +1,6 @@
 """This module defines the values that cross task boundaries: what `generate`, `score_group` and
-`train_step` take and return, the driver's per-iteration metrics row and its result.
+`train_step` take and return, the driver's per-iteration metrics row (its parts:
+`grpo_flyte.records`) and its result.
 
 It sits at the bottom with `grpo_flyte.errors`: the task modules import these types from here and
 never from each other. Importing it is cheap (pydantic and `flyte.io`).
@@ -14,6 +15,8 @@ from typing import Any, Literal
 
 from flyte.io import Dir
 from pydantic import BaseModel, ConfigDict, model_validator
+
+from grpo_flyte.records import EvalMetrics, GuardRecord, MemoryMetrics, StageCost, TrainMetrics
 
 # The report's file name: in a local run folder, and inside `RunResult.report`.
 REPORT_FILE = "report.html"
@@ -298,153 +301,11 @@ class TrainStepResult(TaskValue):
     memory: MemoryPeak | None = None  # the train task's process (rank 0's with several) while it ran
 
 
-class TrainMetrics(TaskValue):
-    """What one training iteration measured. `reward_means`: each weighted reward's mean unweighted
-    score; `reward_errors`: (completion, reward) scores that failed and counted as 0."""
-
-    mean_reward: float
-    accuracy: float
-    format_rate: float
-    reward_means: dict[str, float]
-    reward_errors: int
-    loss: float
-    num_rollouts: int
-    num_groups: int
-    topup_groups: int
-    num_contributing: int
-    frac_zero_std_groups: float
-    num_updates: int
-    num_tokens: int
-    kl: float | None  # None: not measured this iteration (beta 0, see kl_monitor_every)
-    clip_fraction: float
-    is_ratio_mean: float
-    is_ratio_max: float
-    is_ess: float = 1.0  # effective sample size of the importance weights (a fraction; see learning.losses.effective_sample_size)
-    is_clipped_fraction: float = 0.0  # tokens whose importance weight the cap truncated or masked
-    entropy: float
-    entropy_coef: float | None = None  # with an entropy bonus: its coefficient after the iteration (see use_adaptive_entropy)
-    off_policy_masked_fraction: float | None = None  # with off_policy_mask_threshold: tokens it left out of the policy loss
-    vespo_phi_mean: float | None = None  # loss_type 'vespo' only: the mean gamma weight
-    grad_norm: float
-    lr: float = 0.0  # the learning rate of the iteration's last optimizer step
-    train_world_size: int = 1  # processes the train step ran in
-    train_restore_s: float = 0.0  # seconds of train_s spent reading the adapter and optimizer state back
-    completion_len_mean: float
-    completion_len_max: int
-    truncated_fraction: float
-    generate_s: float
-    score_s: float  # the scoring tail after the last group was generated
-    train_s: float
-    iteration_s: float
-    generate_tokens_per_s: float
-    score_tokens_per_s: float
-    train_tokens_per_s: float
-    # How stale the trained groups were (versions between the adapter that generated a group and the
-    # one it trained), the groups dropped as staler than max_staleness, and the seconds the trainer
-    # waited for its batch (a pipelined run: what generation ahead did not hide).
-    staleness_mean: float = 0.0
-    staleness_max: int = 0
-    stale_dropped: int = 0
-    batch_wait_s: float = 0.0
-    # With the 'judge' reward (None otherwise): the judge's stage seconds (wall clock while a judge
-    # call was in flight), its prompts, retries, unparsable replies, groups split to fit its context.
-    judge_s: float | None = None
-    judge_calls: int | None = None
-    judge_retries: int | None = None
-    judge_invalid: int | None = None
-    judge_split_groups: int | None = None
-    # With a reward model among the rewards (None otherwise): its stage seconds (wall clock while a
-    # reward model call was in flight).
-    reward_model_s: float | None = None
-    # Multi-turn runs only (None otherwise): means per episode, tool_call_rate the share of episodes
-    # with a tool call, episode_ends how many episodes ended each way (see Episode.end).
-    turns_mean: float | None = None
-    tool_calls_mean: float | None = None
-    tool_call_rate: float | None = None
-    tool_errors: int | None = None
-    tool_calls: int | None = None  # the batch's tool calls (tool_calls_mean x episodes)
-    tool_malformed: int | None = None  # --tools: calls that could not be read
-    model_tokens_mean: float | None = None
-    env_tokens_mean: float | None = None
-    episode_ends: dict[str, int] = {}
-
-
-class EvalMetrics(TaskValue):
-    """One held-out evaluation (greedy answers; with num_generations_eval, means over each question's
-    sampled completions); `*_ci95` are 95% interval half-widths over the questions, None when a
-    single held-out question gives no interval (shown with `plus_minus`)."""
-
-    eval_reward: float
-    eval_reward_ci95: float | None
-    eval_accuracy: float
-    eval_accuracy_ci95: float | None
-    eval_format_rate: float
-    eval_reward_means: dict[str, float]
-    eval_reward_errors: int
-    eval_size: int
-    eval_s: float
-    eval_tool_call_rate: float | None = None  # multi-turn: share of held-out episodes with a tool call
-    eval_tool_call_rate_ci95: float | None = None
-    eval_turns_mean: float | None = None
-    eval_tool_errors: int | None = None  # multi-turn: environment steps that raised or ran out of time
-
-
-GuardEvent = Literal["new_best", "collapse", "rollback", "stop", "early_stop"]
-
-
-class MemoryMetrics(TaskValue):
-    """The peak memory of one row's stretch of the run, in GB (10^9 bytes; see
-    grpo_flyte.runtime.memory for what is polled and what is exact).
-
-    `peak_rss_gb`: the resident memory of the driver's process and every process below it, from the
-    previous row to this one. In a local run every task runs in that process, so this is the whole
-    run's (the generator, the trainer, the reward workers); on a cluster it is the driver's pod.
-    The others are what the tasks of the row's iteration reported for their own processes, the
-    largest over its calls: `generate_peak_*` over the generate calls, `score_peak_rss_gb` over the
-    score_group calls (their reward workers included), `train_peak_*` the train step's; `*_gpu_gb`
-    is torch's peak reserved GPU memory there, `*_gpu_allocated_gb` its peak allocated (None
-    without a GPU). Iteration 0's row (the evaluation before training) has `peak_rss_gb` only.
-    """
-
-    peak_rss_gb: float
-    generate_peak_rss_gb: float | None = None
-    generate_peak_gpu_gb: float | None = None
-    generate_peak_gpu_allocated_gb: float | None = None
-    score_peak_rss_gb: float | None = None
-    train_peak_rss_gb: float | None = None
-    train_peak_gpu_gb: float | None = None
-    train_peak_gpu_allocated_gb: float | None = None
-
-
-class GuardRecord(BaseModel):
-    """What the run's guard (grpo_flyte.loop.guard) made of one iteration.
-
-    On a row with a held-out evaluation: `select_by` (the metric that picks the best adapter),
-    `best_iteration` (the best evaluation's iteration, this one included) and, from the second
-    evaluation on, `vs_best` (this evaluation minus the best one before it, paired over the same
-    questions) with `vs_best_ci99`, the half-width of its 99% interval (the guard's collapse test). `guard_event` is what happened, if
-    anything: a new best, a collapse ('collapse': warned or at the last iteration; 'rollback';
-    'stop'), or 'early_stop'; `guard_signal` names what showed the collapse ('held_out' or a
-    signal between evaluations) and `guard_reason` says it in words. A rollback row has the
-    learning-rate scale from then on (`lr_scale`) and the rollbacks so far (`rollbacks`).
-    """
-
-    select_by: str | None = None
-    best_iteration: int | None = None
-    vs_best: float | None = None
-    vs_best_ci99: float | None = None
-    guard_event: GuardEvent | None = None
-    guard_signal: str | None = None
-    guard_reason: str | None = None
-    lr_scale: float | None = None
-    rollbacks: int | None = None
-
-
 class MetricsRow(TaskValue):
     """One row of the run's history: iteration 0 is the evaluation before training (no `train`);
     an iteration without a held-out evaluation has no `eval`; `guard`: what the run's guard made of
-    it; `memory`: the peak memory of its stretch of the run (None in a history written before it was
-    measured)."""
+    it; `memory`: the peak memory of its stretch of the run; `cost`: where its wall clock went (each
+    None in a history written before it was measured)."""
 
     iteration: int
     adapter_version: int
@@ -452,13 +313,14 @@ class MetricsRow(TaskValue):
     eval: EvalMetrics | None = None
     guard: GuardRecord | None = None
     memory: MemoryMetrics | None = None
+    cost: StageCost | None = None
 
     def flat(self) -> dict[str, Any]:
         """The row as flat keys (`reward/<name>`, `eval_reward/<name>`, `ended/<reason>`): metrics.jsonl,
         the report, W&B. Multi-turn metrics appear in multi-turn runs only."""
         row: dict[str, Any] = {"iteration": self.iteration, "adapter_version": self.adapter_version}
         nested = {"reward_means": "reward/", "eval_reward_means": "eval_reward/", "episode_ends": "ended/"}
-        for part in (self.train, self.eval, self.guard, self.memory):
+        for part in (self.train, self.eval, self.guard, self.memory, self.cost):
             if part is None:
                 continue
             for key, value in part.model_dump().items():
@@ -485,6 +347,7 @@ class MetricsRow(TaskValue):
             ("eval", EvalMetrics, "eval_reward"),
             ("guard", GuardRecord, None),
             ("memory", MemoryMetrics, "peak_rss_gb"),
+            ("cost", StageCost, "wall_s"),
         ):
             fields = {key: values[key] for key in model.model_fields if key in values}
             if (marker is None and fields) or (marker is not None and marker in values):

@@ -116,7 +116,7 @@ def _iteration_row(i: int) -> dict[str, object]:
         "env_tokens_mean": 12.0 + i,
         "ended/done": 60 - i,
         "ended/turn_tokens": 4 + i,
-        # the peak memory (types.MemoryMetrics), the GPU's as a GPU run records it; apart, so every series stays visible
+        # the peak memory (records.MemoryMetrics), the GPU's as a GPU run records it; apart, so every series stays visible
         "peak_rss_gb": 2.4 + 0.1 * i,
         "generate_peak_rss_gb": 1.9 + 0.05 * i,
         "score_peak_rss_gb": 0.3,
@@ -125,6 +125,15 @@ def _iteration_row(i: int) -> dict[str, object]:
         "train_peak_gpu_gb": 8.0 + 0.5 * i,
         "generate_peak_gpu_allocated_gb": 10.0 + 0.1 * i,
         "train_peak_gpu_allocated_gb": 5.0 + 0.4 * i,
+        # where the row's wall clock went (records.StageCost): each stage apart, so every series stays visible
+        "wall_s": 100.0,
+        "wait_generate_s": 50.0 - i,
+        "wait_score_s": 4.0,
+        "wait_train_s": 25.0 + i,
+        "wait_eval_s": 12.0,
+        "driver_s": 9.0,
+        "busy_generate_s": 62.0,
+        "busy_train_s": 25.0 + i,
     }
 
 

@@ -20,6 +20,7 @@ PACKAGE = Path(grpo_flyte.__file__).resolve().parent
 
 # Bottom to top: a room imports only rooms of lower layers (rooms of one layer never import each other).
 LAYERS = (
+    ("records",),  # the parts of the metrics row: what an iteration measured
     ("errors", "types"),  # the values every module shares
     ("runtime",),  # the process's machinery: files, storage, the torch thread, child processes, the sandbox, the device
     ("reward_fns", "multiturn", "tools"),  # what users extend: reward functions, RL environments, tools as Python functions
@@ -47,7 +48,20 @@ INSIDE = {
     "runtime": ("closing_lru", "allocator", "memory", "files", "cache", "child_processes", "device", "torch_thread", "sandbox", "storage"),
     "scoring": ("judging", "workers", "compose"),
     "tools": ("functions", "formats", "execution"),
-    "config": ("trl_names", "defaults", "constants", "part", "generation", "training", "run", "errors", "files", "table", "grid"),
+    "config": (
+        "trl_names",
+        "defaults",
+        "constants",
+        "part",
+        "generation",
+        "episode",
+        "training",
+        "run",
+        "errors",
+        "files",
+        "table",
+        "grid",
+    ),
     "models": ("attention", "loading", "embedded", "folders", "reward_model"),
     "learning": ("distribution", "grpo", "losses", "policy", "update", "data_parallel", "merge"),
     "engine": (
@@ -67,9 +81,21 @@ INSIDE = {
         "chat_client",
         "agents",
     ),
-    "reporting": ("figures", "html", "charts", "tracking", "trackers", "progress", "hub", "sweep_report"),
-    "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "publishing", "batches", "pipeline", "evaluation"),
-    "launch": ("preflight", "run_folder", "lock", "run_log", "stopping", "run_files", "local_run", "sweep_folder", "submit", "cli"),
+    "reporting": ("figures", "html", "charts", "cost", "tracking", "trackers", "progress", "hub", "sweep_report"),
+    "loop": ("answers", "metrics", "guard", "state", "observers", "lockstep", "pruning", "publishing", "batches", "pipeline", "evaluation"),
+    "launch": (
+        "preflight",
+        "run_folder",
+        "lock",
+        "run_log",
+        "stopping",
+        "run_files",
+        "local_run",
+        "sweep_plan",
+        "sweep_folder",
+        "submit",
+        "cli",
+    ),
 }
 MAX_TOP_LEVEL = 16
 MAX_LINES = 500

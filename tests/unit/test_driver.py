@@ -9,13 +9,21 @@ from flyte.io import Dir
 
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.loop.answers import EvalAnswer
-from grpo_flyte.loop.metrics import completion_sample, eval_results, iteration_metrics, mean_ci95, memory_metrics, reward_means
+from grpo_flyte.loop.metrics import (
+    completion_sample,
+    eval_results,
+    iteration_metrics,
+    mean_ci95,
+    memory_metrics,
+    reward_means,
+    wilson_interval,
+)
+from grpo_flyte.records import EvalMetrics, TrainMetrics
 from grpo_flyte.reporting.progress import progress_line
 from grpo_flyte.types import (
     AdapterRef,
     Episode,
     EpisodeTurn,
-    EvalMetrics,
     Example,
     MemoryPeak,
     MetricsRow,
@@ -24,7 +32,6 @@ from grpo_flyte.types import (
     RolloutGroup,
     ScoredGroup,
     StepStats,
-    TrainMetrics,
     TrainStepResult,
 )
 
@@ -36,6 +43,31 @@ def test_mean_ci95_hand_computed():
     assert half == pytest.approx(1.96 * math.sqrt(1 / 3) / 2)
     assert mean_ci95([0.3, 0.3, 0.3]) == (pytest.approx(0.3), 0.0)
     assert mean_ci95([0.7]) == (0.7, None)  # one value says nothing about the spread: no interval
+
+
+@pytest.mark.parametrize(
+    ("p", "n", "lo", "hi"),
+    [
+        # 2 of 4: centre (0.5 + 0.4802) / 1.9604 = 0.5, half 0.99980 * sqrt(0.0625 + 0.060025) = 0.34996
+        (0.5, 4, 0.15004, 0.84996),
+        # 1 of 4: centre 0.7302 / 1.9604 = 0.37247, half 0.99980 * sqrt(0.046875 + 0.060025) = 0.32689
+        # (the normal interval would be 0.25 +- 0.424: -0.174..0.674)
+        (0.25, 4, 0.04558, 0.69936),
+        # 0 of 10: centre 0.19208 / 1.38416 = half 1.41602 * 0.098 = 0.13877: 0..0.2775, not 0..0
+        (0.0, 10, 0.0, 0.27753),
+        # 1 of 1: centre 2.9208 / 4.8416 = 0.60327, half 0.40482 * 0.98 = 0.39673
+        (1.0, 1, 0.20654, 1.0),
+    ],
+)
+def test_wilson_interval_hand_computed(p, n, lo, hi):
+    assert wilson_interval(p, n) == (pytest.approx(lo, abs=1e-4), pytest.approx(hi, abs=1e-4))
+
+
+def test_wilson_interval_refuses_what_is_not_a_proportion():
+    with pytest.raises(ValueError, match="n=0"):
+        wilson_interval(0.5, 0)
+    with pytest.raises(ValueError, match=r"p=1\.5"):
+        wilson_interval(1.5, 3)
 
 
 @pytest.mark.parametrize(
@@ -337,6 +369,9 @@ def test_a_greedy_evaluation_keeps_one_answer_per_question_as_before():
     assert "completions" not in answers[1].model_dump() and answers[1].correct is False
     assert (metrics.eval_reward, metrics.eval_accuracy, metrics.eval_format_rate) == (0.5, 0.5, 1.0)
     assert metrics.eval_accuracy_ci95 == pytest.approx(1.96 * math.sqrt(0.5) / math.sqrt(2))
+    # the normal interval 0.5 +- 0.98 leaves [0, 1]; the proportion's (Wilson, 1 of 2) does not:
+    # centre (0.5 + 0.9604) / 2.9208 = 0.5, half 1.96 / 2.9208 * sqrt(0.125 + 0.2401) = 0.40547
+    assert (metrics.eval_accuracy_lo, metrics.eval_accuracy_hi) == (pytest.approx(0.09453, abs=1e-4), pytest.approx(0.90547, abs=1e-4))
 
 
 def test_a_sampled_evaluation_scores_each_question_by_its_means():

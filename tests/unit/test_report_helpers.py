@@ -403,6 +403,20 @@ def test_held_out_curves_carry_their_95_percent_band_and_round_ticks():
     assert all(len(label) <= 4 for label in labels), labels  # 0.2, 0.4, ... not 0.2378
 
 
+def _y_labels(history: list[dict[str, object]]) -> list[float]:
+    held_out = _svgs(_render(history))["Held-out evaluation"]
+    return [float(label.replace(MINUS, "-")) for label in re.findall(r'text-anchor="end">([^<]+)<', held_out)]
+
+
+def test_the_accuracy_band_is_its_bounds_and_never_leaves_0_to_1():
+    # an older row's half-width of 0.98 around 0.5 reaches -0.48..1.48: the band stops at 0 and 1
+    old = [_row(i, eval_accuracy=0.5, eval_accuracy_ci95=0.98) for i in range(1, 3)]
+    assert (min(_y_labels(old)), max(_y_labels(old))) == (0.0, 1.0)
+    # a new row's bounds are drawn as they are (0.25..0.75), not the half-width around the value
+    new = [_row(i, eval_accuracy=0.5, eval_accuracy_ci95=0.98, eval_accuracy_lo=0.25, eval_accuracy_hi=0.75) for i in range(1, 3)]
+    assert min(_y_labels(new)) >= 0.2 and max(_y_labels(new)) <= 0.8, _y_labels(new)
+
+
 def test_a_running_local_report_reloads_itself_and_a_finished_one_does_not():
     running = render_report(title="t", status="running", config={}, history=[_row(1)])
     assert '<meta http-equiv="refresh" content="30">' in running

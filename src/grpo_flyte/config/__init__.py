@@ -6,16 +6,8 @@ names, the validation errors as a user reads them, the options table, and a swee
 keeps working; everything else is imported from its module.
 """
 
-from grpo_flyte.config.generation import (
-    DataConfig,
-    EngineConfig,
-    EpisodeConfig,
-    JudgeConfig,
-    ModelConfig,
-    PromptConfig,
-    RewardConfig,
-    SamplingConfig,
-)
+from grpo_flyte.config.episode import EpisodeConfig
+from grpo_flyte.config.generation import DataConfig, EngineConfig, JudgeConfig, ModelConfig, PromptConfig, RewardConfig, SamplingConfig
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.config.training import EvalConfig, GuardConfig, LoraConfig, TrainConfig
 

@@ -36,6 +36,9 @@ VLLM_MEMORY_BUDGET = 0.9
 LOCAL_VLLM_SHARE = 0.5
 # The experiment trackers --report-to names (TRL's report_to), each an optional extra of its own.
 TRACKERS = ("wandb", "trackio", "mlflow", "tensorboard")
+# Dollars per hour of one accelerator by type (the GPU name of GRPO_FLYTE_*_GPU): the defaults of
+# --prices, on-demand list prices; their source and date are in docs/cluster.md#what-a-run-costs.
+LIST_PRICES = {"L4": 0.8048, "A100": 4.0966}
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."

@@ -20,7 +20,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import itertools
+import logging
 import re
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from grpo_flyte.config.constants import MAX_BASES, MAX_REWARD_MODELS, VLLM_MEMORY_BUDGET
+from grpo_flyte.config.episode import context_length
 from grpo_flyte.config.errors import make_config
-from grpo_flyte.config.generation import context_length
 from grpo_flyte.config.run import RunConfig, leaf_index
 from grpo_flyte.config.trl_names import TRL_ALIASES
 from grpo_flyte.errors import ConfigError, flag
@@ -54,12 +56,38 @@ POOL_KEYS = {
 # Keys that choose the base model: each value its own engine and loaded base per replica.
 BASE_KEYS = ("model", "dtype")
 # Keys that set a vLLM engine's context length (max_model_len): the generate engine's
-# (`generation.context_length`) and the judge's. A replica keeps one generate engine per base and
+# (`episode.context_length`) and the judge's. A replica keeps one generate engine per base and
 # the judge's pool one engine, so configs of different lengths would rebuild it at every switch
 # between them: refused on vLLM (`_check_contexts`); transformers engines do not depend on it.
 CONTEXT_KEYS = ("max_prompt_tokens", "max_new_tokens", "max_episode_tokens", "env")
 JUDGE_CONTEXT_KEYS = ("judge_context_tokens",)
+# A sweep's configs at most: each is a run of its own (a local sweep's all in one process, a cluster
+# sweep's all at once on the pools); a larger grid is much more often a mistyped value list than a
+# plan. docs/configuration.md#sweeps.
 MAX_CONFIGS = 256
+# Seconds between the lines that say how far a long check of a sweep's configs has come.
+CHECK_PROGRESS_S = 2.0
+
+logger = logging.getLogger(__name__)
+
+
+class CheckProgress:
+    """Says how far a check of many configs has come: a line at most every CHECK_PROGRESS_S seconds
+    ('checking the sweep's configs: 40 of 110'), and one when a check that said anything ends;
+    nothing for a check that takes less."""
+
+    def __init__(self, what: str, total: int, clock: typing.Callable[[], float] = time.monotonic):
+        self.what, self.total, self.clock = what, total, clock
+        self.started = self.last = clock()
+        self.said = False
+
+    def step(self, done: int) -> None:
+        now = self.clock()
+        if now - self.last >= CHECK_PROGRESS_S and done < self.total:
+            logger.info("%s: %d of %d", self.what, done, self.total)
+            self.last, self.said = now, True
+        elif done == self.total and self.said:
+            logger.info("%s: %d of %d in %.0f s", self.what, done, self.total, now - self.started)
 
 
 class SweepMember(BaseModel):
@@ -280,6 +308,7 @@ def expand_sweep(
     names = [member_name(entry) for entry in entries]
     if len(set(names)) < len(names):  # model folders of one name: named by their paths
         names = [member_name(entry, short_paths=False) for entry in entries]
+    progress = CheckProgress("checking the sweep's configs", len(entries))
     for entry, name in zip(entries, names, strict=True):
         try:
             config = make_config(**{**values, **entry})
@@ -287,6 +316,7 @@ def expand_sweep(
             raise ConfigError(f"{name}: {exc}", field="sweep") from None
         flat = config.flat()
         members.append(SweepMember(name=name, overrides={key: flat[key] for key in entry}, config=config))
+        progress.step(len(members))
     _check_bases(members, local)
     _check_contexts(members, local)
     _check_reward_models(members)

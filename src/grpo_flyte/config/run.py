@@ -19,24 +19,18 @@ options (`config.defaults`), config files (`config.files`), the error text and `
 from __future__ import annotations
 
 import functools
+import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_flyte.config.constants import MAX_STALENESS, TRACKERS
+from grpo_flyte.config.constants import LIST_PRICES, MAX_STALENESS, TRACKERS
 from grpo_flyte.config.defaults import env_defaults, staleness_defaults
-from grpo_flyte.config.generation import (
-    DataConfig,
-    EngineConfig,
-    EpisodeConfig,
-    JudgeConfig,
-    ModelConfig,
-    PromptConfig,
-    RewardConfig,
-    SamplingConfig,
-)
+from grpo_flyte.config.episode import EpisodeConfig
+from grpo_flyte.config.generation import DataConfig, EngineConfig, JudgeConfig, ModelConfig, PromptConfig, RewardConfig, SamplingConfig
 from grpo_flyte.config.part import Part
 from grpo_flyte.config.training import EvalConfig, GuardConfig, LoraConfig, TrainConfig
 from grpo_flyte.config.trl_names import from_trl_names
@@ -136,6 +130,23 @@ class RunConfig(Part):
             "max_staleness versions older than the one it trains, so generation and training overlap. 0: the synchronous loop."
         ),
     )
+    sweep_prune: bool = Field(
+        False,
+        description=(
+            "A local sweep stops the configs that fall behind: at each held-out evaluation after training, a config whose "
+            "held-out metric (--select-by) is below the leading config's by more than the paired 99% interval over the same "
+            "questions (the guard's test) stops there, keeping its best adapter and folder; the others go on, faster. "
+            "A sweep of one config never prunes. See docs/configuration.md#sweeps."
+        ),
+    )
+    prices: dict[str, float] = Field(
+        default_factory=lambda: dict(LIST_PRICES),
+        description=(
+            "Dollars per hour of one accelerator, by type (the GPU name of the GRPO_FLYTE_*_GPU settings), e.g. "
+            "L4=0.80,A100=4.10: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
+            "The defaults are list prices (docs/cluster.md#what-a-run-costs); a type not given keeps its list price."
+        ),
+    )
     base: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -180,6 +191,20 @@ class RunConfig(Part):
                 why = " (TRL's 'all', every installed tracker, would change with the environment: name them)" if name == "all" else ""
                 raise ValueError(f"{name!r}{why}; expected a comma-separated list of {', '.join(TRACKERS)}, or none")
         return tuple(dict.fromkeys(names))
+
+    @field_validator("prices")
+    @classmethod
+    def _priced(cls, prices: dict[str, float]) -> dict[str, float]:
+        if not prices:
+            raise ValueError("no prices; expected at least one TYPE=DOLLARS_PER_HOUR, e.g. L4=0.80 (leave it out for the list prices)")
+        for name, dollars in prices.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(
+                    f"accelerator type {name!r}; expected a GPU name as GRPO_FLYTE_*_GPU gives it without the count, e.g. L4=0.80"
+                )
+            if not (math.isfinite(dollars) and dollars >= 0):
+                raise ValueError(f"price {dollars} of {name!r}; expected dollars per hour, a finite number >= 0")
+        return prices
 
     @model_validator(mode="after")
     def _room_for_stale_adapters(self) -> RunConfig:

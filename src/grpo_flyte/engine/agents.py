@@ -35,7 +35,8 @@ import threading
 import time
 from typing import Any
 
-from grpo_flyte.config.generation import EpisodeConfig, PromptConfig
+from grpo_flyte.config.episode import EpisodeConfig
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.engine import batching, cache
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.chat_client import BadRequest, Call, ChatServer, Limits, chains, openai_client

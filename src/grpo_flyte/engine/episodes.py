@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from grpo_flyte import multiturn
-from grpo_flyte.config.generation import EpisodeConfig, PromptConfig
+from grpo_flyte.config.episode import EpisodeConfig
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.engine import batching, cache
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest

@@ -20,7 +20,8 @@ import functools
 import json
 from typing import Any
 
-from grpo_flyte.config.generation import EpisodeConfig, PromptConfig
+from grpo_flyte.config.episode import EpisodeConfig
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.engine import cache, episodes
 from grpo_flyte.engine.cache import EngineKey
 from grpo_flyte.engine.interface import SamplingRequest

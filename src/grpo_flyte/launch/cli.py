@@ -90,7 +90,15 @@ def _cli_model() -> type[BaseSettings]:
 
 
 # What a flag's value is, in words (argparse would show Python types: `{Path,null}`, `dict[str,float]`).
-_METAVARS = {"run_dir": "DIR", "config": "FILE", "resume_run": "RUN_NAME", "model": "MODEL", "dataset": "DATASET", "env": "ENV"}
+_METAVARS = {
+    "run_dir": "DIR",
+    "config": "FILE",
+    "resume_run": "RUN_NAME",
+    "model": "MODEL",
+    "dataset": "DATASET",
+    "env": "ENV",
+    "prices": "TYPE=DOLLARS,...",
+}
 _TYPE_METAVARS = {int: "N", float: "NUM", str: "TEXT", Path: "PATH"}
 
 

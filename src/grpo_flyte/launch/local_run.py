@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,6 +198,7 @@ def run_local(options: dict[str, Any], config: RunConfig, explicit: set[str]) ->
     from grpo_flyte.models.folders import resolve_local_model
     from grpo_flyte.runtime.cache import check_cache_writable
 
+    observers.command_started(time.perf_counter())  # the rows' wall clock counts from here (records.StageCost)
     resuming = bool(options["resume"])
     # Every check first (nothing is written until they pass), then the folder's lock, then writes.
     run_dir, config, resume_from = prepare_local_run(options, config, explicit)

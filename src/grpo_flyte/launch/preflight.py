@@ -11,7 +11,8 @@ import os
 from pathlib import Path
 
 from grpo_flyte.config.constants import ARITHMETIC_DATASET, GSM8K_DATASET
-from grpo_flyte.config.generation import PromptConfig, context_length
+from grpo_flyte.config.episode import context_length
+from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import is_file_dataset, load_rows, train_eval_split
 from grpo_flyte.errors import ConfigError, GrpoFlyteError, UserError, flag, given

@@ -18,6 +18,7 @@ from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR,
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.state import LoopState
+from grpo_flyte.reporting.cost import totals, where_the_time_went
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.runtime.storage import is_remote
 from grpo_flyte.types import OPTIMIZER_FILE, REPORT_FILE, AdapterRef, MemoryPeak, MetricsRow, RunResult
@@ -106,11 +107,13 @@ def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult,
     run_dir = files.root
     files.export_adapter(result.adapter)
     best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
+    went = where_the_time_went(totals([row.flat() for row in result.history]))
+    went = f"; the time went to {went}" if went else ""
     where = (run_dir / ADAPTER_DIR, best, run_dir / REPORT_FILE, run_dir / METRICS_FILE)
     if peak is None:
-        logger.info("done: adapter %s%s, report %s, metrics %s", *where)
+        logger.info("done: adapter %s%s, report %s, metrics %s%s", *where, went)
     else:
-        logger.info("done: adapter %s%s, report %s, metrics %s; %s", *where, peak_words(peak, result.history))
+        logger.info("done: adapter %s%s, report %s, metrics %s%s; %s", *where, went, peak_words(peak, result.history))
     if result.merged is not None:
         merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
         where = files.export_merged(result.merged.path)

@@ -26,12 +26,14 @@ import contextvars
 import datetime as dt
 import json
 import logging
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_flyte.config.constants import PROG
-from grpo_flyte.config.grid import SweepMember
+from grpo_flyte.config.grid import CheckProgress, SweepMember
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.errors import UserError
 from grpo_flyte.launch.local_run import ScoringDirs, begin_run, check_data, check_fits, new_run_name
@@ -50,9 +52,11 @@ from grpo_flyte.launch.run_folder import (
 )
 from grpo_flyte.launch.run_log import one_line
 from grpo_flyte.launch.stopping import sigterm_stops_like_ctrl_c, stop_interrupted
+from grpo_flyte.launch.sweep_plan import machine_memory, plan_line, plan_sweep
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.lockstep import leave, lockstep
+from grpo_flyte.loop.pruning import pruning
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.reporting.sweep_report import ConfigOutcome, comparison_lines, figures, held_out_key, render_sweep_report
 from grpo_flyte.runtime import memory
@@ -66,6 +70,9 @@ logger = logging.getLogger("grpo_flyte")
 
 SWEEP_FILE = "sweep.json"  # the sweep's configs: each one's name, what it changes, its whole config
 OUTCOMES_FILE = "sweep.jsonl"  # a line per config: its outcome and held-out figures
+PRUNED_FILE = "pruned.json"  # --sweep-prune's decisions: each stopped config's iteration and why (a resume keeps them)
+# What configs compared by --sweep-prune must share: the same held-out questions, answered and valued alike.
+PRUNE_SHARED_KEYS = ("dataset", "eval_size", "num_generations_eval", "select_by", "sweep_prune")
 
 
 def is_sweep_dir(path: Path | None) -> bool:
@@ -135,15 +142,56 @@ def _saved_members(sweep_dir: Path) -> list[SweepMember]:
 
 
 def _finished(sweep_dir: Path) -> set[str]:
+    """The configs a resume leaves alone: complete, or stopped by --sweep-prune."""
     path = sweep_dir / OUTCOMES_FILE
+    done = set(pruned_configs(sweep_dir))
     if not path.is_file():
-        return set()
-    done = set()
+        return done
     for line in path.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError, TypeError, KeyError):
-            if (entry := json.loads(line))["status"] == "complete":
+            if (entry := json.loads(line))["status"] in ("complete", "pruned"):
                 done.add(entry["name"])
     return done
+
+
+def pruned_configs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    """--sweep-prune's decisions kept in the sweep folder: config name -> {iteration, reason}."""
+    path = sweep_dir / PRUNED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"--resume: {str(path)!r} is not a sweep's pruning decisions ({one_line(exc)[:200]})") from None
+
+
+class PruneLog:
+    """Keeps each --sweep-prune decision: in the sweep folder (PRUNED_FILE, rewritten whole) and on the board."""
+
+    def __init__(self, sweep_dir: Path, board: SweepBoard):
+        self.path, self.board = sweep_dir / PRUNED_FILE, board
+        self.decisions = pruned_configs(sweep_dir)
+        self._lock = threading.Lock()  # the configs' drivers may decide from several threads
+
+    def decided(self, name: str, iteration: int, reason: str) -> None:
+        with self._lock:
+            self.decisions[name] = {"iteration": iteration, "reason": reason}
+            write_text_atomic(self.path, json.dumps(self.decisions, indent=2) + "\n")
+            self.board.update(name, stopped=f"iteration {iteration}: {reason}")
+        logger.info("[%s] pruned at iteration %d: %s", name, iteration, reason)
+
+
+def check_prunable(members: list[SweepMember]) -> None:
+    """--sweep-prune compares configs over the same held-out questions: refused, in one line, for a
+    grid that changes them (or the metric)."""
+    if not any(m.config.sweep_prune for m in members):
+        return
+    changed = [key for key in PRUNE_SHARED_KEYS if len({repr(m.config.flat().get(key)) for m in members}) > 1]
+    if changed:
+        raise UserError(
+            f"--sweep-prune compares the configs over the same held-out questions, but the sweep changes {', '.join(changed)}; "
+            "expected those the same for every config"
+        )
 
 
 def prepare_sweep(
@@ -186,12 +234,15 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
     from grpo_flyte.models.folders import resolve_local_model
     from grpo_flyte.runtime.cache import check_cache_writable
 
+    observers.command_started(time.perf_counter())  # the rows' wall clock counts from here (records.StageCost)
     sweep_dir, members, todo = prepare_sweep(options, members, explicit)
+    check_prunable(members)
     inputs: dict[str, tuple[list[Example] | None, dict[str, Any]]] = {}
     bases = {model: resolve_local_model(model) for model in dict.fromkeys(todo[name][0].base.model for name in todo)}
     model_dirs = {name: bases[config.base.model] for name, (config, _) in todo.items()}
     scoring_dirs = ScoringDirs()
     check_cache_writable()
+    progress = CheckProgress("checking each config's data and model", len(todo))
     for m in members:
         if m.name not in todo:
             continue
@@ -199,6 +250,8 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
         examples, split, fingerprint = check_data(config, sweep_dir / m.name, resuming=resume_from is not None)
         inputs[m.name] = (examples, fingerprint)
         scoring_dirs = scoring_dirs.merged(check_fits(config, model_dirs[m.name], split))  # one judge for every config that judges
+        progress.step(len(inputs))
+    logger.info("%s", _plan(sweep_dir, [m for m in members if m.name in todo], model_dirs, todo))
     create_run_dir(sweep_dir)
     with run_dir_lock(sweep_dir), contextlib.ExitStack() as locks:
         if not options["resume"] and (sweep_dir / SWEEP_FILE).exists():  # another sweep started here meanwhile
@@ -211,11 +264,28 @@ def run_sweep_local(options: dict[str, Any], members: list[SweepMember], explici
             locks.enter_context(run_dir_lock(sweep_dir / name))
             save_data_fingerprint(sweep_dir / name, inputs[name][1])
         board = SweepBoard(sweep_dir, members)
-        for m in members:  # a resumed sweep shows what each config did before: finished, or its iterations so far
+        decisions = pruned_configs(sweep_dir)
+        for m in members:  # a resumed sweep shows what each config did before: finished, pruned, or its iterations so far
             done = {} if m.name in todo else {"status": "complete"}
+            if m.name in decisions:
+                done = {"status": "pruned", "stopped": f"iteration {decisions[m.name]['iteration']}: {decisions[m.name]['reason']}"}
             board.outcomes[m.name] = board.outcomes[m.name].model_copy(update={**done, "history": _history(sweep_dir / m.name)})
         board.write()
         return _run_all(sweep_dir, members, todo, inputs, model_dirs, scoring_dirs, board)
+
+
+def _plan(sweep_dir: Path, running: list[SweepMember], model_dirs: dict[str, Path], todo: dict[str, tuple[RunConfig, str | None]]) -> str:
+    """The line the sweep starts with (launch.sweep_plan): its configs at once, their memory, and on
+    a resume the time the rest takes at the seconds per iteration its configs kept; a grid whose
+    memory cannot fit this machine is refused (UserError)."""
+    # the configs meet before every iteration (loop.lockstep), so a config's row already took as
+    # long as the sweep's iteration: its wall clock (records.StageCost), else its iteration_s
+    seconds = [
+        row.get("wall_s", row["iteration_s"]) for m in running for row in _history(sweep_dir / m.name) if row.get("iteration_s") is not None
+    ]
+    left = max((config.iterations - max(trained_iterations(sweep_dir / name), default=0) for name, (config, _) in todo.items()), default=0)
+    per_iteration = sum(seconds) / len(seconds) if seconds else None
+    return plan_line(plan_sweep(running, model_dirs), machine_memory(), per_iteration, left)
 
 
 def _history(run_dir: Path) -> list[dict[str, Any]]:
@@ -256,7 +326,15 @@ def _run_all(
 
     try:
         # the bars stop (and the terminal is whole again) before any message below
-        with sigterm_stops_like_ctrl_c(), bars_shown(bars), lockstep(runs.values()), memory.span() as whole:
+        prunes = PruneLog(sweep_dir, board)
+        pruned_runs = {runs[name]: (name, config) for name, (config, _) in todo.items() if config.sweep_prune}
+        with (
+            sigterm_stops_like_ctrl_c(),
+            bars_shown(bars),
+            lockstep(runs.values()),
+            pruning(pruned_runs, prunes.decided),
+            memory.span() as whole,
+        ):
             errors = asyncio.run(all_configs())
     except KeyboardInterrupt as exc:
         stop_interrupted(exc, sweep_dir, lambda: _kept(sweep_dir, todo))
@@ -323,4 +401,5 @@ async def _run_config(
         logger.error("failed: %s; the traceback is in %s; the other configs go on", one_line(exc), run_dir / LOG_FILE)
         raise
     finish_local_run(folder.files, config, result)
-    board.update(name, status="complete", history=[row.flat() for row in result.history])
+    stopped = board.outcomes[name].stopped is not None  # by --sweep-prune (loop.pruning)
+    board.update(name, status="pruned" if stopped else "complete", history=[row.flat() for row in result.history])

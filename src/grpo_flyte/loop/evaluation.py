@@ -15,10 +15,11 @@ from grpo_flyte.loop import observers
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.batches import generate_and_score, generate_parts
 from grpo_flyte.loop.metrics import eval_results
+from grpo_flyte.records import EvalMetrics
 from grpo_flyte.reward import score_groups
 from grpo_flyte.rollout import generate_eval
 from grpo_flyte.runtime.storage import discard_stowed, fetch_group
-from grpo_flyte.types import AdapterRef, EvalMetrics, Example, ScoredGroup
+from grpo_flyte.types import AdapterRef, Example, ScoredGroup
 
 # Held-out completions per generate_eval task (greedy: questions; with num_generations_eval N, a
 # task takes EVAL_CHUNK // N questions): spread over the warm pool, batched within a replica.

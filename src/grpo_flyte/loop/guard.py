@@ -33,8 +33,9 @@ from pydantic import BaseModel
 from grpo_flyte.config.training import GuardConfig
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.metrics import mean_ci95
+from grpo_flyte.records import GuardRecord, TrainMetrics
 from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, shown_change
-from grpo_flyte.types import AdapterRef, Example, GuardRecord, MetricsRow, TrainMetrics
+from grpo_flyte.types import AdapterRef, Example, MetricsRow
 
 Metric = Literal["eval_accuracy", "eval_reward"]
 # A collapse on the held-out set: the paired difference below minus this many standard errors (99%).

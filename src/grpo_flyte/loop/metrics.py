@@ -13,8 +13,10 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import advantages
 from grpo_flyte.loop.answers import BestCompletion, CompletionSample, EvalAnswer, EvalCompletion
+from grpo_flyte.records import POOLS, EvalMetrics, MemoryMetrics, StageCost, TrainMetrics
+from grpo_flyte.reporting.cost import Accelerators, accelerator_hours, pool_dollars
 from grpo_flyte.scoring.judging import SHOWN_CHARS, judge_metrics
-from grpo_flyte.types import EvalMetrics, MemoryMetrics, MemoryPeak, Rollout, ScoredGroup, TrainMetrics, TrainStepResult
+from grpo_flyte.types import MemoryPeak, MetricsRow, Rollout, ScoredGroup, TrainStepResult
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -25,6 +27,29 @@ def mean_ci95(values: list[float]) -> tuple[float, float | None]:
     if n < 2:
         return mean, None
     return mean, 1.96 * statistics.stdev(values) / math.sqrt(n)
+
+
+def wilson_interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion `p` measured over `n` trials (95% with z = 1.96):
+
+        centre = (p + z^2 / 2n) / (1 + z^2 / n)
+        half   = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2)
+
+    returned as (centre - half, centre + half), inside [0, 1] for every p in [0, 1] (the normal
+    interval p +- z sqrt(p (1 - p) / n) is not: 1 of 4 correct gives -0.17..0.67), and not empty at
+    p = 0 or 1 (0 of 10 gives 0..0.278). For the held-out accuracy with num_generations_eval, p is
+    the mean over the questions of each question's share correct and n the number of questions:
+    the share of a question varies less than a 0/1 answer, so the interval is wider than it need be,
+    never narrower."""
+    if n < 1:
+        raise ValueError(f"a proportion's interval needs n >= 1 trials, got n={n}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"a proportion's interval needs p in [0, 1], got p={p}")
+    z2 = z * z
+    denominator = 1.0 + z2 / n
+    centre = (p + z2 / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1.0 - p) / n + z2 / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _per_second(count: float, seconds: float) -> float:
@@ -241,12 +266,15 @@ def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) ->
     answers = [question_answer(sg, config.evaluation.num_generations_eval is not None) for sg in scored]
     reward, reward_ci = mean_ci95([a.reward for a in answers])
     accuracy, accuracy_ci = mean_ci95([float(a.correct) for a in answers])
+    accuracy_lo, accuracy_hi = wilson_interval(min(1.0, max(0.0, accuracy)), len(answers))
     means, errors = reward_means(config, scored)
     metrics = EvalMetrics(
         eval_reward=reward,
         eval_reward_ci95=reward_ci,
         eval_accuracy=accuracy,
         eval_accuracy_ci95=accuracy_ci,
+        eval_accuracy_lo=accuracy_lo,
+        eval_accuracy_hi=accuracy_hi,
         eval_format_rate=statistics.fmean(a.format for a in answers),
         eval_reward_means=means,
         eval_reward_errors=errors,
@@ -255,3 +283,44 @@ def eval_results(config: RunConfig, scored: list[ScoredGroup], eval_s: float) ->
         **eval_episode_metrics([sg.group.rollouts for sg in scored]),
     )
     return metrics, answers
+
+
+def stage_cost(
+    row: MetricsRow, wall_s: float, accelerators: Accelerators | None = None, prices: dict[str, float] | None = None
+) -> StageCost:
+    """Where the row's `wall_s` went (records.StageCost).
+
+    What the loop waited on: the batch (batch_wait_s), its last part counted as scoring (the scoring
+    tail, score_s, at most the whole wait: generation ahead of training may have hidden the rest)
+    and the rest as generation; the train step (train_s); the evaluation (eval_s); the driver, what
+    is left: driver_s = wall_s - (generate + score + train + eval), at least 0. What each pool was
+    busy: generate = generate_s + eval_s, score = score_busy_s, judge = judge_s, reward_model =
+    reward_model_s, train = train_s, driver = driver_s. With `accelerators` (a cluster run):
+    accelerator_hours = sum over pools of busy x accelerators / 3600, dollars = sum of each pool's
+    hours x its type's price (None when a type has no price)."""
+    t, e = row.train, row.eval
+    wait = dict.fromkeys(("generate", "score", "train"), 0.0)
+    busy = dict.fromkeys(POOLS, 0.0)
+    eval_s = e.eval_s if e is not None else 0.0
+    if t is not None:
+        scoring = min(t.score_s, t.batch_wait_s)
+        wait.update(generate=t.batch_wait_s - scoring, score=scoring, train=t.train_s)
+        busy.update(generate=t.generate_s, score=t.score_busy_s or 0.0, judge=t.judge_s or 0.0, reward_model=t.reward_model_s or 0.0)
+        busy["train"] = t.train_s
+    busy["generate"] += eval_s
+    busy["driver"] = driver_s = max(0.0, wall_s - sum(wait.values()) - eval_s)
+    hours = dollars = None
+    if accelerators is not None:
+        per_pool = accelerator_hours(busy, accelerators)
+        hours = sum(per_pool.values())
+        priced = pool_dollars(per_pool, accelerators, prices or {})
+        dollars = None if None in priced.values() else sum(v for v in priced.values() if v is not None)
+    return StageCost(
+        wall_s=wall_s,
+        driver_s=driver_s,
+        **{f"wait_{stage}_s": seconds for stage, seconds in wait.items()},
+        wait_eval_s=eval_s,
+        **{f"busy_{pool}_s": seconds for pool, seconds in busy.items()},
+        accelerator_hours=hours,
+        dollars=dollars,
+    )

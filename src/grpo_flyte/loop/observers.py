@@ -32,6 +32,19 @@ class RunObserver(Protocol):
 
 
 _observers: list[tuple[RunObserver, str | None]] = []
+_command_started: list[float] = []
+
+
+def command_started(at: float) -> None:
+    """A local command (a run, a sweep) started at `at` (time.perf_counter()): its drivers, in this
+    process, count their first row's wall clock from there, its checks and Flyte's start-up included."""
+    _command_started[:] = [at]
+
+
+def started_at(default: float) -> float:
+    """When the command that runs the caller's driver started (`default`, the driver's own start, on
+    a cluster or when no command said)."""
+    return _command_started[0] if _command_started else default
 
 
 @contextlib.contextmanager

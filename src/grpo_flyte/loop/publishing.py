@@ -10,15 +10,34 @@ import flyte
 import flyte.report
 from flyte.io import Dir
 
+from grpo_flyte.config.constants import LIST_PRICES
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import observers
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reporting import hub
+from grpo_flyte.reporting.cost import cluster_accelerators, prices_with_defaults
 from grpo_flyte.runtime.storage import LocalDirCache, publish_dir
 from grpo_flyte.types import REPORT_FILE, AdapterRef
 
 REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
+
+
+def cluster_pools() -> dict[str, tuple[str, int]] | None:
+    """Each GPU pool's accelerators on a cluster (envs.py's settings: type and count per call); None
+    in a local run, whose pools share this machine."""
+    ctx = flyte.ctx()
+    if not ctx or ctx.mode == "local":
+        return None
+    from grpo_flyte.envs import settings
+
+    gpus = {
+        "generate": settings.rollout_gpu,
+        "judge": settings.judge_gpu,
+        "reward_model": settings.reward_model_gpu,
+        "train": settings.train_gpu,
+    }
+    return cluster_accelerators(gpus, settings.train_nodes)
 
 
 async def publish_report(config: RunConfig, state: LoopState, status: str, message: str | None = None) -> str:
@@ -33,6 +52,8 @@ async def publish_report(config: RunConfig, state: LoopState, status: str, messa
         "held_out_answers": [answer.model_dump() for answer in state.held_out_sample],
         "completions": [c.model_dump() for c in state.completions],
         "message": message,
+        "accelerators": cluster_pools(),
+        "prices": prices_with_defaults(config.prices, LIST_PRICES),
     }
     html = render_report(**parts)
     observers.report(html)

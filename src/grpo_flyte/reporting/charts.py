@@ -13,6 +13,11 @@ from grpo_flyte.reporting.html import escape, finite
 
 # A series drawn with a shaded 95% interval: the key holding the interval's half-width.
 _BANDS = {"eval_reward": "eval_reward_ci95", "eval_accuracy": "eval_accuracy_ci95", "eval_tool_call_rate": "eval_tool_call_rate_ci95"}
+# A series whose rows carry its interval's bounds (a proportion's, loop.metrics.wilson_interval):
+# drawn from them where a row has them, from the half-width above in older rows.
+_BOUNDS = {"eval_accuracy": ("eval_accuracy_lo", "eval_accuracy_hi")}
+# A proportion's band never leaves [0, 1], whatever the half-width of an older row says.
+_RANGES = {"eval_accuracy": (0.0, 1.0), "eval_tool_call_rate": (0.0, 1.0)}
 
 # The guard's events (grpo_flyte.loop.guard) marked on every chart: a dashed vertical line at the
 # iteration, labelled, the reason as its tooltip; the best adapter's iteration on the held-out chart.
@@ -109,16 +114,22 @@ def _axes(scale: _Scale, xs: Sequence[float]) -> str:
 
 
 def _band(history: Sequence[Mapping], key: str) -> list[tuple[float, float, float]]:
-    """(iteration, low, high) of `key`'s 95% interval on the rows that carry a finite one."""
+    """(iteration, low, high) of `key`'s 95% interval on the rows that carry a finite one: its bounds
+    where the rows have them (_BOUNDS), else the value +- its half-width, inside the metric's range."""
     if key not in _BANDS:
         return []
     band = []
     for position, row in enumerate(history, start=1):
         y, half = finite(row.get(key)), finite(row.get(_BANDS[key]))
-        if y is None or half is None:
-            continue
+        lo_key, hi_key = _BOUNDS.get(key, ("", ""))
+        lo, hi = finite(row.get(lo_key)), finite(row.get(hi_key))
+        if lo is None or hi is None:
+            if y is None or half is None:
+                continue
+            lo, hi = y - half, y + half
+        floor, ceiling = _RANGES.get(key, (-math.inf, math.inf))
         x = finite(row.get("iteration"))
-        band.append((x if x is not None else float(position), y - half, y + half))
+        band.append((x if x is not None else float(position), max(lo, floor), min(hi, ceiling)))
     return band
 
 

@@ -10,6 +10,12 @@ def plus_minus(half_width: float | None) -> str:
     return f"+- {half_width:.3f}" if half_width is not None else "(one question: no interval)"
 
 
+def accuracy_interval(lo: float | None, hi: float | None) -> str:
+    """The held-out accuracy's 95% interval (a proportion's: inside [0, 1]) as '[10.9%, 25.5%]';
+    '' for a row written before the bounds existed."""
+    return f"[{lo:.1%}, {hi:.1%}]" if lo is not None and hi is not None else ""
+
+
 def shown(metric: str | None, value: float) -> str:
     """A value of a held-out metric (eval_accuracy, eval_reward) as a person reads it: a percentage for the accuracy."""
     return f"{value:.1%}" if metric == "eval_accuracy" else f"{value:.3f}"

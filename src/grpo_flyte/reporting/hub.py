@@ -15,7 +15,7 @@ from typing import Any
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.models.folders import shareable_base
-from grpo_flyte.reporting.figures import plus_minus
+from grpo_flyte.reporting.figures import accuracy_interval, plus_minus
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow
 
 logger = logging.getLogger("grpo_flyte")
@@ -66,10 +66,10 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, itera
             "",
             "| | reward | accuracy |",
             "| --- | --- | --- |",
-            f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} {plus_minus(first.eval_reward_ci95)} | {first.eval_accuracy:.1%} |",
-            f"| after (iteration {after.iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} |",
+            f"| before training (iteration {evaluated[0].iteration}) | {first.eval_reward:.3f} {plus_minus(first.eval_reward_ci95)} | {first.eval_accuracy:.1%} {accuracy_interval(first.eval_accuracy_lo, first.eval_accuracy_hi)} |",
+            f"| after (iteration {after.iteration}) | {last.eval_reward:.3f} {plus_minus(last.eval_reward_ci95)} | {last.eval_accuracy:.1%} {accuracy_interval(last.eval_accuracy_lo, last.eval_accuracy_hi)} |",
             "",
-            "+- is the half-width of a 95% interval.",
+            "+- is the half-width of a 95% interval; [low, high] the accuracy's 95% interval (Wilson's, for a proportion).",
         ]
     return "\n".join(lines) + "\n"
 

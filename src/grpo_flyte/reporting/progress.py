@@ -34,7 +34,7 @@ from rich.progress import (
 from rich.text import Text
 
 from grpo_flyte.config.run import RunConfig, eval_due
-from grpo_flyte.reporting.figures import change_plus_minus, plus_minus, shown_change
+from grpo_flyte.reporting.figures import accuracy_interval, change_plus_minus, plus_minus, shown_change
 from grpo_flyte.types import MetricsRow
 
 
@@ -215,8 +215,9 @@ def progress_line(row: MetricsRow, total: int, eta_s: float | None = None) -> st
     e, t = row.eval, row.train
     best, event = guard_lines(row)
     held_out = (
-        f"held-out reward {e.eval_reward:.3f} {plus_minus(e.eval_reward_ci95)}  acc {e.eval_accuracy:.1%}  "
-        f"format {e.eval_format_rate:.1%}"
+        f"held-out reward {e.eval_reward:.3f} {plus_minus(e.eval_reward_ci95)}  acc {e.eval_accuracy:.1%}"
+        + (f" {accuracy_interval(e.eval_accuracy_lo, e.eval_accuracy_hi)}" if e.eval_accuracy_lo is not None else "")
+        + f"  format {e.eval_format_rate:.1%}"
         + (f"  tool use {e.eval_tool_call_rate:.0%}" if e.eval_tool_call_rate is not None else "")
         + (f"  tool errors {e.eval_tool_errors}" if e.eval_tool_errors else "")
         + f"  (n={e.eval_size}, {e.eval_s:.1f}s)"

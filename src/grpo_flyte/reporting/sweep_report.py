@@ -14,9 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from grpo_flyte.reporting.charts import overlay_chart
+from grpo_flyte.reporting.cost import totals
 from grpo_flyte.reporting.html import escape, render_page
 
-Status = Literal["pending", "running", "complete", "failed"]
+Status = Literal["pending", "running", "complete", "failed", "pruned"]
 # The curves the comparison overlays: (title, metrics key).
 OVERLAID = (
     ("Held-out accuracy (95% interval)", "eval_accuracy"),
@@ -29,7 +30,7 @@ REPORT_TITLE = "grpo_flyte sweep"
 
 class ConfigOutcome(BaseModel):
     """Where one config of a sweep stands: what it changes, its base model, its status, why it
-    failed, its rows."""
+    failed or where and why --sweep-prune stopped it, its rows."""
 
     name: str
     overrides: dict[str, Any]
@@ -38,6 +39,7 @@ class ConfigOutcome(BaseModel):
     status: Status = "pending"
     error: str | None = None
     history: list[dict[str, Any]] = []
+    stopped: str | None = None  # --sweep-prune stopped it: at which iteration and why (loop.pruning)
 
 
 def held_out_key(outcomes: list[ConfigOutcome]) -> str:
@@ -59,6 +61,7 @@ def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
         "model": outcome.model,
         "status": outcome.status,
         "error": outcome.error,
+        "stopped": outcome.stopped,
         "iterations_done": max((row["iteration"] for row in outcome.history), default=0),
         "metric": key,
         "first": evaluated[0][1] if evaluated else None,
@@ -66,6 +69,25 @@ def figures(outcome: ConfigOutcome, key: str) -> dict[str, Any]:
         "best": best[1] if best else None,
         "best_iteration": best[0] if best else None,
         "seconds_per_iteration": fmean(seconds) if seconds else None,
+        **cost_figures(outcome.history, evaluated[0][1] if evaluated else None, best[1] if best else None),
+    }
+
+
+def cost_figures(history: list[dict[str, Any]], first: float | None, best: float | None) -> dict[str, Any]:
+    """What a config cost and what it bought: its wall hours, accelerator-hours and dollars (summed
+    over its rows; None where its rows have none: a local run has no accelerators), the held-out
+    gain (best - first) and that gain per accelerator-hour and per wall hour."""
+    summed = totals(history)
+    hours = summed.get("wall_s", 0.0) / 3600.0 or None
+    accelerator = summed.get("accelerator_hours") or None
+    gain = best - first if best is not None and first is not None else None
+    return {
+        "wall_hours": hours,
+        "accelerator_hours": accelerator,
+        "dollars": summed.get("dollars"),
+        "gain": gain,
+        "gain_per_accelerator_hour": gain / accelerator if gain is not None and accelerator else None,
+        "gain_per_hour": gain / hours if gain is not None and hours else None,
     }
 
 
@@ -107,7 +129,9 @@ def comparison_lines(outcomes: list[ConfigOutcome], iterations: dict[str, int]) 
     lines = [figures(o, key) for o in outcomes]
     what = "accuracy" if key == "eval_accuracy" else "reward"
     done = sum(line["status"] == "complete" for line in lines)
-    out = [f"sweep: {done} of {len(lines)} configs complete; held-out {what} per config (first -> final, best):"]
+    pruned = sum(line["status"] == "pruned" for line in lines)
+    stopped = f", {pruned} stopped early by --sweep-prune" if pruned else ""
+    out = [f"sweep: {done} of {len(lines)} configs complete{stopped}; held-out {what} per config (first -> final, best):"]
     width = max(len(line["name"]) for line in lines)
     for line in lines:
         best = f"best {_shown(key, line['best'])} (iteration {line['best_iteration']})" if line["best"] is not None else ""
@@ -120,7 +144,11 @@ def comparison_lines(outcomes: list[ConfigOutcome], iterations: dict[str, int]) 
             best.ljust(25),
             seconds,
         ]
-        out.append("  ".join(cells).rstrip() + (f"  failed: {line['error']}" if line["error"] else ""))
+        out.append(
+            "  ".join(cells).rstrip()
+            + (f"  failed: {line['error']}" if line["error"] else "")
+            + (f"  pruned at {line['stopped']}" if line["stopped"] else "")
+        )
     if len({o.seed for o in outcomes}) > 1:
         for s in seed_summary(lines):
             setting = ", ".join(f"{k}={v}" for k, v in s["setting"].items())
@@ -153,7 +181,8 @@ def render_sweep_fragment(outcomes: list[ConfigOutcome], status: str) -> str:
 
 def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool = True) -> str:
     """The comparison page: every config's curves overlaid, the table of final and best held-out
-    figures (and which configs failed, and why), and with several seeds each setting's mean and
+    figures, what each cost and its gain per accelerator-hour (on a cluster) and per wall hour (and
+    which configs failed, and why), and with several seeds each setting's mean and
     worst seed. Names and errors are escaped: a config's values and an error's text are data."""
     key = held_out_key(outcomes)
     lines = [figures(o, key) for o in outcomes]
@@ -170,7 +199,12 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
             "best at",
             "iterations",
             "s / iteration",
+            "gain (best - first)",
+            "accelerator-hours",
+            "gain / accelerator-hour",
+            "gain / wall hour",
             "why it failed",
+            "stopped by --sweep-prune (where, why)",
         ],
         [
             [
@@ -183,7 +217,12 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
                 _number(line["best_iteration"]),
                 _number(line["iterations_done"]),
                 _number(line["seconds_per_iteration"]),
+                _number(line["gain"]),
+                _number(line["accelerator_hours"]),
+                _number(line["gain_per_accelerator_hour"]),
+                _number(line["gain_per_hour"]),
                 escape(line["error"] or ""),
+                escape(line["stopped"] or ""),
             ]
             for line in lines
         ],
@@ -207,7 +246,12 @@ def render_sweep_report(outcomes: list[ConfigOutcome], status: str, whole: bool 
         )
     failed = [o.name for o in outcomes if o.status == "failed"]
     done = sum(o.status == "complete" for o in outcomes)
-    message = f"{done} of {len(outcomes)} configs complete" + (f"; failed: {', '.join(failed)}" if failed else "")
+    pruned = [o.name for o in outcomes if o.status == "pruned"]
+    message = (
+        f"{done} of {len(outcomes)} configs complete"
+        + (f"; stopped by --sweep-prune: {', '.join(pruned)}" if pruned else "")
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     page_status = status if status in ("running", "complete", "failed") else "running"
     rows = sum(1 for o in outcomes for row in o.history if "mean_reward" in row)
     return render_page(REPORT_TITLE, page_status, message, body, n_rows=rows, whole=whole)

@@ -343,7 +343,8 @@ def _filled(model, rewards: list[str]):
 
 
 def test_a_sweep_whose_metrics_history_could_pass_flytes_inline_limit_is_refused_before_submitting():
-    from grpo_flyte.types import EvalMetrics, GuardRecord, MetricsRow, TrainMetrics
+    from grpo_flyte.records import EvalMetrics, GuardRecord, TrainMetrics
+    from grpo_flyte.types import MetricsRow
 
     rewards = ["correct", "format", "correct_format"]
     row = MetricsRow(

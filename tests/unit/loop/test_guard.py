@@ -32,7 +32,8 @@ from grpo_flyte.loop.guard import (
     restore_from,
 )
 from grpo_flyte.loop.state import LoopState
-from grpo_flyte.types import AdapterRef, EvalMetrics, Example, MetricsRow, TrainMetrics
+from grpo_flyte.records import EvalMetrics, TrainMetrics
+from grpo_flyte.types import AdapterRef, Example, MetricsRow
 from tests.support import SUPPORT, warm_python
 
 LR = RunConfig().train.learning_rate  # the runs below keep the default learning rate

@@ -18,9 +18,10 @@ from rich.console import Console
 
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.records import EvalMetrics
 from grpo_flyte.reporting import progress
 from grpo_flyte.reporting.progress import RunProgress
-from grpo_flyte.types import EvalMetrics, MetricsRow
+from grpo_flyte.types import MetricsRow
 
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "2", "--min-informative-groups", "0"]
 
@@ -191,7 +192,7 @@ def test_a_terminal_run_shows_the_bars_under_whole_log_lines_and_sigterm_still_p
 
 
 def test_the_progress_line_says_what_the_guard_did():
-    from grpo_flyte.types import GuardRecord
+    from grpo_flyte.records import GuardRecord
 
     metrics = EvalMetrics(
         eval_reward=0.07, eval_reward_ci95=0.035, eval_accuracy=0.07, eval_accuracy_ci95=0.035, eval_format_rate=0.1,
@@ -209,3 +210,14 @@ def test_the_progress_line_says_what_the_guard_did():
     assert "| new best: iteration 5, this vs the best before: +10.0 pp" in progress.progress_line(
         MetricsRow(iteration=0, adapter_version=0, eval=metrics, guard=new_best), 20
     )
+
+
+def test_the_held_out_line_gives_the_accuracy_interval_inside_0_to_1():
+    # 1 of 4 correct: a normal interval would say 25.0% +- 42.4%; the line shows Wilson's bounds
+    held_out = _held_out(1.0).model_copy(
+        update={"eval_accuracy": 0.25, "eval_accuracy_lo": 0.0456, "eval_accuracy_hi": 0.6994, "eval_size": 4}
+    )
+    line = progress.progress_line(MetricsRow(iteration=0, adapter_version=0, eval=held_out), total=3)
+    assert "acc 25.0% [4.6%, 69.9%]  format 50.0%" in line
+    # a row from before the bounds existed (an old run folder's metrics.jsonl) reads as before
+    assert "acc 20.0%  format 50.0%" in progress.progress_line(MetricsRow(iteration=0, adapter_version=0, eval=_held_out(1.0)), total=3)

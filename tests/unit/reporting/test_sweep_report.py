@@ -91,3 +91,31 @@ def test_the_console_ends_a_sweep_with_each_configs_line_and_each_settings_seeds
         "1.0",
         "s/iteration",
     ]
+
+
+def test_configs_compare_per_accelerator_hour_on_a_cluster_and_per_wall_hour_anywhere():
+    cheap = _outcome(1e-4, 0, [0.2, 0.5, 0.4])
+    costly = _outcome(2e-4, 0, [0.2, 0.6])
+    for outcome, (wall, accelerator) in ((cheap, (1800.0, 0.25)), (costly, (3600.0, 1.0))):
+        for row in outcome.history:
+            row.update(wall_s=wall / len(outcome.history), driver_s=0.0, accelerator_hours=accelerator / len(outcome.history))
+    first, second = figures(cheap, "eval_accuracy"), figures(costly, "eval_accuracy")
+    # cheap: gain 0.5 - 0.2 = 0.3 in 0.25 accelerator-hours (1.2 per hour) and half an hour of wall clock (0.6)
+    assert (first["gain"], first["accelerator_hours"]) == (pytest.approx(0.3), pytest.approx(0.25))
+    assert (first["gain_per_accelerator_hour"], first["gain_per_hour"]) == (pytest.approx(1.2), pytest.approx(0.6))
+    # costly: a larger gain (0.4) at a higher price: 0.4 per accelerator-hour
+    assert second["gain_per_accelerator_hour"] == pytest.approx(0.4)
+    assert "gain / accelerator-hour" in render_sweep_report([cheap, costly], "complete")
+    # a local run's rows have no accelerator-hours: none, not 0
+    assert figures(_outcome(1e-4, 1, [0.2, 0.3]), "eval_accuracy")["gain_per_accelerator_hour"] is None
+
+
+def test_a_pruned_config_is_marked_where_and_why_it_stopped():
+    stopped = _outcome(1.0, 0, [0.2, 0.0], status="pruned").model_copy(update={"stopped": "iteration 1: held-out accuracy 0.0% is ..."})
+    lines = comparison_lines([_outcome(1e-4, 0, [0.2, 0.3, 0.4]), stopped], {"lr=0.0001_seed=0": 2, "lr=1.0_seed=0": 2})
+    assert (
+        lines[0] == "sweep: 1 of 2 configs complete, 1 stopped early by --sweep-prune; held-out accuracy per config (first -> final, best):"
+    )
+    assert lines[2].endswith("pruned at iteration 1: held-out accuracy 0.0% is ...")
+    report = render_sweep_report([stopped], "complete")
+    assert "stopped by --sweep-prune: lr=1.0_seed=0" in report and "iteration 1: held-out accuracy 0.0% is ..." in report
