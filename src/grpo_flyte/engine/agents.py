@@ -39,7 +39,7 @@ from grpo_flyte.config.episode import EpisodeConfig
 from grpo_flyte.config.generation import PromptConfig
 from grpo_flyte.engine import batching, cache
 from grpo_flyte.engine.cache import EngineKey
-from grpo_flyte.engine.chat_client import BadRequest, Call, ChatServer, Limits, chains, openai_client
+from grpo_flyte.engine.chat_client import BadRequest, Call, ChatServer, Limits, chains, openai_client, tool_format_of
 from grpo_flyte.engine.episodes import transcript
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.engine.sampling import sub_seed
@@ -233,6 +233,7 @@ async def play_agent_episodes(
     agent = load_agent(agent_name)
     engine = await run_on_torch_thread(cache.get_engine, key)
     limits = Limits(episode.max_turns, request.max_new_tokens, episode.max_episode_tokens, context_tokens)
+    tool_format = tool_format_of(engine.tokenizer, dict(prompt.template_kwargs))  # the template's tool-call format
 
     async def play(row: int) -> Rollout:
         async def sample(context: list[int], max_new_tokens: int, n: int, number: int, stop: tuple[str, ...]) -> list[Rollout]:
@@ -249,7 +250,7 @@ async def play_agent_episodes(
             [rollouts] = await batching.generate_groups(key, adapter_path, [one])
             return rollouts
 
-        server = ChatServer(engine.tokenizer, sample, limits, dict(prompt.template_kwargs))
+        server = ChatServer(engine.tokenizer, sample, limits, dict(prompt.template_kwargs), tool_format)
         reward, error = await run_agent(agent, example, server, episode.tool_timeout_s)
         if error is not None and server.end is None:  # not an agent stopped by a budget's refusal
             _log_once(f"agent {agent_name!r} failed an episode: {error}")

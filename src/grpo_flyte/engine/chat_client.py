@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from grpo_flyte.errors import ToolSpecError
+from grpo_flyte.tools import formats
 from grpo_flyte.types import Rollout
 
 # sample(context ids, max new tokens, n, the call's number, extra stop strings) -> n rollouts
@@ -115,6 +117,51 @@ def _with_tool_system(messages: list[dict], tools: list[dict]) -> list[dict]:
 
 
 HERMES = HermesFormat()
+
+# A chat template's special tokens as they appear in a turn decoded with them (<|eot_id|>, [TOOL_CALLS], </s>).
+_SPECIAL = re.compile(r"<\|[^|>\s]+\|>|\[/?[A-Z_]+\]|</?s>")
+
+
+def _without_special_tokens(text: str) -> str:
+    return _SPECIAL.sub("", text)
+
+
+# Where a format's calls begin in a turn's text (what comes before is the message's content).
+_CALLS_BEGIN = {"llama": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",)}
+
+
+@dataclass(frozen=True)
+class TemplateFormat(HermesFormat):
+    """Tool calls in the format of the model's chat template that is not Hermes' (Llama 3.x's
+    whole-turn JSON, Mistral's `[TOOL_CALLS]`), read by `grpo_flyte.tools.formats` (what `--tools`
+    reads). Their markers are special tokens, so the turn is read with its special tokens kept; the
+    prompt is rendered as Hermes' is (such templates take `tools=` and `tool_calls` themselves)."""
+
+    name: str
+    keeps_special_tokens: bool = True
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        turn = formats.parse_turn(self.name, text)
+        calls = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+            for i, c in enumerate(turn.calls)
+        ]
+        content = _without_special_tokens(text)
+        if calls:
+            starts = [text.index(mark) for mark in _CALLS_BEGIN[self.name] if mark in text]
+            content = _without_special_tokens(text[: min(starts)]).strip() if starts else ""
+        return content, calls
+
+
+def tool_format_of(tokenizer, template_kwargs: dict) -> ToolFormat:
+    """The ToolFormat of a tokenizer's chat template (`grpo_flyte.tools.formats.detect_format`):
+    Hermes' for a Hermes template, for a template that renders no tools (the fallback) and for a
+    tokenizer's own response template (whose calls are Hermes-shaped in the models that ship one)."""
+    try:
+        name = formats.detect_format(tokenizer, template_kwargs)
+    except ToolSpecError:  # a template whose calls no parser reads: an agent's tools= get Hermes' convention
+        return HERMES
+    return TemplateFormat(name) if name in _CALLS_BEGIN else HERMES
 
 
 # --------------------------------------------------------------------------- the recorded calls
@@ -268,7 +315,8 @@ class ChatServer:
         rollouts = await self.sample(prompt_ids, want, n, number, stop)
         choices, completion_tokens = [], 0
         for i, rollout in enumerate(rollouts):
-            text = self.tokenizer.decode(rollout.completion_ids, skip_special_tokens=True)
+            keep = getattr(self.tool_format, "keeps_special_tokens", False) and bool(tools)
+            text = self.tokenizer.decode(rollout.completion_ids, skip_special_tokens=not keep)
             shown = _before_stop(text, stop)
             content, tool_calls = self.tool_format.parse(shown) if tools else (shown, [])
             reply: dict[str, Any] = {"role": "assistant", "content": content}

@@ -473,3 +473,40 @@ def test_an_agents_module_travels_with_the_code_bundle_and_imports_in_the_task(t
     )
     assert found.returncode == 0, found.stderr[-3000:]
     assert found.stdout.split() == ["chatty", str(pod / "pod_agent.py")]
+
+
+@pytest.mark.parametrize(
+    ("template", "written", "content"),
+    [
+        ("llama3_1", '{"name": "add", "parameters": {"a": 2, "b": 3}}<|eot_id|>', ""),
+        ("mistral", 'Adding.[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]</s>', "Adding."),
+    ],
+)
+def test_an_agents_tool_calls_are_read_in_the_templates_own_format(tokenizer, template, written, content):
+    """Llama 3.x's whole-turn JSON and Mistral's [TOOL_CALLS] come back as OpenAI tool_calls, read
+    by the parsers --tools uses; a turn without a call is the message's content, its special
+    tokens left out."""
+    import copy
+
+    from grpo_flyte.engine.chat_client import TemplateFormat, tool_format_of
+    from tests.unit.tools.test_formats import MISTRAL, TRL_TEMPLATES
+
+    templated = copy.copy(tokenizer)
+    templated.chat_template = MISTRAL if template == "mistral" else (TRL_TEMPLATES / f"{template}.jinja").read_text()
+    tool_format = tool_format_of(templated, {})
+    assert tool_format == TemplateFormat("mistral" if template == "mistral" else "llama")
+    server = scripted_server(templated, [written, "It is 5.<|eot_id|>"])
+    server.tool_format = tool_format
+
+    async def agent():
+        client = openai_client(server.complete)
+        first = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS)
+        second = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS)
+        return first.choices[0], second.choices[0]
+
+    first, second = _run(agent())
+    [call] = first.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("add", {"a": 2, "b": 3})
+    assert first.finish_reason == "tool_calls" and first.message.content == content
+    assert second.message.tool_calls is None and second.message.content == "It is 5."
+    assert tool_format_of(tokenizer, {}) is not tool_format  # the embedded template renders no tools: Hermes' fallback
