@@ -510,3 +510,10 @@ def test_an_agents_tool_calls_are_read_in_the_templates_own_format(tokenizer, te
     assert first.finish_reason == "tool_calls" and first.message.content == content
     assert second.message.tool_calls is None and second.message.content == "It is 5."
     assert tool_format_of(tokenizer, {}) is not tool_format  # the embedded template renders no tools: Hermes' fallback
+
+
+def test_an_agent_with_tools_is_refused_naming_both():
+    from grpo_flyte.config.run import RunConfig
+
+    with pytest.raises(ValueError, match=r"tools='tests.support.tool_fns:add' with --agent='chatty_agent:rollout': expected one of them"):
+        RunConfig(tools=["tests.support.tool_fns:add"], agent="chatty_agent:rollout")
