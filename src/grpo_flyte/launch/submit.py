@@ -99,7 +99,7 @@ def check_submission(config: RunConfig) -> None:
             f"{max(VLLM_LORA_RANKS)}; expected at most {max(VLLM_LORA_RANKS)} (or --backend hf)"
         )
     names = [name for name in config.scoring.rewards if is_user_attribute(name)]
-    names += [name for name in (config.episode.env, config.episode.agent) if is_user_attribute(name)]
+    names += [name for name in (config.episode.env, config.episode.agent, *config.episode.tools) if is_user_attribute(name)]
     for name in names:
         problem = _not_shipped(name.split(":")[0], BUNDLE_ROOT if from_source_checkout() else None)
         if problem:

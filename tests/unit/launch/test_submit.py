@@ -365,3 +365,11 @@ def test_a_sweep_whose_metrics_history_could_pass_flytes_inline_limit_is_refused
         f"bytes an iteration, and Flyte's inline limit is 10 MiB; expected at most {most} iterations (or run the configs "
         "as separate runs)"
     )
+
+
+def test_a_tool_outside_the_code_bundle_is_refused_naming_where_to_put_it(monkeypatch, capsys):
+    """A --tools function runs in the rollout pod's sandbox: its module must travel with the code
+    bundle, as a reward's and an environment's do."""
+    monkeypatch.syspath_prepend(str(SUPPORT))  # tests/support/tool_fns.py
+    err = _refused(["--tools", "tool_fns:add", "--iterations", "1"], monkeypatch, capsys)
+    assert err.startswith("error: 'tool_fns:add': module 'tool_fns' is at ") and "outside the code bundle" in err
