@@ -144,7 +144,7 @@ class RunConfig(Part):
         description=(
             "Dollars per hour of one accelerator, by type (the GPU name of the GRPO_FLYTE_*_GPU settings), e.g. "
             "L4=0.80,A100=4.10: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
-            "The defaults are list prices (docs/cluster.md#what-a-run-costs); a type not given keeps its list price."
+            "Out of the box: list prices (docs/cluster.md#what-a-run-costs); a type not given keeps its list price."
         ),
     )
     base: ModelConfig = Field(default_factory=ModelConfig)

@@ -29,6 +29,9 @@ def cuda_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 1)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # importing vLLM sets it (vllm/env_override.py), and a test before may have: torch's own
+    # is_available() would then count through NVML too
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     monkeypatch.delenv(device.REQUIRE_CUDA_ENV, raising=False)
     view = {"now": DriverView((13, 0), ((9, 0),))}  # an H100 under a CUDA 13 driver
     monkeypatch.setattr(device, "nvml_view", lambda: view["now"])
