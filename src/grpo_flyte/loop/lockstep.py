@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from grpo_flyte.runtime.torch_thread import is_idle, wake
 
@@ -82,18 +83,26 @@ class Lockstep:
 
 
 @contextlib.contextmanager
+def registered(registry: dict[str, Any], runs: Iterable[str], value: Any) -> Iterator[None]:
+    """`registry[run]` is `value` for each of `runs` (Flyte run names) while the block runs: how a
+    run's driver finds the object of the local sweep it belongs to."""
+    runs = list(runs)
+    registry.update(dict.fromkeys(runs, value))
+    try:
+        yield
+    finally:
+        for run in runs:
+            registry.pop(run, None)
+
+
+@contextlib.contextmanager
 def lockstep(runs: Iterable[str]) -> Iterator[Lockstep]:
     """The runs `runs` (Flyte run names; a local sweep's configs) meet before each iteration's
     rollouts while the block runs."""
     runs = list(runs)
     step = Lockstep(runs)
-    for run in runs:
-        _sweeps[run] = step
-    try:
+    with registered(_sweeps, runs, step):
         yield step
-    finally:
-        for run in runs:
-            _sweeps.pop(run, None)
 
 
 async def meet(run: str | None) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from grpo_flyte.config.run import RunConfig, eval_due
 from grpo_flyte.loop.guard import paired
+from grpo_flyte.loop.lockstep import registered
 from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, shown_change
 from grpo_flyte.runtime.torch_thread import wake
 
@@ -121,13 +122,8 @@ def pruning(configs: Mapping[str, tuple[str, RunConfig]], decided: Callable[[str
         yield None
         return
     sweep = Pruning(configs, decided)
-    for run in configs:
-        _sweeps[run] = sweep
-    try:
+    with registered(_sweeps, configs, sweep):
         yield sweep
-    finally:
-        for run in configs:
-            _sweeps.pop(run, None)
 
 
 async def evaluated(run: str | None, iteration: int, metric: str, values: list[float]) -> str | None:
