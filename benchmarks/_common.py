@@ -96,7 +96,7 @@ def machine() -> dict[str, Any]:
 def write_result(path: Path | None, result: dict[str, Any]) -> None:
     result["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     if path is None:
-        print("\n--quick: results not written (--out FILE writes them)")
+        print("\nresults not written (--out FILE writes them)")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

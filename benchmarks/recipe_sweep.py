@@ -18,8 +18,9 @@ process, on one engine and one loaded base), in <run-dir>/<cell>/, a run folder 
 a cell's sweep stopped halfway is resumed, a finished one is read.
 
 The center is RunConfig's default recipe, written out here so that the table keeps its meaning
-when a default changes. Writes benchmarks/recipe_sweep.json (every run's curve) and prints the
-table that docs/measurements.md holds.
+when a default changes. Every cell run: writes benchmarks/recipe_sweep.json (every run's curve)
+and prints the table that docs/measurements.md holds. With --cells or --report, only --out FILE is
+written (some cells are not the committed table).
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             results[cell] = {"flags": cell_flags(cell), **combine(per_seed, GATE_GAIN)}
     print("\n" + table(results))
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min; runs in {run_dir}")
+    # Some cells, or a report of what a folder holds, are not the committed table: only --out gets them.
+    partial = args.report or args.cells is not None
     _common.write_result(
-        _common.out_file(args),
+        args.out if partial else _common.out_file(args),
         {
             "benchmark": "recipe_sweep",
             "machine": _common.machine(),

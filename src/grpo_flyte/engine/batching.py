@@ -251,7 +251,8 @@ async def generate_groups(key: EngineKey, adapter_path: str | None, requests: li
 
 async def all_or_none(coroutines: list[Awaitable[T]]) -> list[T]:
     """Every coroutine's result, run concurrently; when one fails, the others are cancelled (not
-    left running on a failed task's behalf) and its exception is raised as it is."""
+    left running on a failed task's behalf) and its exception is raised as it is, with its own cause
+    (an `EngineDiedError` keeps the error that killed the engine) and without the task group around it."""
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(c) for c in coroutines]
@@ -259,5 +260,5 @@ async def all_or_none(coroutines: list[Awaitable[T]]) -> list[T]:
         first = failed
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
-        raise first from None
+        raise first from first.__cause__
     return [t.result() for t in tasks]

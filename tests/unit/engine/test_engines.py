@@ -797,3 +797,34 @@ def test_rows_past_the_cache_bound_decode_in_batches_within_it_with_the_same_rol
     for g, h in zip(split, one_batch, strict=True):
         assert all(a.sampling_logprobs == pytest.approx(b.sampling_logprobs, abs=1e-9) for a, b in zip(g, h, strict=True))
     assert batches == [[60, 60], [50, 50], [40, 40]]  # longest first, each within 160 tokens with its 4 new ones
+
+
+def test_all_or_none_raises_the_first_failure_with_its_own_cause_and_cancels_the_rest():
+    import asyncio
+
+    from grpo_flyte.engine.batching import all_or_none
+
+    cancelled = []
+
+    async def dies():
+        try:
+            raise OSError("the engine's socket closed")
+        except OSError as exc:
+            raise RuntimeError("engine died") from exc
+
+    async def waits():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def both():
+        return await all_or_none([dies(), waits()])
+
+    with pytest.raises(RuntimeError, match="engine died") as raised:
+        asyncio.run(both())
+    assert isinstance(raised.value.__cause__, OSError)
+    assert raised.value.__suppress_context__  # not the task group's ExceptionGroup as its context
+    assert cancelled == [True]
+    assert asyncio.run(all_or_none([asyncio.sleep(0, result=1), asyncio.sleep(0, result=2)])) == [1, 2]
