@@ -25,7 +25,7 @@ def test_a_tools_run_goes_to_the_end_after_a_kill_and_a_resume(tmp_path, monkeyp
             "--prompts-per-iter", "2", "--group-size", "2", "--eval-size", "2", "--min-informative-groups", "0",
             "--iterations", "1", "--run-dir", str(run_dir)]  # fmt: skip
     # engine batches: the held-out episodes' turns first, then iteration 1's: the kill lands past the first evaluation,
-    # in the last iteration (one iteration: the resume redoes it and the final evaluation, a minute on 2 cores)
+    # in the run's only iteration, which the resume redoes before the final evaluation (a second iteration cost ~30 CPU s)
     killed = warm_python.run([DRILL, "generate", "5", *args], timeout=900, cli=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert cli_main([*args, "--resume"]) == 0
