@@ -463,12 +463,16 @@ def _refused(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_a_reward_model_that_cannot_score_is_refused_before_start_in_one_line(tmp_path, tiny_model_dir, reward_models, capsys, monkeypatch):
+def test_a_reward_model_that_cannot_score_is_refused_before_start_in_one_line(
+    tmp_path, tiny_model_dir, reward_models, jsonl_dataset, capsys, monkeypatch
+):
     """A wrong folder, a causal language model, a two-label model without its label, a context too
     short for the longest prompt and a completion, and a Hub id with no network: each one line
-    naming the reward, before the run folder is made."""
+    naming the reward, before the run folder is made. A dataset of 6 rows: the context check
+    tokenizes every prompt that could reach the 72-token context, here every one of the built-in
+    dataset's 19k (about 12 s a pass on this test's 2-core machine)."""
     run_dir = tmp_path / "run"
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--run-dir", str(run_dir)]
+    args = ["--local", "--model", str(tiny_model_dir), "--dataset", str(jsonl_dataset), *TINY, "--run-dir", str(run_dir)]
     missing = tmp_path / "nowhere"
     err = _refused(capsys, [*args, "--rewards", f"correct=1.0,{missing}=0.5"])
     assert err == f"error: --rewards {str(missing)!r}: no such folder; expected a reward model's folder or a Hub id 'org/name'", err

@@ -556,9 +556,13 @@ def test_without_local_and_without_a_cluster_config_the_cli_stops_instead_of_tra
     import flyte
 
     from grpo_flyte.launch import cli
+    from grpo_flyte.runtime.cache import cache_root
 
     for var in ("FLYTECTL_CONFIG", "UCTL_CONFIG"):
         monkeypatch.delenv(var, raising=False)
+    # the models are checked before the cluster: the cache stays where the embedded model is converted
+    # already (under a new HOME the conversion runs again, 30 s)
+    monkeypatch.setenv("GRPO_FLYTE_CACHE", str(cache_root()))
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.flyte or ~/.union config
     monkeypatch.chdir(tmp_path)  # no ./.flyte/config.yaml (and no git root holding one)
     submitted = []
