@@ -32,6 +32,7 @@ from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.config.table import shown_default
 from grpo_flyte.config.trl_names import TRL_ALIASES, TRL_REFUSED, TRL_TRANSLATED, refused
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
+from grpo_flyte.launch import exporting
 from grpo_flyte.launch.local_run import run_local
 from grpo_flyte.launch.stopping import ctrl_c_stops
 from grpo_flyte.launch.submit import resume_remote, run_remote
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ctrl_c_stops()  # a run started with `cmd &` by a script or a tool would not stop on Ctrl-C
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv and argv[0] in exporting.COMMANDS:  # `export RUN --to ...`, `eval PATH`
+            return exporting.main(argv)
         options, config, explicit = parse_args(argv)
         if options["local"]:
             if options["resume_run"] is not None:
