@@ -135,7 +135,11 @@ def build_cli() -> CliSettingsSource:
     """The command line: pydantic-settings' flags for every option, with metavars in words, one
     default per flag (from the option itself; none shown for an unset optional one) and --version."""
     model = _cli_model()
-    parser = _Parser(prog=PROG, description="GRPO + LoRA fine-tuning as Flyte 2 tasks.")
+    parser = _Parser(
+        prog=PROG,
+        description="GRPO + LoRA fine-tuning as Flyte 2 tasks. A finished local run: `export RUN --to adapter|merged` "
+        "and `eval PATH` (each with --help; docs/exporting.md).",
+    )
     source = CliSettingsSource(model, root_parser=parser)
     fields = model.model_fields
     for action in parser._actions:  # argparse keeps them here; it has no public accessor

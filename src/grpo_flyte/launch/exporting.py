@@ -211,7 +211,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog=f"{PROG} export|eval")
+    parser = _Parser(prog=PROG)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     out = commands.add_parser("export", help="export a finished local run's adapter as a form others load, checked")
     out.add_argument("run", type=Path, metavar="RUN", help="the run's folder (its --run-dir)")
