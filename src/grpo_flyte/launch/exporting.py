@@ -154,6 +154,8 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
     """Export the run's adapter as `form`, check it against the adapter, keep it only if it passes
     (`ExportFailed` otherwise); the check."""
     run = FinishedRun(run_dir)
+    # greedy answers, whatever the run's --num-generations-eval: one completion a question to compare word for word
+    run.config = run.config.model_copy(update={"evaluation": run.config.evaluation.model_copy(update={"num_generations_eval": None})})
     which, adapter, iteration = run.chosen(choice)
     held_out, model_path = run.held_out(), run.base_model()
     metric = resolve_metric(run.config.guard.select_by, held_out)
