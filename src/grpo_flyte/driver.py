@@ -41,7 +41,7 @@ from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
 from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, memory_metrics, stage_cost
 from grpo_flyte.loop.pipeline import BatchesAhead
-from grpo_flyte.loop.publishing import cluster_pools, exported, publish_report, push_to_hub, report_dir
+from grpo_flyte.loop.publishing import cluster_pools, exported, publish_report, push_to_hub, report_dir, unchosen_start
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
 from grpo_flyte.records import GuardRecord
 from grpo_flyte.reporting.cost import prices_with_defaults
@@ -268,10 +268,13 @@ async def _train_rl(
         lockstep.leave(run)
         pruning.leave(run)
         merged = None
-        if config.export_merged:
+        skipped = unchosen_start(config, state.history)
+        if skipped:
+            logger.warning("%s", skipped)
+        if config.export_merged and not skipped:
             with flyte.group("export"):
                 merged = await merge_adapter(base_model, exported(config, state)[0])
-        if config.push_to_hub:
+        if config.push_to_hub and not skipped:
             with flyte.group("push"):
                 await push_to_hub(config, state, merged, _driver_dirs)
     except Exception as exc:
@@ -283,7 +286,7 @@ async def _train_rl(
         pruning.leave(run)
         if ahead is not None:
             ahead.cancel()  # batches past the last iteration are never started; a failure leaves none running
-    closing = [line for line in (state.guard.stopped, best_summary(state.history)) if line]
+    closing = [line for line in (state.guard.stopped, best_summary(state.history), unchosen_start(config, state.history)) if line]
     html = await publish_report(config, state, "complete", "\n".join(closing) or None)
     tracker.finish()
     return RunResult(

@@ -10,6 +10,7 @@ per-token sampling log-probs, so the trainer never re-tokenizes text.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,11 +42,14 @@ _adapter_dirs = replica_cache("adapters", capacity=max(MAX_STALENESS + 2, settin
 
 @asynccontextmanager
 async def _engine_inputs(
-    model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef
-) -> AsyncIterator[tuple[EngineKey, str]]:
-    """The engine key and the adapter's local folder; the base model's and the adapter's folders
-    stay on disk until the block ends (the engine loads the adapter when its batch runs)."""
-    async with _model_dirs.use(base_model) as model_path, _adapter_dirs.use(adapter.dir) as adapter_path:
+    model: ModelConfig, engine: EngineConfig, max_model_len: int, base_model: Dir, adapter: AdapterRef | None
+) -> AsyncIterator[tuple[EngineKey, str | None]]:
+    """The engine key and the adapter's local folder (None: the model as it is, e.g. an exported
+    merged model); the base model's and the adapter's folders stay on disk until the block ends
+    (the engine loads the adapter when its batch runs)."""
+    async with contextlib.AsyncExitStack() as stack:
+        model_path = await stack.enter_async_context(_model_dirs.use(base_model))
+        adapter_path = await stack.enter_async_context(_adapter_dirs.use(adapter.dir)) if adapter is not None else None
         key = cache.engine_key(
             model_path,
             resolve_dtype(model.dtype),
@@ -152,7 +156,7 @@ async def generate_eval(
     sampling: SamplingConfig,
     episode: EpisodeConfig,
     base_model: Dir,
-    adapter: AdapterRef,
+    adapter: AdapterRef | None,
     examples: list[Example],
     first_index: int,
     num_generations: int | None = None,
@@ -160,7 +164,8 @@ async def generate_eval(
 ) -> list[RolloutGroup]:
     """Held-out questions' completions (or episodes), one group per question, on the warm pool:
     one greedy completion each, or with `num_generations` that many sampled at the run's
-    sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`."""
+    sampling settings, question `first_index + i` seeded `eval_seed(seed, first_index + i)`.
+    `adapter` None: `base_model` answers as it is (an exported merged model, `launch.exporting`)."""
     started = time.perf_counter()
     with input_errors_not_retried("generate_eval"), memory.span(gpu=True) as measured:
         async with _engine_inputs(model, engine, context_length(prompt, sampling, episode), base_model, adapter) as (key, adapter_path):
@@ -180,7 +185,7 @@ async def generate_eval(
         RolloutGroup(
             index=first_index + i,
             example=example,
-            adapter_version=adapter.version,
+            adapter_version=adapter.version if adapter is not None else 0,
             prompt_ids=prompt_ids,
             rollouts=rollouts,
             generate_s=elapsed,

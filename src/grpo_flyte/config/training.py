@@ -429,10 +429,12 @@ class GuardConfig(Part):
         le=100_000,
         description="Stop the run after this many held-out evaluations in a row without a new best (0: never).",
     )
-    export_adapter: Literal["best", "final"] = Field(
-        "best",
+    export_adapter: Literal["best", "final"] | None = Field(
+        None,
         description=(
-            "The adapter push_to_hub and export_merged take: 'best' (the best held-out evaluation's; the final one "
-            "when nothing was evaluated) or 'final' (the last iteration's). A local run writes both, best/ and adapter/."
+            "The adapter push_to_hub, export_merged and the export command take: 'best' (the best held-out evaluation's; "
+            "the final one when nothing was evaluated) or 'final' (the last iteration's). Unset: 'best', unless no trained "
+            "adapter beat the start (the best evaluation is iteration 0's, the untrained adapter): then nothing is merged or "
+            "pushed until you choose one. A local run writes both, best/ and adapter/."
         ),
     )

@@ -109,12 +109,19 @@ _judge_engines = EngineCache(1)  # a sweep shares its judge (config.grid refuses
 
 
 def engine_key(
-    model_path: str, dtype: str, backend: str, max_adapters: int, adapter_path: str, max_model_len: int, memory_fraction: float = 0.85
+    model_path: str,
+    dtype: str,
+    backend: str,
+    max_adapters: int,
+    adapter_path: str | None,
+    max_model_len: int,
+    memory_fraction: float = 0.85,
 ) -> EngineKey:
-    """The engine for these settings; vLLM's LoRA capacity comes from the adapter's own rank."""
+    """The engine for these settings; vLLM's LoRA capacity comes from the adapter's own rank (no
+    adapter, `adapter_path` None: an engine that serves none)."""
     resolved = resolve_backend(backend)
     if resolved == "vllm":
-        rank = vllm_max_lora_rank(adapter_rank(adapter_path))
+        rank = vllm_max_lora_rank(adapter_rank(adapter_path)) if adapter_path is not None else 0
         return EngineKey("vllm", model_path, dtype, max_adapters, rank, max_model_len, memory_fraction)
     return EngineKey("hf", model_path, dtype, max_adapters, 0, 0)
 

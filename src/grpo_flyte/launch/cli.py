@@ -32,6 +32,7 @@ from grpo_flyte.config.run import RunConfig, leaf_fields
 from grpo_flyte.config.table import shown_default
 from grpo_flyte.config.trl_names import TRL_ALIASES, TRL_REFUSED, TRL_TRANSLATED, refused
 from grpo_flyte.errors import GrpoFlyteError, UserError, flag
+from grpo_flyte.launch import exporting
 from grpo_flyte.launch.local_run import run_local
 from grpo_flyte.launch.stopping import ctrl_c_stops
 from grpo_flyte.launch.submit import resume_remote, run_remote
@@ -134,7 +135,11 @@ def build_cli() -> CliSettingsSource:
     """The command line: pydantic-settings' flags for every option, with metavars in words, one
     default per flag (from the option itself; none shown for an unset optional one) and --version."""
     model = _cli_model()
-    parser = _Parser(prog=PROG, description="GRPO + LoRA fine-tuning as Flyte 2 tasks.")
+    parser = _Parser(
+        prog=PROG,
+        description="GRPO + LoRA fine-tuning as Flyte 2 tasks. A finished local run: `export RUN --to adapter|merged` "
+        "and `eval PATH` (each with --help; docs/exporting.md).",
+    )
     source = CliSettingsSource(model, root_parser=parser)
     fields = model.model_fields
     for action in parser._actions:  # argparse keeps them here; it has no public accessor
@@ -234,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ctrl_c_stops()  # a run started with `cmd &` by a script or a tool would not stop on Ctrl-C
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if argv and argv[0] in exporting.COMMANDS:  # `export RUN --to ...`, `eval PATH`
+            return exporting.main(argv)
         options, config, explicit = parse_args(argv)
         if options["local"]:
             if options["resume_run"] is not None:

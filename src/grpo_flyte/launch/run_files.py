@@ -17,6 +17,7 @@ from grpo_flyte.config.run import RunConfig
 from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import best_summary
+from grpo_flyte.loop.publishing import unchosen_start
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.reporting.cost import totals, where_the_time_went
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
@@ -115,12 +116,13 @@ def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult,
     else:
         logger.info("done: adapter %s%s, report %s, metrics %s%s; %s", *where, went, peak_words(peak, result.history))
     if result.merged is not None:
-        merged = result.best if config.guard.export_adapter == "best" and result.best is not None else result.adapter
+        merged = result.best if config.guard.export_adapter != "final" and result.best is not None else result.adapter
         where = files.export_merged(result.merged.path)
         logger.info(
             "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", merged.version, where
         )
     stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
-    for line in (stopped, best_summary(result.history)):
+    summary = "; ".join(line for line in (best_summary(result.history), unchosen_start(config, result.history)) if line)
+    for line in (stopped, summary):
         if line:
             logger.info("%s", line)  # the last line: which adapter was best, and by how much

@@ -73,11 +73,16 @@ def prepare_local_run(options: dict[str, Any], config: RunConfig, explicit: set[
             detail = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
             raise UserError(f"--resume: {str(saved_file)!r} is not a valid saved config: {detail}") from None
         given, kept = config.flat(), saved.flat()
-        # Flags and --config file values alike: each is applied (--iterations) or refused, never ignored.
-        changed = sorted(f for f in explicit if f != "iterations" and given.get(f) != kept.get(f))
+        # Flags and --config file values alike: each is applied (--iterations, --export-adapter: the
+        # choice a finished run whose best is the untrained start asks for) or refused, never ignored.
+        changed = sorted(f for f in explicit if f not in ("iterations", "export_adapter") and given.get(f) != kept.get(f))
         if changed:
             flags = ", ".join("--" + f.replace("_", "-") for f in changed)
-            raise UserError(f"--resume continues the saved config; {flags} differ from {saved_file} (only --iterations may change)")
+            raise UserError(
+                f"--resume continues the saved config; {flags} differ from {saved_file} (only --iterations and --export-adapter may change)"
+            )
+        if "export_adapter" in explicit:
+            saved = saved.model_copy(update={"guard": saved.guard.model_copy(update={"export_adapter": config.guard.export_adapter})})
         checkpoint, state = saved_state(run_dir)
         if "iterations" in explicit:
             done = state.iterations_done if state else 0

@@ -27,12 +27,13 @@ EVAL_CHUNK = 64
 
 
 async def run_eval(
-    config: RunConfig, base_model: Dir, adapter: AdapterRef, questions: list[Example], iteration: int
+    config: RunConfig, base_model: Dir, adapter: AdapterRef | None, questions: list[Example], iteration: int
 ) -> tuple[EvalMetrics, list[EvalAnswer]]:
     """Greedy answers to the held-out questions (or num_generations_eval sampled completions each,
     seeded per question from the run's seed) on the generate pool: metrics and per-question
     answers. Observers hear how many are answered as each chunk is scored (`iteration`: the
-    iterations trained before it)."""
+    iterations trained before it). `adapter` None: `base_model` answers as it is (an exported
+    merged model). Outside a Flyte run the tasks run in this process (the export command's)."""
     started = time.perf_counter()
     answered = 0
 

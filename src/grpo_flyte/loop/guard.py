@@ -296,6 +296,13 @@ def restore_from(state: GuardState, adapter: AdapterRef) -> AdapterRef:
     return AdapterRef(version=adapter.version, dir=state.best.adapter.dir)
 
 
+def untrained_best(history: list[MetricsRow]) -> bool:
+    """Whether the run trained and no trained adapter beat the start: the best held-out evaluation
+    is still iteration 0's, the adapter before any step (LoRA's B is zero there: the base model)."""
+    evaluated = [row for row in history if row.guard is not None and row.guard.best_iteration is not None]
+    return bool(evaluated) and evaluated[-1].guard.best_iteration == 0 and any(row.iteration > 0 for row in history)
+
+
 def best_summary(history: list[MetricsRow]) -> str | None:
     """Which iteration was best and by how much, with its interval: the console's last line and the
     report's closing message (None: nothing was evaluated)."""
@@ -305,7 +312,11 @@ def best_summary(history: list[MetricsRow]) -> str | None:
     final, last = evaluated[-1], history[-1]
     metric = final.guard.select_by
     best = next(row for row in evaluated if row.iteration == final.guard.best_iteration)
-    text = f"best adapter: iteration {best.iteration} ({metric_name(metric)} {shown(metric, getattr(best.eval, metric))}, --select-by {metric})"
+    figure = f"{metric_name(metric)} {shown(metric, getattr(best.eval, metric))}, --select-by {metric}"
+    if untrained_best(history):
+        text = f"nothing trained beat the start: the best adapter is iteration 0's, the untrained one ({figure})"
+    else:
+        text = f"best adapter: iteration {best.iteration} ({figure})"
     interval = change_plus_minus(metric, final.guard.vs_best_ci99)
     if final.guard.vs_best is None:
         text += ", the only evaluation"

@@ -10,15 +10,16 @@ import flyte
 import flyte.report
 from flyte.io import Dir
 
-from grpo_flyte.config.constants import LIST_PRICES
+from grpo_flyte.config.constants import LIST_PRICES, PROG
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.loop import observers
+from grpo_flyte.loop.guard import untrained_best
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reporting import hub
 from grpo_flyte.reporting.cost import cluster_accelerators, prices_with_defaults
 from grpo_flyte.runtime.storage import LocalDirCache, publish_dir
-from grpo_flyte.types import REPORT_FILE, AdapterRef
+from grpo_flyte.types import REPORT_FILE, AdapterRef, MetricsRow
 
 REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
 
@@ -66,9 +67,24 @@ def exported(config: RunConfig, state: LoopState) -> tuple[AdapterRef, int]:
     """The adapter --push-to-hub and --export-merged take (--export-adapter), and its iteration:
     the best one (the final one when nothing was evaluated), or the final one."""
     best = state.guard.best
-    if config.guard.export_adapter == "best" and best is not None:
+    if config.guard.export_adapter != "final" and best is not None:
         return best.adapter, best.iteration
     return state.adapter, state.iterations_done
+
+
+def unchosen_start(config: RunConfig, history: list[MetricsRow]) -> str | None:
+    """Why the run's merge and push are skipped, when they are: no trained adapter beat the start
+    (`guard.untrained_best`), --export-adapter was left unset, and --export-merged or --push-to-hub
+    asked for one. The untrained adapter is the base model itself; shipping it in silence would
+    look like a fine-tune. None: nothing is skipped."""
+    asked = [f for f, on in (("--export-merged", config.export_merged), ("--push-to-hub", config.push_to_hub)) if on]
+    if not asked or config.guard.export_adapter is not None or not untrained_best(history):
+        return None
+    return (
+        f"{' and '.join(asked)} skipped: best/ is the untrained start; choose with --export-adapter final (the last "
+        "iteration's adapter) or best (the start), e.g. a local run: "
+        f"{PROG} --local --resume --run-dir DIR --export-adapter final"
+    )
 
 
 async def push_to_hub(config: RunConfig, state: LoopState, merged: Dir | None, folders: LocalDirCache) -> str:

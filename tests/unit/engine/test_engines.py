@@ -429,6 +429,8 @@ def test_engine_key_reads_the_rank_from_the_adapter(tmp_path, monkeypatch):
     # the HF engine does not depend on the rank or the length: one engine serves every adapter
     hf = cache.engine_key("/m", "bfloat16", "hf", 4, str(tmp_path), max_model_len=576)
     assert hf == cache.engine_key("/m", "bfloat16", "hf", 4, "/elsewhere", max_model_len=1024)
+    # no adapter (an exported merged model, evaluated as it is): a vLLM engine that serves none
+    assert cache.engine_key("/merged", "bfloat16", "vllm", 4, None, max_model_len=576).max_lora_rank == 0
 
 
 def test_engine_key_without_adapter_config_is_an_adapter_error(tmp_path, monkeypatch):

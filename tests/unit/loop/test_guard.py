@@ -482,10 +482,56 @@ def test_early_stop_patience_stops_a_stalled_run(tmp_path, tiny_model_dir, monke
     messages = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"]
     assert messages[-2] == "stopped at iteration 2: 2 held-out evaluations in a row without a new best (--early-stop-patience 2)"
     assert messages[-1] == (
-        "best adapter: iteration 0 (held-out reward 0.000, --select-by eval_reward), 0.000 +- 0.000 above the final adapter's "
-        "0.000 (iteration 2); paired over the same questions, 99% interval"
+        "nothing trained beat the start: the best adapter is iteration 0's, the untrained one (held-out reward 0.000, "
+        "--select-by eval_reward), 0.000 +- 0.000 above the final adapter's 0.000 (iteration 2); paired over the same "
+        "questions, 99% interval"
     )
     assert json.loads((run_dir / "best" / "grpo_state.json").read_text())["version"] == 0
+
+
+def test_an_untrained_best_is_merged_only_once_an_adapter_is_chosen(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """No trained adapter beat the start: --export-merged skips the merge and the last line says why
+    and how to choose; a resume with --export-adapter final merges the last iteration's adapter."""
+    run_dir = tmp_path / "run"
+    reward = rigged_reward(tmp_path, run_dir, [0.0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main(_args(tiny_model_dir, run_dir, 2, reward, "--export-merged")) == 0
+    last = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"][-1]
+    assert last.startswith("nothing trained beat the start: the best adapter is iteration 0's, the untrained one")
+    assert last.endswith(
+        "; --export-merged skipped: best/ is the untrained start; choose with --export-adapter final (the last iteration's "
+        "adapter) or best (the start), e.g. a local run: python -m grpo_flyte.driver --local --resume --run-dir DIR "
+        "--export-adapter final"
+    )
+    assert not (run_dir / "merged").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main(_args(tiny_model_dir, run_dir, 2, reward, "--export-merged", "--export-adapter", "final", "--resume")) == 0
+    messages = [r.getMessage() for r in caplog.records if r.name == "grpo_flyte"]
+    assert any(m.startswith("merged model (base + adapter v2;") for m in messages), messages
+    assert "skipped" not in messages[-1]
+    assert (run_dir / "merged" / "config.json").is_file()
+    assert json.loads((run_dir / "config.json").read_text())["guard"]["export_adapter"] == "final"
+
+
+def test_unchosen_start_names_what_it_skips_only_when_nothing_was_chosen():
+    from grpo_flyte.loop.publishing import unchosen_start
+
+    g = Replay()
+    g.step([1.0, 0.0])
+    g.step([0.0, 0.0])  # below the start: the best stays iteration 0
+    assert best_summary(g.history).startswith("nothing trained beat the start: the best adapter is iteration 0's")
+    both = RunConfig(export_merged=True, push_to_hub="me/model")
+    assert unchosen_start(both, g.history).startswith("--export-merged and --push-to-hub skipped: best/ is the untrained start")
+    assert unchosen_start(RunConfig(), g.history) is None  # nothing to ship
+    chosen = RunConfig(export_merged=True, export_adapter="best")
+    assert unchosen_start(chosen, g.history) is None  # the start, chosen on purpose
+    g.step([1.0, 1.0])  # a trained adapter beats the start
+    assert unchosen_start(both, g.history) is None
+    h = Replay()
+    h.step([1.0, 0.0])  # only the start evaluated, nothing trained
+    assert unchosen_start(both, h.history) is None
 
 
 # A kill before the rollback is checkpointed (the iteration is done again: one rollback), and after

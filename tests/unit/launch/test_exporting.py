@@ -1,0 +1,174 @@
+"""The export and eval commands on a finished local run of the tiny model: the eval command gives
+the run's own last figure, each exported form is checked and kept with its export.json, and a
+damaged export (a wrong chat template, a dropped LoRA scale) fails in one line and leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from grpo_flyte.launch import exporting
+from grpo_flyte.launch.cli import main as cli_main
+from grpo_flyte.learning import merge
+from grpo_flyte.loop.answers import EvalAnswer
+from grpo_flyte.loop.verification import check_line, compare
+
+RIGHT_MERGE = merge.merge_into_base  # the damaged merges below replace it
+TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "6", "--min-informative-groups", "0"]
+
+
+# --------------------------------------------------------------------------- the comparison (pure)
+
+
+def _answer(completion: str, correct: bool, reward: float | None = None, question: str = "q") -> EvalAnswer:
+    reward = float(correct) if reward is None else reward
+    return EvalAnswer(question=question, answer="1", completion=completion, reward=reward, correct=correct, format=True, scores={})
+
+
+def test_the_comparison_pairs_the_answers_and_fails_worse_beyond_the_interval():
+    adapter = [_answer("a", True), _answer("b", True), _answer("c", False), _answer("d", True)]
+    same = compare(adapter, adapter, "eval_accuracy", form="merged", path="p", loaded_with="x", adapter="best", adapter_iteration=3)
+    assert same.passed and same.agreement == 1.0 and same.difference == 0.0 and same.difference_ci95 == 0.0
+    # one question lost (d: 1 -> 0), one reworded but as correct: d = [0, 0, 0, -1], mean -0.25,
+    # stdev 0.5, half-width 1.96 * 0.5 / 2 = 0.49: within it; agreement 2 of 4
+    export = [_answer("a", True), _answer("b2", True), _answer("c", False), _answer("d2", False)]
+    within = compare(export, adapter, "eval_accuracy", 0.5, form="merged", path="p", loaded_with="x", adapter="best", adapter_iteration=3)
+    assert within.passed and within.agreement == 0.5
+    assert within.difference == pytest.approx(-0.25) and within.difference_ci95 == pytest.approx(0.49)
+    assert (within.export_accuracy, within.adapter_accuracy) == (0.5, 0.75)
+    strict = compare(export, adapter, "eval_accuracy", 0.25, form="merged", path="p", loaded_with="x", adapter="best", adapter_iteration=3)
+    assert strict.failure == "50.0% of its answers differ from the adapter's (at most 25%: --max-disagreement)"
+    # every right answer lost: d = [-1, -1, 0, -1], mean -0.75, half-width 0.49: worse beyond it
+    lost = [_answer(a.completion, False) for a in adapter]
+    worse = compare(lost, adapter, "eval_accuracy", 1.0, form="merged", path="p", loaded_with="x", adapter="best", adapter_iteration=3)
+    assert worse.failure == "held-out accuracy 0.0% is 75.0 pp +- 49.0 pp below the adapter's 75.0% (paired, 95%)"
+    assert check_line(worse) == (
+        "export merged failed its check: held-out accuracy 0.0% is 75.0 pp +- 49.0 pp below the adapter's 75.0% (paired, 95%); "
+        "100.0% of 4 held-out answers identical to the adapter's; held-out accuracy 0.0% against the adapter's 75.0%, "
+        "-75.0 pp +- 49.0 pp (paired, 95%); nothing was written"
+    )
+    with pytest.raises(ValueError, match="the orders differ"):
+        compare([_answer("a", True, question="other")], adapter[:1], "eval_accuracy")
+
+
+# --------------------------------------------------------------------------- the commands on a real run
+
+
+def _loud_copy(model: Path, out: Path, factor: float = 20.0) -> Path:
+    """The tiny model with its projections `factor` times larger: its random layers then outweigh
+    the embeddings, so its greedy answers differ from question to question (the tiny model as it
+    is repeats the prompt's last token)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loud = AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        for name, weight in loud.named_parameters():
+            if "proj" in name:
+                weight.mul_(factor)
+    loud.save_pretrained(out)
+    for path in model.iterdir():
+        if not (out / path.name).exists():
+            shutil.copy2(path, out / path.name)
+    return out
+
+
+def _noisy_adapter(run_dir: Path, std: float = 0.5) -> None:
+    """The run's final adapter (adapter/) replaced by random LoRA weights of the same shapes: an
+    adapter that changes every answer, so that a merge that loses part of it shows."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = run_dir / "adapter" / "adapter_model.safetensors"
+    generator = torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(v.shape, generator=generator) * std for k, v in load_file(str(path)).items()}, str(path))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir) -> Path:
+    """A finished 2-iteration run of the loud tiny model, with a reward that tells its answers
+    apart (the number of distinct characters, over 10)."""
+    root = tmp_path_factory.mktemp("exporting")
+    module = f"distinct_{uuid.uuid4().hex[:8]}"
+    (root / f"{module}.py").write_text("def distinct(completions, **kwargs):\n    return [len(set(c)) / 10 for c in completions]\n")
+    sys.path.insert(0, str(root))
+    model = _loud_copy(tiny_model_dir, root / "loud")
+    run_dir = root / "run"
+    args = ["--local", "--model", str(model), *TINY, "--iterations", "2", "--rewards", f"{module}:distinct=1", "--run-dir", str(run_dir)]
+    assert cli_main(args) == 0
+    return run_dir
+
+
+def _last_eval(run_dir: Path) -> dict:
+    return [row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval_reward" in row][-1]
+
+
+def test_eval_gives_the_runs_own_last_figure_for_its_adapter(finished, capsys):
+    last = _last_eval(finished)
+    recorded = [json.loads(line) for line in (finished / "eval" / f"iter-{last['iteration']:04d}.jsonl").read_text().splitlines()]
+    assert len({a["completion"] for a in recorded}) > 1, "the adapter should answer the questions differently"
+    assert cli_main(["eval", str(finished / "adapter")]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"held-out accuracy {last['eval_accuracy']:.1%}")
+    assert f"reward {last['eval_reward']:.3f} +- {last['eval_reward_ci95']:.3f}" in line and f"(n={len(recorded)})" in line
+    assert line.endswith(f"adapter {finished / 'adapter'} on {json.loads((finished / 'config.json').read_text())['base']['model']}, "
+                         f"on the held-out set of {finished}")  # fmt: skip
+    assert last["eval_reward"] > 0 and last["eval_reward_ci95"] > 0
+
+
+def test_each_form_is_checked_and_kept_with_its_export_json(finished, tmp_path, capsys):
+    run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
+    _noisy_adapter(run_dir)
+    for form, folder in (("merged", "merged"), ("adapter", "lora")):
+        assert cli_main(["export", str(run_dir), "--to", form, "--export-adapter", "final"]) == 0
+        line = capsys.readouterr().out.strip()
+        assert line.startswith(f"export {form} verified: 100.0% of 6 held-out answers identical to the adapter's")
+        check = exporting.read_check(run_dir / folder)
+        assert check.passed and check.agreement == 1.0 and check.difference == 0.0
+        assert (check.adapter, check.adapter_iteration, check.questions) == ("final", 2, 6)
+        assert {"chat_template.jinja", "tokenizer.json", "export.json"} <= {p.name for p in (run_dir / folder).iterdir()}
+    assert (run_dir / "merged" / "model.safetensors").is_file() and (run_dir / "lora" / "adapter_model.safetensors").is_file()
+    # the merged folder is a plain transformers model: no PEFT files
+    assert not (run_dir / "merged" / "adapter_config.json").exists()
+    # the eval command on the merged model gives the export's figure
+    assert cli_main(["eval", str(run_dir / "merged")]) == 0
+    assert capsys.readouterr().out.startswith(f"held-out accuracy {check.export_accuracy:.1%}")
+
+
+def _merged_without_the_lora_scale(model_path: str, adapter_path: str, out: Path) -> None:
+    """The merge as a broken tool does it: B @ A added without LoRA's scale alpha / r."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), adapter_path)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.scaling = {name: 1.0 for name in module.scaling}
+    model.merge_and_unload().save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
+
+
+def _with_a_plain_chat_template(model_path: str, adapter_path: str, out: Path) -> None:
+    """A right merge saved with another model's chat template (roles as plain words, not the
+    trained <|im_start|> markers)."""
+    RIGHT_MERGE(model_path, adapter_path, out)
+    (out / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+
+
+@pytest.mark.parametrize("damage", [_merged_without_the_lora_scale, _with_a_plain_chat_template], ids=["lora-scale", "chat-template"])
+def test_a_damaged_export_fails_in_one_line_and_leaves_nothing(finished, tmp_path, monkeypatch, capsys, damage):
+    run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
+    _noisy_adapter(run_dir)
+    before = sorted(p.name for p in run_dir.iterdir())
+    monkeypatch.setattr(merge, "merge_into_base", damage)
+    assert cli_main(["export", str(run_dir), "--to", "merged", "--export-adapter", "final"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export ")]
+    assert len(err) == 1 and err[0].startswith("export merged failed its check: ") and err[0].endswith("; nothing was written")
+    assert "of its answers differ from the adapter's (at most 20%: --max-disagreement)" in err[0]
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # no merged/, no staging folder
