@@ -143,8 +143,9 @@ class RunConfig(Part):
         default_factory=lambda: dict(LIST_PRICES),
         description=(
             "Dollars per hour of one accelerator, by type (the GPU name of the GRPO_FLYTE_*_GPU settings), e.g. "
-            "L4=0.80,A100=4.10: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
-            "Out of the box: list prices (docs/cluster.md#what-a-run-costs); a type not given keeps its list price."
+            "L4=0.70,H100=4.00: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
+            "Out of the box: AWS on-demand list prices, not all verified (docs/cluster.md#what-a-run-costs); give your "
+            "provider's or Union's rates; a type not given keeps its list price."
         ),
     )
     base: ModelConfig = Field(default_factory=ModelConfig)
