@@ -136,7 +136,7 @@ class RunConfig(Part):
             "A local sweep stops the configs that fall behind: at each held-out evaluation after training, a config whose "
             "held-out metric (--select-by) is below the leading config's by more than the paired 99% interval over the same "
             "questions (the guard's test) stops there, keeping its best adapter and folder; the others go on, faster. "
-            "A sweep of one config never prunes. See docs/configuration.md#sweeps."
+            "A sweep of one config never prunes, nor does a config's last evaluation. See docs/configuration.md#sweeps."
         ),
     )
     prices: dict[str, float] = Field(
