@@ -15,7 +15,17 @@ held-out accuracy): the pruned sweep passes when its winner is the full sweep's,
 winner's paired interval (the winners' best evaluations, paired over the same questions, 95%).
 
     python benchmarks/sweep_prune.py            # 8 configs x 20 iterations, twice: hours on 2 cores
+    python benchmarks/sweep_prune.py --small    # 4 configs x 6 small iterations, twice: about an hour on the loaded 2-core machine
     python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations: the plumbing
+
+`--small` is the setting measured on the project's 2-core machine (docs/measurements.md), where the
+full grid would take hours: it trains about 50 times the tokens of `--small`, whose full sweep took
+665 CPU-seconds and 32 minutes there on 2026-11-27 (float32, one thread, a shared machine). It keeps what the question needs, a learning-rate
+x seed grid with one clearly bad learning rate and evaluations after training has begun at which
+pruning can act, and shrinks the rest: the default learning rate 2e-4 and a bad 5e-3 (25x) x seeds
+0 and 1; 6 iterations of 4 prompts x 4 completions of at most 32 new tokens (the default recipe's
+8 x 8 x 64, an eighth of its tokens), a top-up to 2 informative groups (the default's half of the
+prompts); a held-out evaluation of 50 questions before training and every 2 iterations (0, 2, 4, 6).
 """
 
 from __future__ import annotations
@@ -32,9 +42,12 @@ from pathlib import Path
 import _common
 
 FULL = {"iterations": 20, "eval_every": 5, "eval_size": 100}
+SMALL = {"iterations": 6, "eval_every": 2, "eval_size": 50, "prompts_per_iter": 4, "group_size": 4, "max_new_tokens": 32,
+         "min_informative_groups": 2}  # fmt: skip
 QUICK = {"iterations": 2, "eval_every": 1, "eval_size": 4, "prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8,
          "min_informative_groups": 0}  # fmt: skip
 LEARNING_RATES = ("1e-4", "2e-4", "5e-4", "5e-3")
+SMALL_LEARNING_RATES = ("2e-4", "5e-3")  # the default and a clearly bad one
 SEEDS = ("0", "1")
 
 
@@ -99,12 +112,14 @@ def _within(full_dir: Path, full: dict, pruned: dict) -> tuple[bool, float | Non
 
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "sweep_prune.json")
+    p.add_argument("--small", action="store_true", help="4 configs x 6 small iterations (the setting measured on 2 cores; see above)")
     args = p.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = QUICK if args.quick else SMALL if args.small else FULL
+    rates = SMALL_LEARNING_RATES if args.small else LEARNING_RATES
     grid = (
         ["--sweep", "learning_rate=2e-4,1.0"]
         if args.quick
-        else ["--sweep", "learning_rate=" + ",".join(LEARNING_RATES), "--sweep", "seed=" + ",".join(SEEDS)]
+        else ["--sweep", "learning_rate=" + ",".join(rates), "--sweep", "seed=" + ",".join(SEEDS)]
     )
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-prune-bench-"))
@@ -120,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": _common.machine(),
         "quick": args.quick,
+        "small": args.small,
         "sizes": sizes,
         "grid": grid,
         **sides,

@@ -139,3 +139,14 @@ def test_the_module_map_follows_the_tree_room_by_room():
     assert [path for path, _ in rows] == expected
     on_disk = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
     assert set(expected) == on_disk
+
+
+def test_the_default_prices_are_the_ones_docs_cluster_md_sources():
+    """Each default of --prices is a row of docs/cluster.md's price table with the same figure, and
+    the table has no row the code lacks: the table is where each figure's source and date are."""
+    from grpo_flyte.config.constants import LIST_PRICES
+
+    text = (DOCS / "cluster.md").read_text()
+    table = text.split("| type | default $/hour |", 1)[1].split("\n\n", 1)[0]
+    rows = dict(re.findall(r"^\| `([^`]+)` \| ([0-9.]+) \|", table, flags=re.M))
+    assert {name: float(value) for name, value in rows.items()} == LIST_PRICES

@@ -37,8 +37,11 @@ LOCAL_VLLM_SHARE = 0.5
 # The experiment trackers --report-to names (TRL's report_to), each an optional extra of its own.
 TRACKERS = ("wandb", "trackio", "mlflow", "tensorboard")
 # Dollars per hour of one accelerator by type (the GPU name of GRPO_FLYTE_*_GPU): the defaults of
-# --prices, on-demand list prices; their source and date are in docs/cluster.md#what-a-run-costs.
-LIST_PRICES = {"L4": 0.8048, "A100": 4.0966}
+# --prices. AWS EC2 on-demand Linux, us-east-1, an instance's price over its GPUs (L4 g6.xlarge,
+# A100 p4d.24xlarge after AWS's June 2025 cut, H100 p5.48xlarge, H200 p5en.48xlarge), as public
+# records of AWS's price list give them, none read from AWS's own page: each one's source, date and
+# whether it is verified are in docs/cluster.md#what-a-run-costs.
+LIST_PRICES = {"L4": 0.8048, "A100": 2.7447, "H100": 6.88, "H200": 7.912}
 SYSTEM_PROMPT = (
     "You are a careful assistant that solves arithmetic problems. Think briefly, then end your "
     "reply with the final answer on its own line as '#### <integer>'."

@@ -136,15 +136,16 @@ class RunConfig(Part):
             "A local sweep stops the configs that fall behind: at each held-out evaluation after training, a config whose "
             "held-out metric (--select-by) is below the leading config's by more than the paired 99% interval over the same "
             "questions (the guard's test) stops there, keeping its best adapter and folder; the others go on, faster. "
-            "A sweep of one config never prunes. See docs/configuration.md#sweeps."
+            "A sweep of one config never prunes, nor does a config's last evaluation. See docs/configuration.md#sweeps."
         ),
     )
     prices: dict[str, float] = Field(
         default_factory=lambda: dict(LIST_PRICES),
         description=(
             "Dollars per hour of one accelerator, by type (the GPU name of the GRPO_FLYTE_*_GPU settings), e.g. "
-            "L4=0.80,A100=4.10: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
-            "Out of the box: list prices (docs/cluster.md#what-a-run-costs); a type not given keeps its list price."
+            "L4=0.70,H100=4.00: a cluster run's accelerator-hours per pool in dollars, in metrics.jsonl and the report. "
+            "Out of the box: AWS on-demand list prices, not all verified (docs/cluster.md#what-a-run-costs); give your "
+            "provider's or Union's rates; a type not given keeps its list price."
         ),
     )
     base: ModelConfig = Field(default_factory=ModelConfig)

@@ -15,7 +15,9 @@ shared engine batches hold fewer configs' rows and the one torch thread has fewe
 so the next evaluation comes sooner for them. Their batches are not made larger: a config's recipe
 stays the one its name says, so the winner of a pruned sweep is the run a lone run of it would be.
 A sweep of one config, an evaluation only one config makes (other eval_every), one held-out
-question (no interval) never prunes. Each decision is reported to the sweep (`decided`), which keeps
+question (no interval) never prunes, and a config's last evaluation (its final iteration) never
+stops it: nothing is left to save, and it ends complete, ranked by the sweep's comparison; it still
+counts as the leader the others are compared with. Each decision is reported to the sweep (`decided`), which keeps
 it in its folder for --resume. A lone run and a cluster sweep have no pruning: `evaluated` returns None.
 """
 
@@ -105,7 +107,8 @@ class Pruning:
         if iteration not in self._waiting or not due <= reported.keys():
             return
         by_name = {self._configs[run][0]: values for run, values in reported.items() if run in self._running}
-        stopped = prune(by_name, self._metric)
+        last = {self._configs[run][0] for run in reported if iteration >= self._configs[run][1].iterations}
+        stopped = {name: why for name, why in prune(by_name, self._metric).items() if name not in last}
         self._outcome[iteration] = {run: stopped[name] for run, (name, _) in self._configs.items() if name in stopped}
         for run, reason in self._outcome[iteration].items():
             self._running.discard(run)

@@ -81,3 +81,29 @@ def test_a_config_already_past_an_evaluation_is_not_waited_for_there():
             assert a is None and b.startswith("held-out reward 0.000")  # at 3 both are there: b stops
 
     asyncio.run(sweep())
+
+
+def test_a_config_at_its_last_evaluation_is_not_stopped_but_still_leads():
+    # a and b end at iteration 2, c at 4; at 2, b and c are clearly below a (every question 1 below)
+    configs = {
+        "run-a": ("a", RunConfig(eval_every=1, iterations=2)),
+        "run-b": ("b", RunConfig(eval_every=1, iterations=2)),
+        "run-c": ("c", RunConfig(eval_every=1, iterations=4)),
+    }
+    decided = []
+
+    async def sweep():
+        with pruning.pruning(configs, lambda *d: decided.append(d)):
+            a, b, c = await asyncio.wait_for(
+                asyncio.gather(
+                    pruning.evaluated("run-a", 2, "eval_accuracy", [1.0, 1.0, 1.0]),
+                    pruning.evaluated("run-b", 2, "eval_accuracy", [0.0, 0.0, 0.0]),
+                    pruning.evaluated("run-c", 2, "eval_accuracy", [0.0, 0.0, 0.0]),
+                ),
+                1.0,
+            )
+            # b's last evaluation: stopping it saves nothing, it ends complete; c has 2 iterations left
+            assert a is None and b is None and c.startswith("held-out accuracy 0.0% is 100.0 pp")
+
+    asyncio.run(sweep())
+    assert [(name, iteration) for name, iteration, _ in decided] == [("c", 2)]

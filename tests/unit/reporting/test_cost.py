@@ -38,7 +38,7 @@ def test_dollars_at_a_stated_price_table():
 
 def test_prices_given_replace_the_list_price_of_their_type_only():
     table = prices_with_defaults(RunConfig(prices={"L4": 0.5, "H100": 6.0}).prices, LIST_PRICES)
-    assert table == {"L4": 0.5, "A100": LIST_PRICES["A100"], "H100": 6.0}
+    assert table == {"L4": 0.5, "A100": LIST_PRICES["A100"], "H100": 6.0, "H200": LIST_PRICES["H200"]}
     with pytest.raises(ValueError, match="expected dollars per hour"):
         RunConfig(prices={"L4": -1.0})
     with pytest.raises(ValueError, match="without the count"):
