@@ -15,8 +15,9 @@ the fallback: the schemas in the system message and `<tool_call>{"name": ..., "a
 </tool_call>`), each call runs in a sandbox process within --tool-timeout-s, and its return value
 comes back as a `tool` message. A raised exception is the model's error message ('error:
 ValueError: ...'), counted in tool_errors. The dataset 'calculator_tools' holds the `--env
-calculator` questions (3-digit products) with one worked exchange in that format; the rewards read
-the final '#### <integer>' line. docs/rewards-and-environments.md#tools-python-functions has the rest.
+calculator` questions (3-digit products) with one worked exchange in that format, each asked in one
+of four phrasings in turn ('What is a * b?', 'Multiply a by b.', ...); the rewards read the final
+'#### <integer>' line. docs/rewards-and-environments.md#tools-python-functions has the rest.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import itertools
 import math
 import operator
 import random
@@ -216,8 +217,12 @@ def _calculator_split() -> _Split:
 
 
 # The calculator's questions for --tools (a `calculator(expression)` Python function, as in
-# examples/tools_calculator.py): the same rows and held-out split, the worked exchange in the
-# <tool_call> format (Hermes, and the fallback of a template without tools).
+# examples/tools_calculator.py): the same products and held-out split, the worked exchange in the
+# <tool_call> format (Hermes, and the fallback of a template without tools), each question asked
+# in one of four phrasings in turn. Asked only as the worked exchange asks ("What is a * b?"), the
+# untrained embedded model calls the tool in nearly every greedy episode, which leaves no room to
+# show learning; asked otherwise, in fewer (a greedy probe on held-out questions: 'What is' 22 of
+# 24, 'Multiply' 6 of 16, 'times' 6 of 16, 'the product of' 2 of 16).
 CALCULATOR_TOOLS_SYSTEM = (
     "You solve arithmetic problems. You have a calculator tool: call it with the expression and its result comes back in "
     "the next message. End your reply with the final answer as '#### <integer>'."
@@ -230,17 +235,21 @@ CALCULATOR_TOOLS_DEMO = (
 )
 
 
+CALCULATOR_TOOLS_PHRASINGS = ("What is {a} * {b}?", "Multiply {a} by {b}.", "{a} times {b} = ?", "Compute the product of {a} and {b}.")
+
+
 def _calculator_tools_split() -> _Split:
-    def row(example: Example) -> Example:
-        prompt = [
-            Message(role="system", content=CALCULATOR_TOOLS_SYSTEM),
-            *CALCULATOR_TOOLS_DEMO,
-            Message(role="user", content=example.question),
-        ]
-        return example.model_copy(update={"prompt": prompt})
+    def row(i: int, example: Example) -> Example:
+        a, b = _PRODUCT.fullmatch(example.question).groups()
+        question = CALCULATOR_TOOLS_PHRASINGS[i % len(CALCULATOR_TOOLS_PHRASINGS)].format(a=a, b=b)
+        prompt = [Message(role="system", content=CALCULATOR_TOOLS_SYSTEM), *CALCULATOR_TOOLS_DEMO, Message(role="user", content=question)]
+        return example.model_copy(update={"question": question, "prompt": prompt})
 
     parts = _split_of("calculator")
-    return _Split(train=tuple(map(row, parts.train)), eval=tuple(map(row, parts.eval)))
+    return _Split(train=tuple(itertools.starmap(row, enumerate(parts.train))), eval=tuple(itertools.starmap(row, enumerate(parts.eval))))
+
+
+_PRODUCT = re.compile(r"What is (\d+) \* (\d+)\?")
 
 
 # --------------------------------------------------------------------------- guess the number

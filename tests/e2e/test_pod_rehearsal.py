@@ -11,15 +11,17 @@ The checkout is a copy of this worktree's package with a team's reward module in
 ships); a second reward module sits outside the checkout, importable where the CLI runs but not
 shipped, the mistake the rehearsal has to catch. It is submitted with two train GPUs, so the
 data-parallel train step is declared too and runs through `a0` under flyteplugins-pytorch's own
-launcher (two gloo processes). Last, one warm replica (`pod_rehearsal.Replica`) runs many actions
-of two runs in one long-lived process, as unionai-reuse's executor does.
+launcher (two gloo processes). One warm replica (`pod_rehearsal.Replica`) runs many actions of two
+runs in one long-lived process, as unionai-reuse's executor does. Last, the checkout is submitted
+again with `--agent` and a team's agent and tools modules in its src/, and `generate` pods play
+`--tools` and `--agent` episodes with them, imported from the bundle (issue 52).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
+import importlib.util
 import json
 import math
 import shutil
@@ -552,3 +554,179 @@ def test_a_long_episode_group_crosses_the_score_group_pod_as_a_file(rehearsal, t
     scored = pod.outputs
     assert scored.group == stub and len(scored.rewards) == 8
     assert asyncio.run(fetch_group(scored.group)) == big
+
+
+# --------------------------------------------------------------------------- tools and an agent from the bundle (issue 52)
+
+# A team's code beside the package in the checkout's src/: a tool function, and an agent that
+# calls the policy through the openai client and answers its tool calls with that function. The
+# CLI imports the agent (and so the tools module) before submitting: both travel in the bundle.
+TEAM_TOOLS = '''
+from grpo_flyte.multiturn import evaluate, shown_number
+
+
+def calculator(expression: str) -> str:
+    """The team's calculator: the value of an arithmetic expression.
+
+    Args:
+        expression: Numbers, + - * / and parentheses, for example "374*829".
+    """
+    return shown_number(evaluate(expression))
+'''
+TEAM_AGENT = '''
+import json
+
+import openai
+
+from grpo_flyte.multiturn import CALCULATOR_TOOLS_DEMO, CALCULATOR_TOOLS_SYSTEM
+from team_tools import calculator
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "The team's calculator: the value of an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": "for example 374*829"}},
+                   "required": ["expression"]},
+}}]
+
+
+async def rollout(client, example):
+    """Asks once, answers the reply's tool calls with the team's calculator, asks again; the reward
+    is the number of calls answered, so that it shows the agent's own return value."""
+    messages = [{"role": "system", "content": CALCULATOR_TOOLS_SYSTEM}, *(m.model_dump() for m in CALCULATOR_TOOLS_DEMO)]
+    messages.append({"role": "user", "content": example.question})
+    answered = 0
+    for _ in range(2):
+        try:
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        except openai.BadRequestError:
+            break
+        message = response.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            result = calculator(json.loads(call.function.arguments)["expression"])
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            answered += 1
+    return float(answered)
+'''
+TEAM_MODULES = ("team_tools", "team_agent")
+
+
+@pytest.fixture(scope="module")
+def team_rehearsal(rehearsal, tiny_model_dir) -> Rehearsal:
+    """The checkout submitted again, the team's modules now in its src/, with `--agent
+    team_agent:rollout`: the CLI imports the agent (and the tools module it imports) before it
+    submits, so both are in this bundle. The test's own process cannot import either."""
+    checkout_src = rehearsal.root.parent / "checkout" / "src"
+    (checkout_src / "team_tools.py").write_text(TEAM_TOOLS)
+    (checkout_src / "team_agent.py").write_text(TEAM_AGENT)
+    out = rehearsal.root.parent / "team-submission"
+    out.mkdir()
+    submission = run_submission(
+        rehearsal.bin_dir, checkout_src, rehearsal.root.parent / "elsewhere", out, tiny_model_dir, "correct=1.0", {},
+        ("--agent", "team_agent:rollout"),
+    )  # fmt: skip
+    return Rehearsal(rehearsal.root.parent / "team-run", rehearsal.bin_dir, submission)
+
+
+# The embedded SmolLM2 (its template has no tools: the fallback format), which calls the tool after
+# the worked exchange in the calculator_tools prompts (at temperature 0.1, in each episode); one
+# question, two episodes of two turns.
+TEAM_CONFIG = {
+    "group_size": 2, "max_new_tokens": 40, "max_turns": 2, "max_episode_tokens": 128, "temperature": 0.1, "backend": "hf",
+    "dtype": "float32", "lora_rank": 2,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def embedded_v0(embedded_dir, tmp_path_factory) -> AdapterRef:
+    """Version 0 of an adapter on the embedded model, written by init_adapter's own code (here, not in a pod)."""
+    from grpo_flyte.learning import policy
+
+    config = RunConfig(**TEAM_CONFIG)
+    out = tmp_path_factory.mktemp("embedded-adapter") / "v0000"
+    peft = policy.peft_model(config.base, config.lora, str(embedded_dir))
+    policy.reset_lora(peft, config.seed)
+    policy.save_adapter(peft, None, 0, out)
+    policy.record_base(out, str(embedded_dir))
+    policy._peft_model.cache_clear()
+    return AdapterRef(version=0, dir=Dir(path=str(out)))
+
+
+def _team_pod(team_rehearsal, embedded_dir, adapter, **episode):
+    from grpo_flyte.multiturn import builtin_split
+
+    config = RunConfig(**TEAM_CONFIG, **episode)
+    example = builtin_split("calculator_tools", "eval")[0]
+    base = Dir(path=embedded_dir.as_uri())
+    pod = team_rehearsal.run(
+        generate, config.base, config.engine, config.prompt, config.sampling, config.episode, base, adapter, example, 0, 11
+    )
+    assert pod.error is None, pod.log[-4000:]
+    return pod, example
+
+
+def test_the_team_submission_ships_the_agent_and_its_tools_module(team_rehearsal):
+    files = set(team_rehearsal.submission["bundle"]["files"])
+    assert {"team_agent.py", "team_tools.py", "grpo_flyte/rollout.py"} <= files
+    assert all(importlib.util.find_spec(name) is None for name in TEAM_MODULES)  # only a pod has them
+
+
+def test_a_generate_pod_plays_tool_episodes_with_the_tools_module_of_the_bundle(team_rehearsal, embedded_dir, embedded_v0):
+    """`--tools team_tools:calculator` in the pod: its schema (from the bundle's module) in the prompt,
+    the model's calls run in the pod's sandbox workers, which import the module from the bundle's
+    folder, and the answers spliced into the episode's ids, masked from the loss."""
+    from transformers import AutoTokenizer
+
+    from grpo_flyte.loop.metrics import episode_metrics
+    from grpo_flyte.multiturn import evaluate, shown_number
+
+    pod, example = _team_pod(team_rehearsal, embedded_dir, embedded_v0, tools="team_tools:calculator")
+    group = pod.outputs
+    assert (group.example, group.adapter_version) == (example, 0) and (pod.workdir / "team_tools.py").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_dir))
+    assert "The team's calculator" in tokenizer.decode(group.prompt_ids)  # the schema from the bundle's docstring
+    assert len(group.rollouts) == 2
+    for rollout in group.rollouts:
+        episode = rollout.episode
+        assert episode.tool_calls == 1 and (episode.tool_errors, episode.tool_malformed) == (0, 0), episode
+        call, answer, *_ = episode.turns
+        assert (call.role, answer.role) == ("model", "tool")
+        arguments = json.loads(call.text.split("<tool_call>")[1].split("</tool_call>")[0])
+        assert arguments["name"] == "calculator"
+        assert answer.text == shown_number(evaluate(arguments["arguments"]["expression"]))  # computed in the pod's sandbox
+        ids, mask, logprobs = rollout.completion_ids, rollout.model_mask, rollout.sampling_logprobs
+        assert len(ids) == len(mask) == len(logprobs) and mask[0] and not all(mask)
+        reply = [t for t, m in zip(ids, mask, strict=True) if not m]
+        assert answer.text in tokenizer.decode(reply)  # the tool message's ids, out of the loss
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
+        assert all(math.isfinite(lp) and lp <= 0 for lp, m in zip(logprobs, mask, strict=True) if m)
+    metrics = episode_metrics(group.rollouts)
+    assert (metrics["tool_calls"], metrics["tool_call_rate"], metrics["tool_errors"], metrics["tool_malformed"]) == (2, 1.0, 0, 0)
+
+
+def test_a_generate_pod_plays_the_agents_episodes_with_the_agent_module_of_the_bundle(team_rehearsal, embedded_dir, embedded_v0):
+    """`--agent team_agent:rollout` in the pod: the agent (imported from the bundle, with the tools
+    module it imports) calls the policy through the in-process openai client; the model's tool
+    calls are parsed into the replies, answered by the agent, and the episode's training sequence
+    is the engine's ids, the agent's messages masked out."""
+    from transformers import AutoTokenizer
+
+    from grpo_flyte.loop.metrics import episode_metrics
+
+    pod, example = _team_pod(team_rehearsal, embedded_dir, embedded_v0, agent="team_agent:rollout")
+    group = pod.outputs
+    assert (group.example, group.adapter_version) == (example, 0) and (pod.workdir / "team_agent.py").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_dir))
+    assert len(group.rollouts) == 2
+    for rollout in group.rollouts:
+        episode = rollout.episode
+        assert episode.tool_calls == 1 and episode.reward == 1.0 and episode.end != "agent_error", episode
+        call, answer, *_ = episode.turns
+        assert (call.role, answer.role) == ("model", "tool") and "<tool_call>" in call.text
+        ids, mask, logprobs = rollout.completion_ids, rollout.model_mask, rollout.sampling_logprobs
+        assert len(ids) == len(mask) == len(logprobs) and mask[0] and not all(mask)
+        assert answer.text in tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        assert "The team's calculator" in tokenizer.decode(rollout.prompt_ids)  # the agent's tools=, rendered by the template
+    metrics = episode_metrics(group.rollouts)
+    assert (metrics["tool_calls"], metrics["tool_call_rate"]) == (2, 1.0)

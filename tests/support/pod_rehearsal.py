@@ -93,24 +93,32 @@ def image_python(dest: Path) -> Path:
 
 
 def run_submission(
-    bin_dir: Path, checkout_src: Path, extra_path: Path, out: Path, model: Path, rewards: str, settings: dict[str, str]
+    bin_dir: Path,
+    checkout_src: Path,
+    extra_path: Path,
+    out: Path,
+    model: Path,
+    rewards: str,
+    settings: dict[str, str],
+    options: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """`submit` in a fresh process of the image's Python, with the checkout's src/ (and
     `extra_path`, a folder of modules outside it) on PYTHONPATH and the user's GRPO_FLYTE_*
-    `settings`; returns what it recorded."""
+    `settings`, the CLI given `rewards` and further `options` (`--agent team_agent:rollout`);
+    returns what it recorded."""
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(out / "home"),
         "PYTHONPATH": f"{checkout_src}{os.pathsep}{extra_path}",
         **settings,
     }
-    command = [str(bin_dir / "python"), __file__, str(out), str(model), rewards]
+    command = [str(bin_dir / "python"), __file__, str(out), str(model), rewards, *options]
     done = subprocess.run(command, cwd=out, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads((out / SUBMISSION_FILE).read_text())
 
 
-def submit(out: Path, model: str, rewards: str) -> None:
+def submit(out: Path, model: str, rewards: str, *options: str) -> None:
     """The CLI's cluster path as an offline dry run; records the bundle and every leaf task's spec."""
     import flyte
     import flyte.extras
@@ -143,7 +151,7 @@ def submit(out: Path, model: str, rewards: str) -> None:
     submit.resolve_remote_model = lambda path, field="model": Dir(path=Path(path).as_uri())
     flyte.init_from_config = init_from_config
     flyte.with_runcontext = offline_runcontext
-    exit_code = cli.main(["--model", model, "--iterations", "1", "--rewards", rewards])
+    exit_code = cli.main(["--model", model, "--iterations", "1", "--rewards", rewards, *options])
     assert exit_code == 0 and submitted, f"the CLI's cluster path exited {exit_code}"
 
     bundle = submitted[-1].code_bundle
@@ -451,4 +459,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "replica":
         serve_replica(*sys.argv[2:5])
     else:
-        submit(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+        submit(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *sys.argv[4:])

@@ -24,6 +24,7 @@ from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import grpo
 from grpo_flyte.learning.update import build_sequences
 from grpo_flyte.multiturn import (
+    CALCULATOR_TOOLS_PHRASINGS,
     Calculator,
     GuessNumber,
     Reply,
@@ -130,6 +131,21 @@ def test_the_built_in_datasets_are_disjoint_fixed_and_answerable():
     assert held[0].prompt[-1].content == held[0].question  # the question is the last message
     guesses = builtin_split("guess", "eval")
     assert sorted({int(e.answer) for e in guesses}) == list(range(1, 21))
+
+
+def test_the_tools_calculator_asks_the_calculators_products_in_four_phrasings_in_turn():
+    """calculator_tools: the calculator's products, answers and split, the k-th question of each split
+    asked in phrasing k mod 4 (the worked exchange's own first), the same in the user message."""
+    for split in ("train", "eval"):
+        plain, tools = builtin_split("calculator", split), builtin_split("calculator_tools", split)
+        assert [e.answer for e in tools] == [e.answer for e in plain]
+        for k, (p, t) in enumerate(zip(plain[:8], tools[:8], strict=True)):
+            a, b = p.question.removeprefix("What is ").removesuffix("?").split(" * ")
+            assert t.question == CALCULATOR_TOOLS_PHRASINGS[k % 4].format(a=a, b=b) and t.prompt[-1].content == t.question
+            assert t.prompt[1].content == "What is 12 * 34?"  # the worked exchange
+    [first, second, third, fourth] = builtin_split("calculator_tools", "eval")[:4]
+    assert (first.question, second.question) == ("What is 511 * 488?", "Multiply 275 by 941.")
+    assert (third.question, fourth.question, fourth.answer) == ("329 times 138 = ?", "Compute the product of 699 and 532.", "371868")
 
 
 # --------------------------------------------------------------------------- splicing and the mask
