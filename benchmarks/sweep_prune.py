@@ -15,7 +15,8 @@ held-out accuracy): the pruned sweep passes when its winner is the full sweep's,
 winner's paired interval (the winners' best evaluations, paired over the same questions, 95%).
 
     python benchmarks/sweep_prune.py            # 8 configs x 20 iterations, twice: hours on 2 cores
-    python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations: the plumbing
+    python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations of the tests' tiny
+                                                # random model: the plumbing
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else ["--sweep", "learning_rate=" + ",".join(LEARNING_RATES), "--sweep", "seed=" + ",".join(SEEDS)]
     )
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-prune-bench-"))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
+    if args.quick:
+        flags += ["--model", str(_common.quick_model())]
     print(f"work in {root}")
     sides = {}
     for side, extra in (("full", []), ("pruned", ["--sweep-prune"])):
