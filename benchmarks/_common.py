@@ -33,6 +33,37 @@ def parser(doc: str | None, default_out: str) -> argparse.ArgumentParser:
     return p
 
 
+QUICK_MODEL = "a 2-layer, 32-wide random Llama with the embedded model's tokenizer (--quick)"
+
+
+def quick_model() -> Path:
+    """The model of a --quick run: the tests' tiny random Llama (tests/support/tiny_model.py: 2
+    layers, 32 wide, seed 0, the embedded SmolLM2's tokenizer and chat template). A quick run checks
+    the plumbing (the same functions, tasks and files as the full run), which this model runs in a
+    fraction of the embedded model's time; its figures mean nothing. Built once into grpo_flyte's
+    cache (beside the embedded model's copy, under a key of both) and reused, so that a quick run's
+    saved config names the same model every time (a resumed quick sweep finds it)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]  # the checkout, where the tests' helpers live
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from grpo_flyte.models.embedded import embedded_model_dir
+    from grpo_flyte.runtime.files import build_dir_atomic
+    from tests.support import tiny_model
+
+    embedded = embedded_model_dir()
+    key = hashlib.sha256(f"{embedded.name}:{Path(tiny_model.__file__).read_text()}".encode()).hexdigest()[:12]
+    target = embedded.parent / f"quick-tiny-llama-{key}"
+    if not (target / "config.json").is_file():
+        try:
+            build_dir_atomic(target, lambda staging: tiny_model.build_tiny_model(staging, embedded), replace=False)
+        except OSError:
+            if not (target / "config.json").is_file():  # else a concurrent quick run built it first
+                raise
+    return target
+
+
 def out_file(args: argparse.Namespace) -> Path | None:
     """Where the results go: --out, else the committed figures' file, except in a quick run (its
     figures are no measurement: they never replace the committed ones)."""

@@ -16,7 +16,7 @@ and the same with an adapter already loaded (cache hit), so the load's share sho
 vLLM (LoRARequest on a GPU) is not measured: this machine has no GPU.
 
     python benchmarks/adapter_swap.py            # 10 trials, ~1 minute
-    python benchmarks/adapter_swap.py --quick    # the plumbing: 1 trial, 4-token completions
+    python benchmarks/adapter_swap.py --quick    # the plumbing: the tests' tiny model, 1 trial, 4-token completions
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     completion_tokens = 4 if args.quick else SHORT_COMPLETION_TOKENS
     # group_size 2 (the smallest group) and 1 new token: the task path's "first completion".
     config = RunConfig(group_size=2, max_new_tokens=1, backend="hf")
-    model_dir = embedded_model_dir()
+    model_dir = _common.quick_model() if args.quick else embedded_model_dir()
     model_path = str(model_dir)
     example = arithmetic_split("train")[0]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-swap-"))

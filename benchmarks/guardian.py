@@ -25,7 +25,7 @@ docs/measurements.md ("The guard").
     python benchmarks/guardian.py --jobs 2                    # every case, two runs at a time (hours on a CPU)
     python benchmarks/guardian.py --cases "sign flip" --jobs 2
     python benchmarks/guardian.py --run-dir runs/guardian     # reuses the runs a folder already holds
-    python benchmarks/guardian.py --quick                     # the plumbing: the sign flip's two sides, tiny, at once
+    python benchmarks/guardian.py --quick                     # the plumbing: the sign flip's two sides, tiny (the tests' model), at once
     python benchmarks/guardian.py --replay runs/sweep/*/seed-*   # the guard's assessments on recorded runs
 
 `--replay` runs the guard's own functions (as `--on-collapse warn`: nothing acted on) over run
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import _common
 from flyte.io import Dir
-from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, driver_args, read_jsonl, run_parallel
+from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, driver_args, quick_flags, read_jsonl, run_parallel
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.config.training import GuardConfig
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = []
     if args.quick:  # the two sides at once, 3 tiny iterations each
         shape = argparse.Namespace(iterations=3, eval_every=1, eval_size=4)
-        extra, args.jobs = list(QUICK), max(args.jobs, 2)
+        extra, args.jobs = quick_flags([]), max(args.jobs, 2)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-guardian-"))
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     jobs, env, folders = [], {}, {}

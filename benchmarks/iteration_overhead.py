@@ -14,7 +14,7 @@ benchmark checks that (the trained adapters must be bit-identical). Model loadin
 warm-up run per side first. Prints the median of the per-round ratios flyte / bare.
 
     python benchmarks/iteration_overhead.py              # 3 rounds, ~8 minutes on a 2-core CPU
-    python benchmarks/iteration_overhead.py --quick      # the plumbing: tiny sizes, 1 round
+    python benchmarks/iteration_overhead.py --quick      # the plumbing: the tests' tiny model, tiny sizes, 1 round, no warm-up
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     _common.quiet_logs()
     sizes = {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 16, "min_informative_groups": 0} if args.quick else {}
     rounds = 1 if args.quick else args.rounds
-    config = RunConfig(iterations=1, eval_size=0, **sizes)
+    model_dir = _common.quick_model() if args.quick else embedded_model_dir()
+    config = RunConfig(iterations=1, eval_size=0, **sizes, **({"model": str(model_dir)} if args.quick else {}))
     # Warm-up: the same engine and training model (their caches are keyed on these fields), tiny work.
     warm = RunConfig(**{**config.flat(), "prompts_per_iter": 2, "group_size": 2, "min_informative_groups": 0})
-    model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-overhead-"))
     counter = iter(range(10_000))
     result = {"benchmark": "iteration_overhead", "machine": _common.machine(), "config": config.flat()}
@@ -147,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     try:
-        print(f"warm-up (model loading, excluded): {model_dir.name}, {resolve_dtype(config.base.dtype)}")
-        with _common.Stopwatch() as w:
-            flyte_side(warm)
-            bare_side(warm)
-        print(f"  {w.s:.1f} s")
+        if not args.quick:  # --quick: the plumbing, which the round runs all of (the warm-up's work is the round's there)
+            print(f"warm-up (model loading, excluded): {model_dir.name}, {resolve_dtype(config.base.dtype)}")
+            with _common.Stopwatch() as w:
+                flyte_side(warm)
+                bare_side(warm)
+            print(f"  {w.s:.1f} s")
         adapters = {"flyte": [], "bare": []}
         print(
             f"{rounds} rounds of one iteration: {config.prompts_per_iter} prompts x {config.sampling.group_size} completions, "

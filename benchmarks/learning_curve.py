@@ -12,7 +12,7 @@ to <run-dir>/learning_curve.json.
     python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --gate 0.10   # the gate in docs/measurements.md
     python benchmarks/learning_curve.py --seeds 0 1 2 3 4 --run-dir runs/gate   # resumes (or reuses) the sweep in runs/gate
     python benchmarks/learning_curve.py --loss-type dapo      # any other flag goes to the driver
-    python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations (the plumbing)
+    python benchmarks/learning_curve.py --quick               # seconds: 2 tiny iterations of the tests' tiny model (the plumbing)
 
 One run's end point depends on its seed more than its 95% interval over the held-out questions
 says, so a learning claim is a figure over seeds. `--seeds` runs them as one sweep
@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _common
+
 from grpo_flyte.config.files import flatten
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
@@ -60,6 +62,18 @@ TRAIN_FLOOR = 0.02
 FLOOR_RUN = 3
 # Student's t at 0.975 for 1..10 degrees of freedom (intervals over a handful of seeds); 1.96 beyond.
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def model_flags(driver_flags: list[str]) -> list[str]:
+    """A --quick run's model flag: the tests' tiny random model (`_common.quick_model`), unless
+    `driver_flags` name a model."""
+    named = any(f == "--model" or f.startswith("--model=") for f in driver_flags)
+    return [] if named else ["--model", str(_common.quick_model())]
+
+
+def quick_flags(driver_flags: list[str]) -> list[str]:
+    """The driver flags of a --quick run: QUICK's tiny batches and `model_flags`."""
+    return [*QUICK, *model_flags(driver_flags)]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -326,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
-    parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 iterations of tiny batches of the tests' tiny model: the plumbing, not the learning"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON of results here")
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=None, help="one sweep over the seeds (<run-dir>/seed=N each), and their spread"
@@ -338,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4
-        driver_flags = [*QUICK, *driver_flags]
+        driver_flags = [*quick_flags(driver_flags), *driver_flags]
     if args.seeds and any(f == "--seed" or f.startswith("--seed=") for f in driver_flags):
         parser.error("--seeds runs one seed per run: leave out --seed")
     if args.seeds and len(set(args.seeds)) != len(args.seeds):

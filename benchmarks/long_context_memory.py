@@ -12,13 +12,13 @@ loaded model's (the process's high-water mark, reset once the model is loaded) o
 "after" is this checkout; "before" sets the knobs back to main's code before issue 40: every
 attention call through `attention.grouped_attention`'s own arithmetic (a queries x keys scores
 matrix per head), the context prefilled in one pass, no checkpointing past --micro-batch-tokens.
-Each case runs in a fresh process (--quick: each side's cases in one); the ratio before / after is
-taken at the same N, in one run.
+Each case runs in a fresh process (--quick: each side's cases in one, on the tests' tiny random
+model); the ratio before / after is taken at the same N, in one run.
 Memory per 1,000 tokens that stays flat as N grows is memory linear in the tokens (the key/value
 cache: 23 KB a token on this model in bfloat16); one that grows with N is quadratic.
 
     python benchmarks/long_context_memory.py            # the figures in docs/measurements.md (~15 minutes)
-    python benchmarks/long_context_memory.py --quick    # seconds: the plumbing only (CI)
+    python benchmarks/long_context_memory.py --quick    # seconds: the plumbing only, on the tests' tiny random model (CI)
 """
 
 from __future__ import annotations
@@ -68,18 +68,16 @@ def _before() -> None:
     policy_update.checkpointed = lambda train, lengths: train.gradient_checkpointing
 
 
-def measure(case: str, side: str, num: int) -> dict:
+def measure(case: str, side: str, num: int, model_path: str) -> dict:
     """One case in this process: the peak bytes above the loaded model's resident memory."""
     from grpo_flyte.config.run import RunConfig
     from grpo_flyte.engine.hf_generator import HFGenerator
     from grpo_flyte.engine.interface import SamplingRequest
     from grpo_flyte.learning import grpo, policy
     from grpo_flyte.learning import update as policy_update
-    from grpo_flyte.models.embedded import embedded_model_dir
 
     if side == "before":
         _before()
-    model_path = str(embedded_model_dir())
     if case == "generate":
         generator = HFGenerator(model_path, "bfloat16", 1)
         ids = page_ids(generator.tokenizer, num - NEW_TOKENS)
@@ -108,9 +106,9 @@ def measure(case: str, side: str, num: int) -> dict:
     return {"case": case, "side": side, "tokens": num, "model_rss_bytes": start, "peak_above_model_bytes": peak - start}
 
 
-def run_cases(side: str, cases: list[tuple[str, int]]) -> list[dict]:
+def run_cases(side: str, cases: list[tuple[str, int]], model_path: str) -> list[dict]:
     """(case, tokens) of one side, one after another in a fresh process of their own."""
-    argv = [sys.executable, __file__, "--one", side, *(f"{case}:{num}" for case, num in cases)]
+    argv = [sys.executable, __file__, "--one", side, model_path, *(f"{case}:{num}" for case, num in cases)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)
     if done.returncode != 0:
         return [{"case": case, "side": side, "tokens": num, "error": (done.stdout + done.stderr)[-2000:]} for case, num in cases]
@@ -140,22 +138,28 @@ def table(results: list[dict], case: str) -> tuple[list[str], list[dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:  # --one SIDE CASE:TOKENS ...
+    if argv[:1] == ["--one"]:  # --one SIDE MODEL CASE:TOKENS ...
         _common.quiet_logs()
-        for one in argv[2:]:
+        for one in argv[3:]:
             case, num = one.split(":")
-            print(json.dumps(measure(case, argv[1], int(num))), flush=True)
+            print(json.dumps(measure(case, argv[1], int(num), argv[2])), flush=True)
         return 0
     p = _common.parser(__doc__, "long_context_memory.json")
     args = p.parse_args(argv)
     plan = QUICK if args.quick else FULL
+    if args.quick:
+        model_path = str(_common.quick_model())
+    else:
+        from grpo_flyte.models.embedded import embedded_model_dir
+
+        model_path = str(embedded_model_dir())
     # a process per case; --quick: a process per side (the plumbing, with two imports fewer)
     batches = [(side, [(case, num)]) for case, sides in plan.items() for side, sizes in sides.items() for num in sizes]
     if args.quick:
         batches = [(side, [c for s, cs in batches if s == side for c in cs]) for side in ("before", "after")]
     results = []
     for side, cases in batches:
-        for r in run_cases(side, cases):
+        for r in run_cases(side, cases, model_path):
             results.append(r)
             shown = f"{r['peak_above_model_bytes'] / 2**20:.0f} MB above the model" if "error" not in r else "FAILED\n" + r["error"]
             print(f"{r['case']:8} {side:6} {r['tokens']:6} tokens: {shown}", flush=True)
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "benchmark": "long_context_memory",
             "machine": _common.machine(),
-            "model": "SmolLM2-135M-Instruct (embedded), bfloat16",
+            "model": (_common.QUICK_MODEL if args.quick else "SmolLM2-135M-Instruct (embedded)") + ", bfloat16",
             "new_tokens": NEW_TOKENS,
             "results": results,
             "before_over_after": summary,

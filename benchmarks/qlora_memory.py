@@ -23,7 +23,7 @@ batch of token ids, the two models alternately, median seconds per step. On a CP
 layers dequantize their weights in every forward and backward, so the step is slower there.
 
     python benchmarks/qlora_memory.py            # 8 sequences, 3 rounds, ~5 minutes on a 2-core CPU
-    python benchmarks/qlora_memory.py --quick    # 2 sequences, 1 round, no warm-up
+    python benchmarks/qlora_memory.py --quick    # the tests' tiny random model: 2 sequences, 1 round, no warm-up
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rounds = 1 if args.quick else args.rounds
     num = 2 if args.quick else 8
-    model_path = str(embedded_model_dir())
+    model_path = str(_common.quick_model() if args.quick else embedded_model_dir())
     models, memory, configs = {}, {}, {}
     sides = {"16-bit": {}, "4-bit": {"load_in_4bit": True}, EMBEDDINGS: {"load_in_4bit": True, "embeddings_in_4bit": True}}
     for side, settings in sides.items():
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "benchmark": "qlora_memory",
             "machine": _common.machine(),
-            "model": "SmolLM2-135M-Instruct (embedded)",
+            "model": _common.QUICK_MODEL if args.quick else "SmolLM2-135M-Instruct (embedded)",
             "num_sequences": num,
             "memory_bytes": memory,
             "param_memory_ratio": ratio,

@@ -29,7 +29,7 @@ Settings that could not be matched, and why:
 
     python benchmarks/race_trl.py                  # 10 minutes a side, seeds 0 1 2, 200 held-out questions
     python benchmarks/race_trl.py --budget-min 5 --seeds 0   # a shorter race
-    python benchmarks/race_trl.py --quick          # one tiny step a side, 4 questions, one seed
+    python benchmarks/race_trl.py --quick          # one tiny step a side of the tests' tiny model, 4 questions, one seed
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from vs_trl import TRL_FAST_BF16, TRL_FAST_FP32, trl_args, trl_reward, trl_rows
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.data import train_eval_split
 from grpo_flyte.loop.metrics import mean_ci95
-from grpo_flyte.models.embedded import embedded_model_dir
+from grpo_flyte.models.folders import resolve_local_model
 from grpo_flyte.runtime.device import fast_bfloat16, resolve_dtype
 from grpo_flyte.runtime.torch_thread import on_torch_thread
 
@@ -65,8 +65,10 @@ SEEDS = (0, 1, 2)
 
 
 def race_config(quick: bool, seed: int) -> RunConfig:
-    """The shared settings (grpo_flyte's defaults are the race's)."""
+    """The shared settings (grpo_flyte's defaults are the race's; --quick: tiny ones, on the tests' tiny model)."""
     sizes = {"prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8, "min_informative_groups": 0} if quick else {}
+    if quick:
+        sizes["model"] = str(_common.quick_model())
     return RunConfig(iterations=1, eval_size=4 if quick else EVAL_SIZE, seed=seed, beta=0.0, lr_scheduler_type="constant", **sizes)
 
 
@@ -74,7 +76,7 @@ def grpo_flyte_side(config: RunConfig, budget_s: float, work: Path) -> dict[str,
     """`python -m grpo_flyte.driver --local` until the budget is spent; returns steps and adapter."""
     run_dir = work / "grpo_flyte-run"
     command = [
-        sys.executable, "-m", "grpo_flyte.driver", "--local", "--run-dir", str(run_dir), "--iterations", "100000",
+        sys.executable, "-m", "grpo_flyte.driver", "--local", "--model", config.base.model, "--run-dir", str(run_dir), "--iterations", "100000",
         "--eval-size", "0", "--seed", str(config.seed), "--prompts-per-iter", str(config.prompts_per_iter),
         "--group-size", str(config.sampling.group_size), "--max-new-tokens", str(config.sampling.max_new_tokens),
         "--learning-rate", str(config.train.learning_rate), "--beta", "0", "--lr-scheduler-type", "constant",
@@ -164,7 +166,7 @@ def trl_side(config: RunConfig, budget_s: float, work: Path) -> dict[str, Any]:
     )
     budget = Budget(started, budget_s, work / "trl-adapter")
     trainer = GRPOTrainer(
-        model=str(embedded_model_dir()),
+        model=str(resolve_local_model(config.base.model)),
         reward_funcs=trl_reward,
         args=args,
         train_dataset=Dataset.from_list(trl_rows(dataset)),
@@ -189,7 +191,7 @@ def evaluate(config: RunConfig, adapters: dict[str, str]) -> dict[str, list[tupl
     from grpo_flyte.scoring.compose import Group, score_completions
 
     _, held_out = train_eval_split(config)
-    engine = HFGenerator(str(embedded_model_dir()), resolve_dtype(config.base.dtype), max_adapters=1)
+    engine = HFGenerator(str(resolve_local_model(config.base.model)), resolve_dtype(config.base.dtype), max_adapters=1)
     requests = [
         sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), seed=0, greedy=True) for ex in held_out
     ]
@@ -216,7 +218,7 @@ def untrained_adapter(config: RunConfig, out: Path) -> str:
     """The adapter both sides start from in effect (LoRA B = 0: the base model's answers)."""
     from grpo_flyte.learning import policy
 
-    model = policy.peft_model(config.base, config.lora, str(embedded_model_dir()))
+    model = policy.peft_model(config.base, config.lora, str(resolve_local_model(config.base.model)))
     policy.reset_lora(model, config.seed)
     policy.save_adapter(model, None, 0, out)
     return str(out)

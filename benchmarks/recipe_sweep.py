@@ -11,7 +11,7 @@ the lowest held-out accuracy any seed saw during its run, and how many seeds pas
     python benchmarks/recipe_sweep.py --cells center lr=2e-4  # some cells
     python benchmarks/recipe_sweep.py --run-dir runs/sweep    # reuses the runs a folder already holds
     python benchmarks/recipe_sweep.py --run-dir runs/sweep --report   # the table of what it holds, running nothing
-    python benchmarks/recipe_sweep.py --quick                 # the plumbing: 2 cells, 1 seed, tiny runs
+    python benchmarks/recipe_sweep.py --quick                 # the plumbing: 2 cells, 1 seed, tiny runs of the tests' tiny model
 
 Each cell runs as one sweep over its seeds (`learning_curve.run_seeds`: every seed at once in one
 process, on one engine and one loaded base), in <run-dir>/<cell>/, a run folder per seed (`seed=N`);
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import _common
-from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, QUICK, combine, run_seeds
+from learning_curve import EVAL_EVERY, EVAL_SIZE, ITERATIONS, combine, quick_flags, run_seeds
 
 # The default recipe (RunConfig's defaults), the sweep's center: flag -> value. The sweep began at
 # learning rate 5e-4 (the old default); that center collapsed on one seed in three and 2e-4 did not,
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     iterations, eval_every, eval_size, extra = ITERATIONS, EVAL_EVERY, EVAL_SIZE, []
     if args.quick:
         cells, args.seeds = cells[:2], args.seeds[:1]
-        iterations, eval_every, eval_size, extra = 2, 1, 4, QUICK
+        iterations, eval_every, eval_size, extra = 2, 1, 4, quick_flags([])
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-"))
     settings = argparse.Namespace(iterations=iterations, eval_every=eval_every, eval_size=eval_size, seeds=args.seeds)
     print(f"sweep: {len(cells)} cells x {len(args.seeds)} seeds, each cell one sweep over its seeds; runs in {run_dir}")

@@ -16,7 +16,8 @@ winner's paired interval (the winners' best evaluations, paired over the same qu
 
     python benchmarks/sweep_prune.py            # 8 configs x 20 iterations, twice: hours on 2 cores
     python benchmarks/sweep_prune.py --small    # 4 configs x 6 small iterations, twice: about an hour on the loaded 2-core machine
-    python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations: the plumbing
+    python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations of the tests' tiny
+                                                # random model: the plumbing
 
 `--small` is the setting measured on the project's 2-core machine (docs/measurements.md), where the
 full grid would take hours: it trains about 50 times the tokens of `--small`, whose full sweep took
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else ["--sweep", "learning_rate=" + ",".join(rates), "--sweep", "seed=" + ",".join(SEEDS)]
     )
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-prune-bench-"))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
+    if args.quick:
+        flags += ["--model", str(_common.quick_model())]
     print(f"work in {root}")
     sides = {}
     for side, extra in (("full", []), ("pruned", ["--sweep-prune"])):

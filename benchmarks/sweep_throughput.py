@@ -19,7 +19,7 @@ on both sides (same seed, same batches).
     python benchmarks/sweep_throughput.py                  # 4 configs x 5 iterations, ~10 minutes on 2 quiet cores
     python benchmarks/sweep_throughput.py --recipe-size    # the same at the default recipe's size, ~4x longer
     python benchmarks/sweep_throughput.py --vary seed      # seeds 0-3 instead of learning rates
-    python benchmarks/sweep_throughput.py --quick    # 2 configs x 1 tiny iteration (the plumbing)
+    python benchmarks/sweep_throughput.py --quick    # 2 configs x 1 tiny iteration of the tests' tiny random model (the plumbing)
 """
 
 from __future__ import annotations
@@ -155,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     values = VARIED[args.vary][:2] if args.quick else VARIED[args.vary]
     flag = "--" + args.vary.replace("_", "-")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in sizes.items()]
-    base = ["--local", *flags, "--min-informative-groups", "0"]
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-sweep-bench-"))
-    print(f"{len(values)} configs x {sizes['iterations']} iterations; work in {root}")
+    model = ["--model", str(_common.quick_model())] if args.quick else []
+    base = ["--local", *flags, *model, "--min-informative-groups", "0"]
+    print(f"{len(values)} configs x {sizes['iterations']} iterations{' of ' + _common.QUICK_MODEL if args.quick else ''}; work in {root}")
     sequential_s = sequential_cpu_s = 0.0
     for value in values:
         run_dir = root / "sequential" / f"{args.vary}={value}"

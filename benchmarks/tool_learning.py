@@ -9,7 +9,7 @@ iteration, and the seconds per iteration; writes them to benchmarks/tool_learnin
 
     python benchmarks/tool_learning.py                  # the figures in docs/measurements.md
     python benchmarks/tool_learning.py --iterations 3   # a quicker look
-    python benchmarks/tool_learning.py --quick          # seconds: the plumbing only (CI)
+    python benchmarks/tool_learning.py --quick          # seconds: the plumbing only, on the tests' tiny model (CI)
     python benchmarks/tool_learning.py --function-tools # the calculator as a Python function (--tools)
 
 `--function-tools` runs the same questions and held-out split with the calculator of
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from learning_curve import read_jsonl, summarize, timing_line
+from learning_curve import model_flags, read_jsonl, summarize, timing_line
 
 from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.launch.run_folder import EVAL_DIR, METRICS_FILE
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = FUNCTION_TOOLS if args.function_tools else SETTINGS
     if args.function_tools and str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # examples.tools_calculator (the run's processes inherit the path)
-    quick = (QUICK_FUNCTION_TOOLS if args.function_tools else QUICK) if args.quick else []
+    quick = [*(QUICK_FUNCTION_TOOLS if args.function_tools else QUICK), *model_flags(driver_flags)] if args.quick else []
     started = time.perf_counter()
     code = cli_main([
         "--local", "--run-dir", str(run_dir), "--iterations", str(args.iterations), "--eval-every", str(args.eval_every),

@@ -17,7 +17,7 @@ Tokens per second count the real (unpadded) prompt + completion tokens, the same
 so the ratio is bare seconds / grpo seconds. Prints the median of the per-round ratios.
 
     python benchmarks/train_step.py            # 5 rounds, ~4 minutes on a 2-core CPU
-    python benchmarks/train_step.py --quick    # 2 x 4 rollouts, 1 round, no warm-up
+    python benchmarks/train_step.py --quick    # the tests' tiny random model: 2 x 4 rollouts, 1 round, no warm-up
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = {"prompts_per_iter": 2, "group_size": 4, "max_new_tokens": 32} if args.quick else {}
     rounds = 1 if args.quick else args.rounds
-    config = RunConfig(eval_size=0, **sizes)
-    model_path = str(embedded_model_dir())
+    model_path = str(_common.quick_model() if args.quick else embedded_model_dir())
+    config = RunConfig(eval_size=0, **sizes, **({"model": model_path} if args.quick else {}))  # as saved: which model ran
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-train-"))
     try:
         model = policy.peft_model(config.base, config.lora, model_path)

@@ -22,7 +22,7 @@ Sides, run alternately, each step timed from its start to its optimizer step:
   candidates): bfloat16 weights, no gradient checkpointing.
 
     python benchmarks/vs_trl.py                # 3 steps per side after a warm-up, ~10 minutes
-    python benchmarks/vs_trl.py --quick        # 2 prompts x 2, 16 tokens, 1 step, no warm-up
+    python benchmarks/vs_trl.py --quick        # the tests' tiny random model: 2 prompts x 2, 16 tokens, 1 step, no warm-up
     python benchmarks/vs_trl.py --explore      # time TRL's candidate settings, one step each
 """
 
@@ -232,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps = 1 if args.quick else args.steps
     fixed = args.lengths == "fixed"
-    config = RunConfig(iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes)
-    model_dir = embedded_model_dir()
     root = Path(tempfile.mkdtemp(prefix="grpo_flyte-vs-trl-"))
+    model_dir = _common.quick_model() if args.quick else embedded_model_dir()
+    model = {"model": str(model_dir)} if args.quick else {}  # the config as saved says which model ran
+    config = RunConfig(iterations=1, eval_size=0, min_informative_groups=0, truncated="keep", beta=0.0, **sizes, **model)
     counter = iter(range(10_000))
     print(
         f"workload: {config.prompts_per_iter} prompts x {config.sampling.group_size} completions, {config.sampling.max_new_tokens} new tokens "
