@@ -115,7 +115,7 @@ def recipe_summary(quick: bool, prompt_tokens: int, changes: dict[str, str] | No
         "completion_tokens": config.sampling.max_new_tokens,
         "lora_rank": config.lora.lora_rank,
         "lora_target_modules": list(config.lora.lora_target_modules),
-        "micro_batch_tokens": config.train.micro_batch_tokens,
+        "micro_batch_tokens": config.train.token_budget("cuda"),
         "gradient_checkpointing": config.train.gradient_checkpointing,
         "updates_per_iter": config.train.updates_per_iter,
         "kl_monitor_every": config.train.kl_monitor_every,

@@ -316,7 +316,7 @@ def test_a_sequence_longer_than_the_micro_batch_budget_trains_with_checkpointed_
     auto, auto_calls, auto_weights = step()
     # A and B (one micro-batch, 6 wide) once, the long one and its recompute in the backward pass
     assert sorted(auto_calls) == [6, 79, 79]
-    monkeypatch.setattr(policy_update, "checkpointed", lambda train, lengths: False)
+    monkeypatch.setattr(policy_update, "checkpointed", lambda train, lengths, budget: False)
     kept, kept_calls, kept_weights = step()
     assert sorted(kept_calls) == [6, 79]
     assert auto.loss == pytest.approx(kept.loss, abs=1e-6)
@@ -779,3 +779,29 @@ async def adaptive_steps(config: RunConfig, base: Dir) -> tuple[list, list[str]]
         results.append(result)
         folders.append(adapter.dir.path)
     return results, folders
+
+
+def test_micro_batches_of_the_cpu_budget_give_the_step_of_one_micro_batch(fresh):
+    """The CPU's token budget (512 when micro_batch_tokens is unset) cuts a step into more
+    micro-batches: memory, not the result. Here 64-token micro-batches (one sequence each) against
+    one of 4096: the same loss, gradient norm and new weights, to float rounding."""
+    rows = [
+        TrainSequence(prompt_ids=[1, *range(3, 3 + n)], completion_ids=[*range(20, 20 + k), 2], advantage=a)
+        for n, k, a in ((30, 9, 1.0), (26, 12, -1.0), (33, 5, 0.5), (20, 20, -0.5))
+    ]
+
+    def step(tokens: int):
+        model, optimizer, config = fresh(micro_batch_tokens=tokens)
+        budget = config.train.token_budget("cpu")
+        stats = policy_update.grpo_step(model, optimizer, rows, config.train, config.sampling)
+        plan = grpo.plan_micro_batches([s.length for s in rows], budget)
+        return stats, len(plan), torch.cat([p.detach().flatten() for p in policy.trainable(model)])
+
+    small, small_batches, small_weights = step(64)
+    one, one_batches, one_weights = step(4096)
+    assert (small_batches, one_batches) == (4, 1)
+    assert small.loss == pytest.approx(one.loss, abs=1e-7)
+    assert small.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    assert torch.allclose(small_weights, one_weights, atol=1e-7)
+    untrained = torch.cat([p.detach().flatten() for p in policy.trainable(fresh()[0])])
+    assert not torch.allclose(one_weights, untrained, atol=1e-6)  # the step moved them

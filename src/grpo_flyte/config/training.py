@@ -16,6 +16,14 @@ from grpo_flyte.config.part import Part
 from grpo_flyte.config.trl_names import IS_CAP_MAX
 from grpo_flyte.errors import flag, given
 
+# The micro-batch token budget when micro_batch_tokens is unset. A CPU computes a micro-batch of 512
+# tokens as fast a token as one of 4096 (its matrices are large enough either way), and the train
+# step's activations grow with the micro-batch: about 2 MB a token on the embedded model in float32,
+# so 4096 tokens held 7 GB (docs/measurements.md#where-a-local-runs-memory-goes-issue-55-2026-11-27).
+# A GPU needs the larger batches to be busy.
+CPU_MICRO_BATCH_TOKENS = 512
+GPU_MICRO_BATCH_TOKENS = 4096
+
 
 class LoraConfig(Part):
     """The LoRA adapter that is trained."""
@@ -270,13 +278,15 @@ class TrainConfig(Part):
         description="The group std advantages are divided by: 'sample' (n - 1, as TRL and verl) or 'population' (n).",
     )
     advantage_eps: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the group reward std when normalizing advantages.")
-    micro_batch_tokens: int = Field(
-        4096,
+    micro_batch_tokens: int | None = Field(
+        None,
         ge=64,
         le=1_048_576,
         description=(
-            "Padded tokens per forward/backward micro-batch; sequences are grouped by length. Every optimizer step "
-            "accumulates the gradients of its micro-batches (gradient accumulation): lower it to fit memory. A sequence "
+            "Padded tokens per forward/backward micro-batch; sequences are grouped by length. Unset: 4096 on a GPU, 512 on "
+            "a CPU (a CPU step is no faster with larger ones, and its activations take about 2 MB a token in float32 on "
+            "the embedded model: docs/measurements.md#where-a-local-runs-memory-goes-issue-55-2026-11-27). Every "
+            "optimizer step accumulates the gradients of its micro-batches (gradient accumulation): lower it to fit memory. A sequence "
             "is never split: one longer than this trains alone with gradient checkpointing (its activations recomputed "
             "in the backward pass), holding a fraction of a fitting sequence's memory a token "
             "(docs/measurements.md#long-observations-issue-40-2026-11-26)."
@@ -314,6 +324,13 @@ class TrainConfig(Part):
     def steps_per_iteration(self) -> int:
         """Optimizer steps one iteration takes: updates_per_iter per pass, num_iterations passes."""
         return self.updates_per_iter * self.num_iterations
+
+    def token_budget(self, device: str) -> int:
+        """The micro-batches' padded tokens on `device` (a torch device type, "cuda" or "cpu"):
+        micro_batch_tokens, or when unset GPU_MICRO_BATCH_TOKENS on a GPU, CPU_MICRO_BATCH_TOKENS elsewhere."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return GPU_MICRO_BATCH_TOKENS if device == "cuda" else CPU_MICRO_BATCH_TOKENS
 
     @property
     def entropy_bonus(self) -> bool:

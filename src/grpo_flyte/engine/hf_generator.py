@@ -16,6 +16,7 @@ from grpo_flyte.engine import mixed_lora
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models.attention import set_attention
+from grpo_flyte.models.loading import share_frozen_weights
 from grpo_flyte.runtime.device import best_device, torch_dtype
 from grpo_flyte.types import Rollout
 
@@ -62,6 +63,7 @@ class HFGenerator:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
         set_attention(model, self.device)
         self.base = model.to(self.device).eval()
+        share_frozen_weights(self.base, model_path, dtype)  # the trainer's copy in a local run
         self.model = None  # the PeftModel, once the first adapter is loaded
         self.adapters: OrderedDict[str, str] = OrderedDict()  # adapter path -> PEFT adapter name
         self.max_adapters = max_adapters

@@ -8,7 +8,7 @@ each keeps between steps and what its rows hold while they decode together:
 
     shared     = sum over bases of 2 x params x 4 bytes      (a generator and a trainer copy, float32
                                                                at most; bfloat16 halves it)
-    train step = max over configs of micro_batch_tokens x vocab x 4 bytes x 3
+    train step = max over configs of the micro-batch token budget x vocab x 4 bytes x 3
                                                               (logits, their log-softmax, its gradient:
                                                                the largest step's, kept mapped after it)
     per config = rows x context x layers x 2 x kv_heads x head_dim x 4 bytes
@@ -35,6 +35,7 @@ from pathlib import Path
 from grpo_flyte.config.episode import context_length
 from grpo_flyte.config.grid import SweepMember
 from grpo_flyte.errors import UserError
+from grpo_flyte.runtime.device import best_device
 
 GIB = 1024**3
 # Layers a LoRA target module name stands for per transformer block, when the folder does not say (an upper-bound guess).
@@ -93,7 +94,7 @@ def plan_sweep(members: Sequence[SweepMember], model_dirs: Mapping[str, Path]) -
     train_step = per_config = 0
     for m in members:
         f, c = figures[m.name], m.config
-        train_step = max(train_step, c.train.micro_batch_tokens * f.vocab * 4 * 3)
+        train_step = max(train_step, c.train.token_budget(best_device()) * f.vocab * 4 * 3)
         rows = c.prompts_per_iter * c.sampling.group_size
         kv = rows * context_length(c.prompt, c.sampling, c.episode) * f.kv_bytes_per_token
         lora = c.lora.lora_rank * _LORA_SIDES * f.hidden * f.layers * len(c.lora.lora_target_modules)

@@ -19,7 +19,7 @@ from grpo_flyte.config.training import LoraConfig, TrainConfig
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.learning.losses import EntropyControl
 from grpo_flyte.models.folders import ALL_LINEAR, shareable_base
-from grpo_flyte.models.loading import load_base, quiet_bitsandbytes
+from grpo_flyte.models.loading import load_base, quiet_bitsandbytes, share_frozen_weights
 from grpo_flyte.runtime.device import best_device, resolve_dtype
 from grpo_flyte.runtime.files import files_of
 from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE
@@ -52,6 +52,8 @@ def _peft_model(
     # is meant to save) and turn on reentrant gradient checkpointing, which --gradient-checkpointing
     # already controls (non-reentrant: frozen inputs need no gradient).
     base = load_base(model_path, dtype, load_in_4bit, embeddings_in_4bit)
+    if not load_in_4bit:  # the generator's copy in a local run (a 4-bit base is not the same weights)
+        share_frozen_weights(base, model_path, dtype)
     modules = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)

@@ -191,7 +191,7 @@ def _reference_pass(
     old: list = [None] * len(sequences)
     todo = sorted(with_ref | need_old)
     with torch.no_grad():
-        for local in grpo.plan_micro_batches([sequences[i].length for i in todo], train.micro_batch_tokens):
+        for local in grpo.plan_micro_batches([sequences[i].length for i in todo], train.token_budget(next(model.parameters()).device.type)):
             ids = [todo[k] for k in local]
             for wanted, out, adapter_off in ((with_ref, ref, True), (need_old, old, False)):
                 chosen = [i for i in ids if i in wanted]
@@ -333,7 +333,9 @@ def _entropy_threshold(model, sequences, population: list[int], train: TrainConf
     share = [population[j] for j in grpo.rank_share([sequences[i].length for i in population], rank, world_size)]
     found = []
     with torch.no_grad():
-        for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
+        for local in grpo.plan_micro_batches(
+            [sequences[i].length for i in share], train.token_budget(next(model.parameters()).device.type)
+        ):
             _, entropy, _ = _completion_logprobs(model, [sequences[share[j]] for j in local], sampling)
             found.append(entropy.float().cpu())
     entropies = torch.cat(found) if found else torch.zeros(0)
@@ -379,13 +381,13 @@ def _set_checkpointing(model, on: bool) -> None:
         disable()
 
 
-def checkpointed(train: TrainConfig, lengths: list[int]) -> bool:
+def checkpointed(train: TrainConfig, lengths: list[int], budget: int) -> bool:
     """Whether a micro-batch of sequences of `lengths` recomputes its activations in the backward
-    pass: always with gradient_checkpointing, and for a sequence longer than micro_batch_tokens,
-    which trains alone (a sequence is never split): its activations would grow with it, while
+    pass: always with gradient_checkpointing, and for a sequence longer than `budget` (the step's
+    `TrainConfig.token_budget`), which trains alone (a sequence is never split): its activations would grow with it, while
     checkpointed only each layer's input and one layer's activations at a time stay live, a small
     fraction of that (docs/measurements.md#long-observations-issue-40-2026-11-26)."""
-    return train.gradient_checkpointing or len(lengths) * max(lengths) > train.micro_batch_tokens
+    return train.gradient_checkpointing or len(lengths) * max(lengths) > budget
 
 
 def grpo_step(
@@ -432,6 +434,7 @@ def grpo_step(
     model.train()
     totals = _Totals()
     device = next(model.parameters()).device
+    budget = train.token_budget(device.type)
     for p in range(train.num_iterations):
         for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
             if not forward:  # the same in every process
@@ -445,9 +448,9 @@ def grpo_step(
             norm = losses.LossNormalizer(len(minibatch), num_tokens, sampling.max_new_tokens, kept)
             coef = control.applied(train)
             totals.step_entropy = [0.0, 0]
-            for local in grpo.plan_micro_batches([sequences[i].length for i in share], train.micro_batch_tokens):
+            for local in grpo.plan_micro_batches([sequences[i].length for i in share], budget):
                 ids = [share[j] for j in local]
-                _set_checkpointing(model, checkpointed(train, [sequences[i].length for i in ids]))
+                _set_checkpointing(model, checkpointed(train, [sequences[i].length for i in ids], budget))
                 loss = _micro_batch_loss(
                     model,
                     [sequences[i] for i in ids],

@@ -582,3 +582,13 @@ def test_epsilon_high_unset_is_epsilon_as_in_trl():
     assert make_config(epsilon=0.3).train.epsilon_high == 0.3  # TRL: epsilon_high None -> epsilon
     assert make_config(epsilon=0.3, epsilon_high=None).train.epsilon_high == 0.3
     assert make_config(epsilon=0.3, epsilon_high=0.28).train.epsilon_high == 0.28
+
+
+def test_an_unset_micro_batch_budget_is_4096_tokens_on_a_gpu_and_512_on_a_cpu():
+    from grpo_flyte.config.training import TrainConfig
+
+    unset = TrainConfig()
+    assert unset.micro_batch_tokens is None
+    assert (unset.token_budget("cuda"), unset.token_budget("cpu")) == (4096, 512)
+    assert TrainConfig(micro_batch_tokens=2048).token_budget("cpu") == 2048  # a setting wins on either
+    assert RunConfig.model_validate({"micro_batch_tokens": 1024}).train.token_budget("cuda") == 1024
