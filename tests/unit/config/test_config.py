@@ -263,6 +263,7 @@ CUSTOM_CHECKS = {
     "chat_template_kwargs": [{"tokenize": False}],
     "report_to": ["comet", "all", "wandb,nope", "none,wandb"],
     "tools": ["no_colon", "a:b:c", "tests.support.tool_fns:add,nope"],
+    "export_adapter": ["latest", "BEST"],
 }
 
 
