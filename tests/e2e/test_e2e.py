@@ -340,6 +340,8 @@ def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny
         "--dtype",
         "float32",
         "--export-merged",
+        "--export-adapter",  # the final adapter, whatever the evaluations said (the tiny model never beats its start)
+        "final",
         "--run-dir",
         str(run_dir),
     ]
@@ -528,6 +530,8 @@ def test_gsm8k_file_with_weighted_and_custom_rewards_reports_each_and_exports(tm
         "--iterations",
         "2",
         "--export-merged",
+        "--export-adapter",
+        "final",
         "--run-dir",
         str(run_dir),
     ]
@@ -1065,7 +1069,7 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
     monkeypatch.setattr(huggingface_hub, "HfApi", StandInHub)
     run_dir = tmp_path / "run"
     args = ["--local", "--model", str(tiny_model_dir), *TINY, "--eval-size", "2", "--iterations", "1",
-            "--push-to-hub", "me/tiny-grpo", "--run-dir", str(run_dir)]  # fmt: skip
+            "--push-to-hub", "me/tiny-grpo", "--export-adapter", "best", "--run-dir", str(run_dir)]  # fmt: skip
     with caplog.at_level("ERROR", logger="grpo_flyte"):
         assert cli_main(args) == 1  # trained, then the upload failed: the iterations are kept
     assert "the Hub is unreachable" in caplog.text and "iterations 1-1 of 1 are kept; the traceback is in" in caplog.text
@@ -1079,7 +1083,7 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
     rows = read_metrics(run_dir)
     assert f"base_model: {tiny_model_dir}" in card and "library_name: peft" in card
     assert "**Data:** `arithmetic`" in card and "**Rewards:** `correct` x 1\n" in card
-    # the best adapter by default (--export-adapter best): the tiny model never beats its start, so iteration 0's
+    # the best adapter, chosen (the tiny model never beats its start, so iteration 0's: without the choice nothing is pushed)
     assert "the adapter of iteration 0 of 1 (the best held-out evaluation)" in card
     assert f"| after (iteration 0) | {rows[0]['eval_reward']:.3f}" in card
     assert json.loads((repo / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)

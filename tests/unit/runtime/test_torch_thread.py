@@ -99,7 +99,7 @@ def test_a_local_run_drives_torch_from_the_torch_thread_only(tmp_path, tiny_mode
         spy(owner, name)
     argv = ["--local", "--model", str(tiny_model_dir), "--iterations", "1", "--max-new-tokens", "4"]
     argv += ["--prompts-per-iter", "2", "--group-size", "2", "--eval-size", "2", "--min-informative-groups", "0"]
-    assert cli_main([*argv, "--backend", "hf", "--export-merged", "--run-dir", str(tmp_path / "run")]) == 0
+    assert cli_main([*argv, "--backend", "hf", "--export-merged", "--export-adapter", "final", "--run-dir", str(tmp_path / "run")]) == 0
     cache._engines.clear()
 
     assert set(seen) == {
