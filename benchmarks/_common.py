@@ -159,3 +159,27 @@ def arithmetic_reward(completion: str, answer: str) -> float:
 
     parts = score_completions([completion], Group(question="", answer=answer, max_new_tokens=1, num_tokens=[0]), weights=DEFAULT_REWARDS)
     return parts[0].reward
+
+
+def every_rollout_sequences(engine, config, dataset, adapter_dir, iteration: int) -> list:
+    """An iteration's rollouts of a default run as training sequences, every one of them in the loss
+    (a group whose rewards are all equal gets advantages +1, -1, +1, ... instead of 0): the most a
+    train step on this batch can hold, for the benchmarks that time or weigh the step."""
+    from grpo_flyte.data import sample_prompts
+    from grpo_flyte.engine.interface import sampling_request
+    from grpo_flyte.engine.prompts import tokenize_prompt
+    from grpo_flyte.engine.sampling import sub_seed
+    from grpo_flyte.learning import grpo
+
+    prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
+    requests = [
+        sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), sub_seed(config.seed, iteration, i))
+        for i, ex in enumerate(prompts)
+    ]
+    sequences = []
+    for ex, request, group in zip(prompts, requests, engine.generate_many(requests, str(adapter_dir)), strict=True):
+        advantages = grpo.group_advantages([arithmetic_reward(r.text, ex.answer) for r in group], config.train.advantage_eps, True)
+        for k, (r, adv) in enumerate(zip(group, advantages, strict=True)):
+            adv = adv or (1.0 if k % 2 == 0 else -1.0)
+            sequences.append(grpo.TrainSequence(request.prompt_ids, r.completion_ids, adv, r.sampling_logprobs))
+    return sequences

@@ -142,12 +142,9 @@ def breakdown(side: str, quick: bool) -> dict:
         import _common as common
 
         from grpo_flyte.config.run import RunConfig
-        from grpo_flyte.data import sample_prompts, train_eval_split
+        from grpo_flyte.data import train_eval_split
         from grpo_flyte.engine.cache import EngineKey, get_engine
-        from grpo_flyte.engine.interface import sampling_request
-        from grpo_flyte.engine.prompts import tokenize_prompt
-        from grpo_flyte.engine.sampling import sub_seed
-        from grpo_flyte.learning import grpo, policy
+        from grpo_flyte.learning import policy
         from grpo_flyte.learning import update as policy_update
         from grpo_flyte.models.embedded import embedded_model_dir
         from grpo_flyte.runtime.device import resolve_dtype
@@ -181,19 +178,7 @@ def breakdown(side: str, quick: bool) -> dict:
         stage("trainer's base weights")
 
         def rollouts(iteration: int) -> list:
-            prompts = sample_prompts(dataset, seed=config.seed, iteration=iteration, num=config.prompts_per_iter)
-            requests = [
-                sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), sub_seed(config.seed, iteration, i))
-                for i, ex in enumerate(prompts)
-            ]
-            sequences = []
-            for ex, request, group in zip(prompts, requests, engine.generate_many(requests, str(adapter)), strict=True):
-                rewards = [common.arithmetic_reward(r.text, ex.answer) for r in group]
-                advantages = grpo.group_advantages(rewards, config.train.advantage_eps, True)
-                for k, (r, adv) in enumerate(zip(group, advantages, strict=True)):
-                    adv = adv or (1.0 if k % 2 == 0 else -1.0)  # every rollout in the loss: the most a step can hold
-                    sequences.append(grpo.TrainSequence(request.prompt_ids, r.completion_ids, adv, r.sampling_logprobs))
-            return sequences
+            return common.every_rollout_sequences(engine, config, dataset, adapter, iteration)
 
         optimizer = None
         for iteration in range(1 if quick else 2):

@@ -32,11 +32,8 @@ from pathlib import Path
 import _common
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.data import sample_prompts, train_eval_split
+from grpo_flyte.data import train_eval_split
 from grpo_flyte.engine.cache import EngineKey, get_engine
-from grpo_flyte.engine.interface import sampling_request
-from grpo_flyte.engine.prompts import tokenize_prompt
-from grpo_flyte.engine.sampling import sub_seed as rollout_seed
 from grpo_flyte.learning import grpo, policy
 from grpo_flyte.learning import update as policy_update
 from grpo_flyte.models.embedded import embedded_model_dir
@@ -49,20 +46,7 @@ def realistic_sequences(config: RunConfig, model_path: str, adapter_dir: Path) -
     """Iteration 0's rollouts of a default run, all of them, as training sequences."""
     engine = get_engine(EngineKey("hf", model_path, resolve_dtype(config.base.dtype), config.engine.adapter_cache_size, 0, 0))
     dataset, _ = train_eval_split(config)
-    prompts = sample_prompts(dataset, seed=config.seed, iteration=0, num=config.prompts_per_iter)
-    requests = [
-        sampling_request(config.sampling, tokenize_prompt(engine.tokenizer, ex, config.prompt), rollout_seed(config.seed, 0, i))
-        for i, ex in enumerate(prompts)
-    ]
-    sequences = []
-    for ex, request, group in zip(prompts, requests, engine.generate_many(requests, str(adapter_dir)), strict=True):
-        rewards = [_common.arithmetic_reward(r.text, ex.answer) for r in group]
-        advantages = grpo.group_advantages(rewards, config.train.advantage_eps, True)
-        for k, (r, adv) in enumerate(zip(group, advantages, strict=True)):
-            if adv == 0.0:
-                adv = 1.0 if k % 2 == 0 else -1.0
-            sequences.append(grpo.TrainSequence(request.prompt_ids, r.completion_ids, adv, r.sampling_logprobs))
-    return sequences
+    return _common.every_rollout_sequences(engine, config, dataset, adapter_dir, 0)
 
 
 def bare_step(model, optimizer, sequences: list[grpo.TrainSequence]) -> float:
