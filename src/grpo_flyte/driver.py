@@ -41,7 +41,8 @@ from grpo_flyte.loop.evaluation import EVAL_CHUNK, run_eval
 from grpo_flyte.loop.guard import GuardState, assess, best_summary, question_values, resolve_metric, restore_from
 from grpo_flyte.loop.metrics import best_completion, completion_sample, iteration_metrics, memory_metrics, stage_cost
 from grpo_flyte.loop.pipeline import BatchesAhead
-from grpo_flyte.loop.publishing import cluster_pools, exported, publish_report, push_to_hub, report_dir, unchosen_start
+from grpo_flyte.loop.publishing import cluster_pools, publish_report, report_dir, unchosen_start
+from grpo_flyte.loop.shipping import Shipped, ship, shipped_line
 from grpo_flyte.loop.state import LoopState, checkpoint_payload, restore_state
 from grpo_flyte.records import GuardRecord
 from grpo_flyte.reporting.cost import prices_with_defaults
@@ -52,7 +53,7 @@ from grpo_flyte.reward import start_reward_workers
 from grpo_flyte.reward_fns import reward_model_ref
 from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.storage import from_payload, replica_cache, save_checkpoint
-from grpo_flyte.trainer import init_adapter, merge_adapter
+from grpo_flyte.trainer import init_adapter
 from grpo_flyte.types import AdapterRef, Example, MetricsRow, RunResult
 
 logger = logging.getLogger("grpo_flyte")
@@ -172,8 +173,15 @@ async def _train_rl(
     await started(workers)
     tracker = Trackers(config, state.tracking_id, observers.run_folder(), chosen)
 
+    kept: dict[int, list[EvalAnswer]] = {}  # adapter version -> its held-out answers: the latest and the best (loop.shipping)
+
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
+        if answers is not None:
+            kept[row.adapter_version] = answers
+        best = new_state.guard.best.adapter.version if new_state.guard.best else None
+        for version in [v for v in kept if v not in (new_state.adapter.version, best)]:
+            del kept[version]
         if answers:
             new_state = new_state.model_copy(
                 update={"held_out_sample": answers[:: max(1, len(answers) // HELD_OUT_SHOWN)][:HELD_OUT_SHOWN]}
@@ -267,16 +275,12 @@ async def _train_rl(
             )
         lockstep.leave(run)
         pruning.leave(run)
-        merged = None
+        shipped = Shipped(None, None, None)
         skipped = unchosen_start(config, state.history)
         if skipped:
             logger.warning("%s", skipped)
-        if config.export_merged and not skipped:
-            with flyte.group("export"):
-                merged = await merge_adapter(base_model, exported(config, state)[0])
-        if config.push_to_hub and not skipped:
-            with flyte.group("push"):
-                await push_to_hub(config, state, merged, _driver_dirs)
+        else:  # --export-merged and --push-to-hub, each form checked before it is kept or pushed
+            shipped = await ship(config, state, base_model, held_out, kept, _driver_dirs)
     except Exception as exc:
         await publish_report(config, state, "failed", f"{type(exc).__name__}: {exc}")
         tracker.finish(failed=True)
@@ -286,15 +290,17 @@ async def _train_rl(
         pruning.leave(run)
         if ahead is not None:
             ahead.cancel()  # batches past the last iteration are never started; a failure leaves none running
-    closing = [line for line in (state.guard.stopped, best_summary(state.history), unchosen_start(config, state.history)) if line]
+    ends = (state.guard.stopped, best_summary(state.history), unchosen_start(config, state.history), shipped_line(shipped))
+    closing = [line for line in ends if line]
     html = await publish_report(config, state, "complete", "\n".join(closing) or None)
     tracker.finish()
     return RunResult(
         adapter=state.adapter,
         history=state.history,
         report=await report_dir(html, state.adapter.version),
-        merged=merged,
+        merged=shipped.merged,
         best=state.guard.best.adapter if state.guard.best else None,
+        export_check=shipped.check,
     )
 
 

@@ -355,14 +355,49 @@ class MetricsRow(TaskValue):
         return cls(iteration=flat["iteration"], adapter_version=flat["adapter_version"], **parts)
 
 
+class ExportCheck(TaskValue):
+    """What `export.json` holds: an exported form compared with its adapter on the run's held-out
+    set (grpo_flyte.loop.verification computes it).
+
+    `agreement`: the share of identical completions; `difference`, `difference_ci95`: the paired
+    difference of `metric` (export minus adapter) and its 95% half-width (None with one question);
+    `failure`: why the export failed (None: it passed)."""
+
+    form: str
+    path: str
+    loaded_with: str
+    adapter: str
+    adapter_iteration: int | None
+    questions: int
+    metric: Literal["eval_accuracy", "eval_reward"]
+    agreement: float
+    max_disagreement: float
+    export_accuracy: float
+    adapter_accuracy: float
+    export_reward: float
+    adapter_reward: float
+    difference: float
+    difference_ci95: float | None
+    failure: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
 class RunResult(TaskValue):
     """What `train_rl` returns: the final adapter, every metrics row, the final report (a folder
     holding report.html), the best adapter by the held-out evaluations (None when nothing was
     evaluated) and, with `export_merged`, the merged model folder (of the adapter
-    `export_adapter` names)."""
+    `export_adapter` names) holding its `export.json`, only when it passed its check.
+
+    `export_check`: the check of the form the run shipped (grpo_flyte.loop.shipping): the merged
+    model's with `export_merged`, else, with `push_to_hub`, the pushed adapter's; its `failure`
+    says why nothing was kept or pushed. None: nothing was exported."""
 
     adapter: AdapterRef
     history: list[MetricsRow]
     report: Dir
     merged: Dir | None = None
     best: AdapterRef | None = None
+    export_check: ExportCheck | None = None

@@ -95,6 +95,7 @@ INSIDE = {
         "batches",
         "pipeline",
         "evaluation",
+        "shipping",
     ),
     "launch": (
         "preflight",

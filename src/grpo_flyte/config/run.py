@@ -62,7 +62,8 @@ class RunConfig(Part):
         False,
         description=(
             "After the last iteration, merge the adapter export_adapter names (the best one by default) into the base "
-            "and save a full model folder (a local run: <run-dir>/merged) that transformers and vLLM load without PEFT."
+            "and save a full model folder (a local run: <run-dir>/merged) that transformers and vLLM load without PEFT, "
+            "kept only if its greedy held-out answers agree with the adapter's (its export.json: docs/exporting.md)."
         ),
     )
     push_to_hub: str | None = Field(
@@ -71,7 +72,8 @@ class RunConfig(Part):
         description=(
             "After the last iteration, upload the adapter export_adapter names (the best one by default; the merged "
             "model with export_merged) to this Hugging Face repo, 'user/name' (created private if missing), with a model "
-            "card naming the base, data, rewards and its held-out figures. Needs HF_TOKEN (on a cluster: the hf_token secret)."
+            "card naming the base, data, rewards and its held-out figures; only a form whose held-out check against the adapter "
+            "passed, the check's figures in the card. Needs HF_TOKEN (on a cluster: the hf_token secret)."
         ),
     )
     wandb_project: str | None = Field(
@@ -251,6 +253,16 @@ class RunConfig(Part):
             raise ValueError(
                 f"{given('early_stop_patience', self.guard.early_stop_patience)} with {given('eval_size', 0)}: "
                 "patience counts held-out evaluations; expected --eval-size above 0, or --early-stop-patience 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _exports_need_a_held_out_set(self) -> RunConfig:
+        asked = [name for name in ("export_merged", "push_to_hub") if getattr(self, name)]
+        if asked and not self.evaluation.eval_size:
+            raise ValueError(
+                f"{given(asked[0], getattr(self, asked[0]))} with {given('eval_size', 0)}: an export is checked on the held-out "
+                f"set before it is kept or pushed; expected --eval-size above 0"
             )
         return self
 

@@ -45,10 +45,11 @@ from grpo_flyte.launch.run_folder import (
     remove_leftovers,
     saved_run_config,
 )
+from grpo_flyte.learning.merge import copy_serving_files
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import resolve_metric, untrained_best
 from grpo_flyte.loop.state import LoopState
-from grpo_flyte.loop.verification import DEFAULT_MAX_DISAGREEMENT, EXPORT_FILE, ExportCheck, check_line, compare
+from grpo_flyte.loop.verification import DEFAULT_MAX_DISAGREEMENT, EXPORT_FILE, ExportCheck, check_line
 from grpo_flyte.records import EvalMetrics
 from grpo_flyte.reporting.figures import accuracy_interval, plus_minus
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
@@ -60,8 +61,6 @@ COMMANDS = ("export", "eval")
 LORA_DIR = "lora"  # the exported adapter form: PEFT's files and what a server needs beside them
 
 FORMS = {"adapter": LORA_DIR, "merged": MERGED_DIR}
-# What a server reads beside the weights: the tokenizer, its chat template and the generation settings.
-SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 class ExportFailed(GrpoFlyteError):
@@ -129,33 +128,31 @@ def evaluate(
     return runner.run(run_eval(run.config, Dir(path=str(model)), ref, held_out, run.state.iterations_done))
 
 
-def copy_serving_files(model_path: Path, out: Path) -> None:
-    """The base's tokenizer files, chat template and generation config, where it has them and
-    `out` has not (what the merge saved itself is what the check must see)."""
-    for name in SERVING_FILES:
-        if (model_path / name).is_file() and not (out / name).exists():
-            shutil.copy2(model_path / name, out / name)
-
-
 def write_form(form: str, model_path: Path, adapter: Path, out: Path) -> str:
     """Write `form` of `adapter` into `out`; returns how its users load it (for export.json)."""
+    from grpo_flyte.loop.shipping import LOADED_ADAPTER, LOADED_MERGED
+
     if form == "merged":
         from grpo_flyte.learning import merge
 
         merge.merge_into_base(str(model_path), str(adapter), out)
         copy_serving_files(model_path, out)  # what the merge's save left out (a generation config the base had)
-        return "transformers AutoModelForCausalLM (no PEFT) with its own tokenizer and chat template"
+        return LOADED_MERGED
     shutil.copytree(adapter, out, dirs_exist_ok=True)
     copy_serving_files(model_path, out)
-    return "PEFT PeftModel.from_pretrained on the run's base"
+    return LOADED_ADAPTER
 
 
 def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float) -> ExportCheck:
     """Export the run's adapter as `form`, check it against the adapter, keep it only if it passes
     (`ExportFailed` otherwise); the check."""
+    from flyte.io import Dir
+
+    from grpo_flyte.loop.shipping import check_form, greedy
+    from grpo_flyte.types import AdapterRef
+
     run = FinishedRun(run_dir)
-    # greedy answers, whatever the run's --num-generations-eval: one completion a question to compare word for word
-    run.config = run.config.model_copy(update={"evaluation": run.config.evaluation.model_copy(update={"num_generations_eval": None})})
+    run.config = greedy(run.config)  # one completion a question, to compare word for word
     which, adapter, iteration = run.chosen(choice)
     held_out, model_path = run.held_out(), run.base_model()
     metric = resolve_metric(run.config.guard.select_by, held_out)
@@ -169,9 +166,12 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
             logger.info("writing the %s form of the %s adapter", form, which)
             loaded_with = write_form(form, model_path, adapter, staging)
             model, answering = (staging, None) if form == "merged" else (model_path, staging)
-            _, ours = evaluate(runner, run, model, answering, held_out)
             names = {"form": form, "path": str(final), "loaded_with": loaded_with, "adapter": which, "adapter_iteration": iteration}
-            check = compare(ours, theirs, metric, max_disagreement, **names)
+            ref = AdapterRef(version=0, dir=Dir(path=str(answering))) if answering is not None else None
+            checking = check_form(
+                run.config, Dir(path=str(model)), ref, held_out, theirs, metric, max_disagreement, run.state.iterations_done, **names
+            )
+            check = runner.run(checking)  # the run's own export checks with the same function (loop.shipping)
             if not check.passed:
                 raise ExportFailed(check)
             write_text_atomic(staging / EXPORT_FILE, check.model_dump_json(indent=2) + "\n")

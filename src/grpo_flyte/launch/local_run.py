@@ -261,5 +261,4 @@ def _run_locked(
             logger.error("%s; %s; continue with: %s", kept, log, resume)
         logger.error("run failed: %s", one_line(exc))  # last and alone: the line that matters
         return 1
-    finish_local_run(run.files, config, result, whole.peak)
-    return 0
+    return finish_local_run(run.files, config, result, whole.peak)

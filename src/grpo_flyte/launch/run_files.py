@@ -19,6 +19,7 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.publishing import unchosen_start
 from grpo_flyte.loop.state import LoopState
+from grpo_flyte.loop.verification import EXPORT_FILE, RUN_FAILED_TAIL, check_line
 from grpo_flyte.reporting.cost import totals, where_the_time_went
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
 from grpo_flyte.runtime.storage import is_remote
@@ -100,11 +101,11 @@ def peak_words(peak: MemoryPeak, history: list[MetricsRow] = ()) -> str:
     return f"peak memory {peak.rss_gb:.2f} GB resident (this process and its children){on_gpu}"
 
 
-def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult, peak: MemoryPeak | None = None) -> None:
+def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult, peak: MemoryPeak | None = None) -> int:
     """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
     and the lines that say where they are, the run's peak memory (`peak`: this process's tree over
     the run; a sweep's configs share the process, so the sweep says it once) and which adapter was
-    best."""
+    best. Its exit status: 1 when the run's export failed its check (that line last), else 0."""
     run_dir = files.root
     files.export_adapter(result.adapter)
     best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
@@ -121,8 +122,18 @@ def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult,
         logger.info(
             "merged model (base + adapter v%d; loads with AutoModelForCausalLM.from_pretrained, no PEFT): %s", merged.version, where
         )
+        if result.export_check is not None and result.export_check.form == "merged":
+            # export.json as the export command writes it: the folder's path in the run folder
+            check = result.export_check.model_copy(update={"path": str(where)})
+            write_text_atomic(where / EXPORT_FILE, check.model_dump_json(indent=2) + "\n")
+            logger.info("%s", check_line(check))
     stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
     summary = "; ".join(line for line in (best_summary(result.history), unchosen_start(config, result.history)) if line)
     for line in (stopped, summary):
         if line:
             logger.info("%s", line)  # the last line: which adapter was best, and by how much
+    check = result.export_check
+    if check is not None and not check.passed:
+        logger.error("%s", check_line(check, RUN_FAILED_TAIL))
+        return 1
+    return 0

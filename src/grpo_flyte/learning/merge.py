@@ -3,10 +3,22 @@ without PEFT."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 # The merged model's largest file: saving copies one file's tensors to the CPU at a time.
 MERGE_SHARD_SIZE = "2GB"
+# What a server reads beside the weights: the tokenizer, its chat template and the generation settings.
+SERVING_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+
+
+def copy_serving_files(model_path: str | Path, out: Path) -> None:
+    """The base's tokenizer files, chat template and generation config, where it has them and
+    `out` has not (what the merge saved itself is what the check must see)."""
+    model_path = Path(model_path)
+    for name in SERVING_FILES:
+        if (model_path / name).is_file() and not (out / name).exists():
+            shutil.copy2(model_path / name, out / name)
 
 
 def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
@@ -17,7 +29,8 @@ def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     float32 copy on the CPU, 12 GB for a 3B base, did not fit the train pod). PEFT adds each
     layer's update B @ A (computed from its float32 LoRA weights) to the weight in that dtype; the
     folder is written in shards of at most `MERGE_SHARD_SIZE`, each copied to the CPU on its own.
-    The tokenizer is saved alongside.
+    The tokenizer is saved alongside, and the base's serving files the save left out (a
+    generation config: `copy_serving_files`).
     """
     import torch
     from peft import PeftModel
@@ -35,3 +48,4 @@ def merge_into_base(model_path: str, adapter_path: str, out: Path) -> None:
     merged = PeftModel.from_pretrained(base, adapter_path).merge_and_unload()
     merged.save_pretrained(str(out), max_shard_size=MERGE_SHARD_SIZE)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(str(out))
+    copy_serving_files(model_path, out)

@@ -19,7 +19,7 @@ from grpo_flyte.report_helpers import render_report, render_report_fragment
 from grpo_flyte.reporting import hub
 from grpo_flyte.reporting.cost import cluster_accelerators, prices_with_defaults
 from grpo_flyte.runtime.storage import LocalDirCache, publish_dir
-from grpo_flyte.types import REPORT_FILE, AdapterRef, MetricsRow
+from grpo_flyte.types import REPORT_FILE, AdapterRef, ExportCheck, MetricsRow
 
 REPORT_TITLE = "grpo_flyte: GRPO + LoRA"
 
@@ -87,14 +87,19 @@ def unchosen_start(config: RunConfig, history: list[MetricsRow]) -> str | None:
     )
 
 
-async def push_to_hub(config: RunConfig, state: LoopState, merged: Dir | None, folders: LocalDirCache) -> str:
-    """Upload the exported adapter (`exported`), or the merged model, with its model card
-    (`hub.push_folder`), read through `folders` (the driver's download cache). A failure fails the run after its last checkpoint: a resume (or the
-    driver's retry) goes straight to the export and tries again."""
-    adapter, iteration = exported(config, state)
-    folder = await folders.get(merged if merged is not None else adapter.dir)
-    card = hub.model_card(config, state.history, merged=merged is not None, iteration=iteration)
-    return await asyncio.to_thread(hub.push_folder, folder, config.push_to_hub, card)
+async def push_to_hub(
+    config: RunConfig, history: list[MetricsRow], folder: Dir, check: ExportCheck, iteration: int, folders: LocalDirCache
+) -> str:
+    """Upload `folder`, a form that passed its check (`check`: the merged model's, or the adapter's
+    files as uploaded: loop.shipping), with its model card stating the check's figures
+    (`hub.push_folder`), read through `folders` (the driver's download cache). A failure fails the
+    run after its last checkpoint: a resume (or the driver's retry) goes straight to the export and
+    tries again."""
+    if not check.passed:
+        raise ValueError(f"push_to_hub given a form that failed its check: {check.failure}")
+    path = await folders.get(folder)
+    card = hub.model_card(config, history, merged=check.form == "merged", iteration=iteration, check=check)
+    return await asyncio.to_thread(hub.push_folder, path, config.push_to_hub, card)
 
 
 async def report_dir(html: str, version: int) -> Dir:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import statistics
 
-from pydantic import BaseModel
-
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import Metric, question_values
 from grpo_flyte.loop.metrics import mean_ci95
 from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, shown_change
+from grpo_flyte.types import ExportCheck
+
+__all__ = ["DEFAULT_MAX_DISAGREEMENT", "EXPORT_FILE", "RUN_FAILED_TAIL", "ExportCheck", "check_line", "compare"]
 
 # The share of held-out answers an export may word differently from its adapter. A faithful export
 # in float32 answers every question alike; in 16 bits the merged weights round W + s*B@A once where
@@ -33,35 +34,7 @@ from grpo_flyte.reporting.figures import change_plus_minus, metric_name, shown, 
 # changes most answers.
 DEFAULT_MAX_DISAGREEMENT = 0.2
 EXPORT_FILE = "export.json"  # the check, written into the exported form
-
-
-class ExportCheck(BaseModel):
-    """What `export.json` holds: the export compared with its adapter on the run's held-out set.
-
-    `agreement`: the share of identical completions; `difference`, `difference_ci95`: the paired
-    difference of `metric` (export minus adapter) and its 95% half-width (None with one question);
-    `failure`: why the export failed (None: it passed)."""
-
-    form: str
-    path: str
-    loaded_with: str
-    adapter: str
-    adapter_iteration: int | None
-    questions: int
-    metric: Metric
-    agreement: float
-    max_disagreement: float
-    export_accuracy: float
-    adapter_accuracy: float
-    export_reward: float
-    adapter_reward: float
-    difference: float
-    difference_ci95: float | None
-    failure: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None
+RUN_FAILED_TAIL = "nothing was kept or pushed"  # a run's --export-merged or --push-to-hub that failed its check
 
 
 def compare(
@@ -108,8 +81,9 @@ def compare(
     )
 
 
-def check_line(check: ExportCheck) -> str:
-    """The check in one line, as the export command prints it."""
+def check_line(check: ExportCheck, failed_tail: str = "nothing was written") -> str:
+    """The check in one line, as the export command prints it (a run's own export, which keeps its
+    adapters, ends a failure with RUN_FAILED_TAIL)."""
     metric = check.metric
     export_value = check.export_accuracy if metric == "eval_accuracy" else check.export_reward
     adapter_value = check.adapter_accuracy if metric == "eval_accuracy" else check.adapter_reward
@@ -120,5 +94,5 @@ def check_line(check: ExportCheck) -> str:
         f"{change_plus_minus(metric, check.difference_ci95)} (paired, 95%)"
     )
     if check.failure is not None:
-        return f"export {check.form} failed its check: {check.failure}; {figures}; nothing was written"
+        return f"export {check.form} failed its check: {check.failure}; {figures}; {failed_tail}"
     return f"export {check.form} verified: {figures}; written to {check.path}, the check in its {EXPORT_FILE}"

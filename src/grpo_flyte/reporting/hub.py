@@ -15,8 +15,8 @@ from typing import Any
 
 from grpo_flyte.config.run import RunConfig
 from grpo_flyte.models.folders import shareable_base
-from grpo_flyte.reporting.figures import accuracy_interval, plus_minus
-from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, MetricsRow
+from grpo_flyte.reporting.figures import accuracy_interval, change_plus_minus, metric_name, plus_minus, shown_change
+from grpo_flyte.types import OPTIMIZER_FILE, STATE_FILE, ExportCheck, MetricsRow
 
 logger = logging.getLogger("grpo_flyte")
 
@@ -24,9 +24,12 @@ logger = logging.getLogger("grpo_flyte")
 NOT_SHARED = [OPTIMIZER_FILE, STATE_FILE]
 
 
-def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, iteration: int | None = None) -> str:
+def model_card(
+    config: RunConfig, history: list[MetricsRow], merged: bool, iteration: int | None = None, check: ExportCheck | None = None
+) -> str:
     """The README.md of the uploaded repo: what was trained from what, on what, and how it did.
-    `iteration`: the iteration whose adapter is uploaded (--export-adapter; default the last)."""
+    `iteration`: the iteration whose adapter is uploaded (--export-adapter; default the last);
+    `check`: the uploaded form's check against its adapter (`verified_lines`)."""
     base = shareable_base(config.base.model)
     rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.scoring.rewards.items())
     evaluated = [row for row in history if row.eval is not None]
@@ -71,7 +74,30 @@ def model_card(config: RunConfig, history: list[MetricsRow], merged: bool, itera
             "",
             "+- is the half-width of a 95% interval; [low, high] the accuracy's 95% interval (Wilson's, for a proportion).",
         ]
+    if check is not None:
+        lines += ["", *verified_lines(check)]
     return "\n".join(lines) + "\n"
+
+
+def verified_lines(check: ExportCheck) -> list[str]:
+    """The model card's section on the uploaded form's check: its greedy held-out answers against
+    those of the adapter it came from, question by question (grpo_flyte.loop.verification)."""
+    metric = check.metric
+    diff = f"{'+' if check.difference >= 0 else '-'}{shown_change(metric, abs(check.difference))} {change_plus_minus(metric, check.difference_ci95)}"
+    what = "merged model" if check.form == "merged" else "adapter's files as uploaded"
+    return [
+        f"## Verified against its adapter ({check.questions} held-out questions, greedy)",
+        "",
+        f"Before the upload, the {what} ({check.loaded_with}) answered the held-out questions and was compared "
+        f"with the {check.adapter} adapter (iteration {check.adapter_iteration}) it came from:",
+        "",
+        f"- **Agreement:** {check.agreement:.1%} of the answers identical (at most {check.max_disagreement:.0%} may differ)",
+        f"- **Accuracy:** {check.export_accuracy:.1%} uploaded, {check.adapter_accuracy:.1%} adapter",
+        f"- **Reward:** {check.export_reward:.3f} uploaded, {check.adapter_reward:.3f} adapter",
+        f"- **Paired difference ({metric_name(metric)}, uploaded minus adapter):** {diff.strip()} (95%)",
+        "",
+        "The check's figures are in this repository's `export.json`.",
+    ]
 
 
 def push_folder(folder: str | Path, repo_id: str, card: str, api: Any = None) -> str:
