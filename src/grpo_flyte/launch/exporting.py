@@ -169,7 +169,7 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
             names = {"form": form, "path": str(final), "loaded_with": loaded_with, "adapter": which, "adapter_iteration": iteration}
             ref = AdapterRef(version=0, dir=Dir(path=str(answering))) if answering is not None else None
             checking = check_form(
-                run.config, Dir(path=str(model)), ref, held_out, theirs, metric, max_disagreement, run.state.iterations_done, **names
+                run.config, Dir(path=str(model)), ref, held_out, theirs, metric, names, max_disagreement, run.state.iterations_done
             )
             check = runner.run(checking)  # the run's own export checks with the same function (loop.shipping)
             if not check.passed:

@@ -65,19 +65,19 @@ def greedy(config: RunConfig) -> RunConfig:
 async def check_form(
     config: RunConfig,
     model: Dir,
-    adapter: AdapterRef | None,
+    answering: AdapterRef | None,
     held_out: list[Example],
     reference: list[EvalAnswer],
     metric: Metric,
+    names: dict[str, object],
     max_disagreement: float = DEFAULT_MAX_DISAGREEMENT,
     iteration: int = 0,
-    **names: object,
 ) -> ExportCheck:
-    """An exported form's check: `adapter` on `model` (None: `model` as it is) answers the held-out
-    questions greedily with the run's evaluation, compared with the adapter's answers `reference`
-    (`loop.verification.compare`); `names`: the check's form, path, loaded_with, adapter and
-    adapter_iteration."""
-    _, answers = await run_eval(greedy(config), model, adapter, held_out, iteration)
+    """An exported form's check: `answering` on `model` (None: `model` as it is) answers the
+    held-out questions greedily with the run's evaluation, compared with the adapter's answers
+    `reference` (`loop.verification.compare`); `names`: the check's form, path, loaded_with, adapter
+    and adapter_iteration."""
+    _, answers = await run_eval(greedy(config), model, answering, held_out, iteration)
     return compare(answers, reference, metric, max_disagreement, **names)
 
 
@@ -134,7 +134,7 @@ async def ship(
     if not (config.export_merged or config.push_to_hub):
         return Shipped(None, None, None)
     adapter, iteration = exported(config, state)
-    which = "best" if state.guard.best is not None and adapter == state.guard.best.adapter else "final"
+    which = "final" if config.guard.export_adapter == "final" or state.guard.best is None else "best"  # as `exported` chose
     metric = state.guard.metric or "eval_reward"
     if not held_out:
         raise ValueError("the run has no held-out set (--eval-size 0): nothing to check an export on")
@@ -145,10 +145,8 @@ async def ship(
     if config.export_merged:
         with flyte.group("export"):
             staged = await merge_adapter(base_model, adapter)
-            check = await check_form(
-                config, staged, None, held_out, reference, metric, iteration=state.iterations_done,
-                form="merged", path=staged.path, loaded_with=LOADED_MERGED, **names,
-            )  # fmt: skip
+            form = {"form": "merged", "path": staged.path, "loaded_with": LOADED_MERGED, **names}
+            check = await check_form(config, staged, None, held_out, reference, metric, form, iteration=state.iterations_done)
             if check.passed:
                 merged = await sealed(staged, check)
             else:
@@ -160,10 +158,8 @@ async def ship(
         if merged is not None:
             return Shipped(merged, check, await push_to_hub(config, state.history, merged, check, iteration, folders))
         upload = await staged_adapter(adapter, folders)
-        check = await check_form(
-            config, base_model, upload, held_out, reference, metric, iteration=state.iterations_done,
-            form="adapter", path=upload.dir.path, loaded_with=LOADED_ADAPTER, **names,
-        )  # fmt: skip
+        form = {"form": "adapter", "path": upload.dir.path, "loaded_with": LOADED_ADAPTER, **names}
+        check = await check_form(config, base_model, upload, held_out, reference, metric, form, iteration=state.iterations_done)
         if not check.passed:
             discarded(upload.dir)
             logger.error("%s", check_line(check, RUN_FAILED_TAIL))
