@@ -348,6 +348,11 @@ def test_export_merged_loads_without_peft_and_matches_the_adapter(tmp_path, tiny
     assert cli_main(args) == 0
     merged_dir = run_dir / "merged"
     assert (merged_dir / "config.json").is_file() and not (merged_dir / "adapter_config.json").exists()
+    # checked against the adapter on the held-out set (float32: every answer alike), as the export command writes it
+    check = json.loads((merged_dir / "export.json").read_text())
+    assert (check["form"], check["path"], check["adapter"], check["adapter_iteration"]) == ("merged", str(merged_dir), "final", 2)
+    assert check["agreement"] == 1.0 and check["difference"] == 0.0 and check["failure"] is None
+    assert (merged_dir / "generation_config.json").is_file()  # the base's serving files, as `export --to merged` writes them
     assert not list((run_dir / "flyte" / "adapters").glob("merged-*"))  # moved, not copied
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     assert not any("lora_" in n for n, _ in merged.named_parameters())
@@ -1087,6 +1092,17 @@ def test_push_to_hub_uploads_the_adapter_with_a_model_card(tmp_path, tiny_model_
     assert "the adapter of iteration 0 of 1 (the best held-out evaluation)" in card
     assert f"| after (iteration 0) | {rows[0]['eval_reward']:.3f}" in card
     assert json.loads((repo / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
+    # pushed only after its check: the adapter's files as uploaded answered as the run's adapter did
+    assert "## Verified against its adapter (2 held-out questions, greedy)" in card
+    assert "- **Agreement:** 100.0% of the answers identical (at most 20% may differ)" in card
+    check = json.loads((repo / "export.json").read_text())
+    assert (check["form"], check["adapter"], check["adapter_iteration"], check["questions"], check["failure"]) == (
+        "adapter",
+        "best",
+        0,
+        2,
+        None,
+    )
 
 
 EVERY_OPTION = Path(__file__).resolve().parents[1] / "data" / "every_grpo_option.yaml"

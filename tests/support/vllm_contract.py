@@ -73,9 +73,86 @@ RULES = {
 }
 
 
+def lora_wrapped(model, weights: dict) -> dict:
+    """Transformers' weight names as a LoRA-enabled vLLM model takes them: a projection vLLM wrapped
+    for LoRA holds its weight in `base_layer` (q/k/v_proj fused as qkv_proj, gate/up_proj as gate_up_proj)."""
+    wrapped = {name for name, module in model.named_modules() if hasattr(module, "base_layer")}
+    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+    out = {}
+    for name, tensor in weights.items():
+        module, _, leaf = name.rpartition(".")
+        prefix, _, proj = module.rpartition(".")
+        if f"{prefix}.{fused.get(proj, proj)}" in wrapped:
+            name = f"{module}.base_layer.{leaf}"
+        out[name] = tensor
+    return out
+
+
+def exported(gen, model_dir: Path, adapter_path: str, work: Path) -> dict:
+    """Issue 56's serving check: an adapter and its merged model served by vLLM answer held-out
+    prompts greedily as the transformers engine (the export check's engine on a CPU) answers them,
+    compared by the export check itself (`loop.verification.compare`, its 20% limit).
+
+    The adapter is served as a LoRA module of the engine built above; the merged model's weights
+    (`learning.merge.merge_into_base`, the base's config unchanged) are loaded into that engine in
+    place of the base's (vLLM's `load_weights`, as an RL trainer updates a vLLM engine), so that no
+    second engine starts. Last in the script: the engine serves the merged weights from here on."""
+    from safetensors.torch import load_file
+
+    from grpo_flyte.learning import merge
+    from grpo_flyte.loop.answers import EvalAnswer
+    from grpo_flyte.loop.verification import compare
+
+    prompts = [[1, 17 + i, 29 + 3 * i, 41 + 7 * i] for i in range(8)]
+    requests = [request(p, group_size=1, greedy=True) for p in prompts]
+
+    def answers(groups) -> list[EvalAnswer]:
+        return [
+            EvalAnswer(question=str(p), answer="", completion=str(g[0].completion_ids), reward=0.0, correct=False, format=True, scores={})
+            for p, g in zip(prompts, groups, strict=True)
+        ]
+
+    merged_dir = work / "merged"
+    merge.merge_into_base(str(model_dir), adapter_path, merged_dir)
+    hf = cache.engine_key(str(model_dir), "float32", "hf", 2, adapter_path, 0).build()
+    hf_adapter = answers(hf.generate_many(requests, adapter_path))
+    hf_merged = answers(cache.engine_key(str(merged_dir), "float32", "hf", 0, None, 0).build().generate_many(requests, None))
+    vllm_adapter = answers(gen.generate_many(requests, adapter_path))
+    vllm_base = answers(gen.generate_many(requests, None))
+    runner = gen.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    started = time.perf_counter()
+    runner.model.load_weights(lora_wrapped(runner.model, load_file(str(merged_dir / "model.safetensors"))).items())
+    gen.llm.reset_prefix_cache()  # the cached prefixes hold the base's keys and values
+    load_s = time.perf_counter() - started
+    vllm_merged = answers(gen.generate_many(requests, None))
+    names = {"form": "merged", "path": str(merged_dir), "loaded_with": "vllm", "adapter": "a", "adapter_iteration": 0}
+
+    def agreement(ours, theirs) -> dict:
+        check = compare(ours, theirs, "eval_reward", **names)
+        return {"agreement": check.agreement, "passed": check.passed}
+
+    return {
+        "questions": len(prompts),
+        "load_s": load_s,
+        "adapter_changes_answers": agreement(hf_adapter, answers(hf.generate_many(requests, None)))["agreement"] < 1.0,
+        "vllm_adapter_vs_hf_adapter": agreement(vllm_adapter, hf_adapter),
+        "vllm_merged_vs_hf_adapter": agreement(vllm_merged, hf_adapter),
+        "hf_merged_vs_hf_adapter": agreement(hf_merged, hf_adapter),
+        "vllm_merged_differs_from_base": agreement(vllm_merged, vllm_base)["agreement"] < 1.0,
+    }
+
+
 def main() -> None:
     model_dir, work = Path(sys.argv[1]), Path(sys.argv[2])
     only_rules = sys.argv[3:] == ["rules"]  # the RULES cases alone: a minute instead of several
+    if sys.argv[3:] == ["exported"]:  # the serving check alone (an engine start and a merge)
+        config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
+        peft = policy.peft_model(config.base, config.lora, str(model_dir))
+        path = adapter(peft, config, work / "a", 0.5)
+        gen = cache.engine_key(str(model_dir), "float32", "vllm", 2, path, max_model_len=128, memory_fraction=0.2).build()
+        print(json.dumps({"exported": exported(gen, model_dir, path, work)}))
+        gen.close()
+        return
     config = RunConfig(model=str(model_dir), dtype="float32", lora_rank=4, max_new_tokens=8)
     peft = policy.peft_model(config.base, config.lora, str(model_dir))
     scales = (("v0", 0.0), ("a", 0.5)) if only_rules else (("v0", 0.0), ("a", 0.5), ("b", 0.5), ("c", 0.5))
@@ -122,6 +199,7 @@ def main() -> None:
         out[f"ratio_{name}_top_p_{top_p}"] = ratio_of(gen, peft, config, paths[name], prompts, {"top_p": top_p, "temperature": 0.8})
     out["episodes"] = episodes(key, gen, paths["v0"], peft, config)
     out["mixed"] = mixed(key, gen, paths["v0"], paths["a"], prompts, work)
+    out["exported"] = exported(gen, model_dir, paths["a"], work)  # last: it loads the merged weights into the engine
     gen.close()
     print(json.dumps(out))
 

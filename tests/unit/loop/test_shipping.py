@@ -160,3 +160,28 @@ def test_exports_need_a_held_out_set():
         RunConfig(export_merged=True, eval_size=0)
     with pytest.raises(ValueError, match="--push-to-hub='me/tiny' with --eval-size=0"):
         RunConfig(push_to_hub="me/tiny", eval_size=0)
+
+
+def test_a_local_run_whose_export_failed_keeps_its_adapter_and_exits_1_with_the_line_last(tmp_path, caplog):
+    from grpo_flyte.launch.run_files import LocalRunFiles, finish_local_run
+    from grpo_flyte.loop.verification import compare
+    from grpo_flyte.types import RunResult
+
+    adapter_dir = tmp_path / "flyte" / "adapters" / "v0002"
+    adapter_dir.mkdir(parents=True)
+    (adapter_dir / "adapter_model.safetensors").write_text("w")
+    lost = _answers(["a", "x", "y", "z", "e"], [False] * 5)
+    names = {"form": "merged", "path": "p", "loaded_with": "x", "adapter": "final", "adapter_iteration": 2}
+    failed = compare(lost, ADAPTER, "eval_accuracy", **names)
+    adapter = AdapterRef(version=2, dir=Dir(path=str(adapter_dir)))
+    result = RunResult(adapter=adapter, history=[], report=Dir(path=str(tmp_path)), export_check=failed)
+    files = LocalRunFiles(tmp_path / "run", adapters_to_keep=2)
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        status = finish_local_run(files, RunConfig(export_merged=True, export_adapter="final"), result)
+    assert status == 1
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file() and not (tmp_path / "run" / "merged").exists()
+    last = caplog.records[-1]
+    assert last.levelname == "ERROR" and last.getMessage().startswith("export merged failed its check: ")
+    assert last.getMessage().endswith("; nothing was kept or pushed")
+    passed = compare(ADAPTER, ADAPTER, "eval_accuracy", **names)
+    assert finish_local_run(files, RunConfig(push_to_hub="me/tiny"), result.model_copy(update={"export_check": passed})) == 0
