@@ -14,7 +14,8 @@ outputs and publishes the live report to its Flyte report tab. It writes no loca
 mode the CLI registers a `RunObserver` (`loop.observers.observe`) and writes the run folder as
 iterations land. The loop's parts are plain functions: an iteration's batch and train step
 (`loop.batches`), generation ahead of training (`loop.pipeline`), the held-out evaluation
-(`loop.evaluation`), the report and the push to the Hub (`loop.publishing`).
+(`loop.evaluation`), the report (`loop.publishing`), the merged model and the push to the Hub, each
+checked on the held-out set first (`loop.shipping`).
 
 Run it with `python -m grpo_flyte --local` (this machine, Flyte local mode, the embedded model) or
 without `--local` against the cluster in your Flyte config; `--help` lists every option.
@@ -177,7 +178,7 @@ async def _train_rl(
 
     async def record(new_state: LoopState, row: MetricsRow, answers: list[EvalAnswer] | None) -> LoopState:
         """Checkpoint, then tell observers and trackers and republish the report."""
-        if answers is not None:
+        if answers is not None and config.evaluation.num_generations_eval is None:  # greedy: what an export compares with
             kept[row.adapter_version] = answers
         best = new_state.guard.best.adapter.version if new_state.guard.best else None
         for version in [v for v in kept if v not in (new_state.adapter.version, best)]:

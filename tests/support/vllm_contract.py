@@ -73,32 +73,15 @@ RULES = {
 }
 
 
-def lora_wrapped(model, weights: dict) -> dict:
-    """Transformers' weight names as a LoRA-enabled vLLM model takes them: a projection vLLM wrapped
-    for LoRA holds its weight in `base_layer` (q/k/v_proj fused as qkv_proj, gate/up_proj as gate_up_proj)."""
-    wrapped = {name for name, module in model.named_modules() if hasattr(module, "base_layer")}
-    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-    out = {}
-    for name, tensor in weights.items():
-        module, _, leaf = name.rpartition(".")
-        prefix, _, proj = module.rpartition(".")
-        if f"{prefix}.{fused.get(proj, proj)}" in wrapped:
-            name = f"{module}.base_layer.{leaf}"
-        out[name] = tensor
-    return out
-
-
 def exported(gen, model_dir: Path, adapter_path: str, work: Path) -> dict:
     """Issue 56's serving check: an adapter and its merged model served by vLLM answer held-out
     prompts greedily as the transformers engine (the export check's engine on a CPU) answers them,
     compared by the export check itself (`loop.verification.compare`, its 20% limit).
 
     The adapter is served as a LoRA module of the engine built above; the merged model's weights
-    (`learning.merge.merge_into_base`, the base's config unchanged) are loaded into that engine in
-    place of the base's (vLLM's `load_weights`, as an RL trainer updates a vLLM engine), so that no
-    second engine starts. Last in the script: the engine serves the merged weights from here on."""
-    from safetensors.torch import load_file
-
+    (`learning.merge.merge_into_base`, the base's config unchanged) are read from its folder into that
+    engine in place of the base's (vLLM's in-place `reload_weights`, made for RL trainers that
+    update an engine), so that no second engine starts. Last in the script: the engine serves the merged weights from here on."""
     from grpo_flyte.learning import merge
     from grpo_flyte.loop.answers import EvalAnswer
     from grpo_flyte.loop.verification import compare
@@ -121,7 +104,7 @@ def exported(gen, model_dir: Path, adapter_path: str, work: Path) -> dict:
     vllm_base = answers(gen.generate_many(requests, None))
     runner = gen.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     started = time.perf_counter()
-    runner.model.load_weights(lora_wrapped(runner.model, load_file(str(merged_dir / "model.safetensors"))).items())
+    runner.reload_weights(weights_path=str(merged_dir))  # vLLM's in-place reload: its loader reads the folder's weights
     gen.llm.reset_prefix_cache()  # the cached prefixes hold the base's keys and values
     load_s = time.perf_counter() - started
     vllm_merged = answers(gen.generate_many(requests, None))
