@@ -52,7 +52,7 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import resolve_metric, untrained_best
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.loop.verification import DEFAULT_MAX_DISAGREEMENT, EXPORT_FILE, ExportCheck, check_line, compare
-from grpo_flyte.models.gguf_writer import DEFAULT_QUANT, QUANT_TYPES, check_quant, gguf_in
+from grpo_flyte.models.gguf_writer import DEFAULT_QUANT, QUANT_TYPES, check_model, check_quant, gguf_in
 from grpo_flyte.records import EvalMetrics
 from grpo_flyte.reporting.figures import accuracy_interval, plus_minus
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
@@ -181,6 +181,8 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
     run.config = run.config.model_copy(update=update)
     which, adapter, iteration = run.chosen(choice)
     held_out, model_path = run.held_out(), run.base_model()
+    if form == "gguf":
+        check_model(model_path)  # an architecture the writer refuses, refused before any work
     metric = resolve_metric(run.config.guard.select_by, held_out)
     final = run_dir / FORMS[form].format(quant=quant)
     with run_dir_lock(run_dir), asyncio.Runner() as runner:

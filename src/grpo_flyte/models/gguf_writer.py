@@ -41,9 +41,9 @@ logger = logging.getLogger(__name__)
 # rest by gguf.quants.quantize). The k-quants (Q4_K_M, ...) and i-quants need llama.cpp's
 # llama-quantize (the package can only read them).
 QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-# f16 by default: the weights of a 16-bit base as they are (a bf16 base's values round to f16
-# within its precision for weights of ordinary size), read by every llama.cpp build and by
-# transformers; the quantized types trade answers for size and are checked like any other export.
+# f16 by default: the weights of a 16-bit base as they are (a bf16 value within f16's range is
+# exact in f16), read by every llama.cpp build and by transformers; the quantized types trade
+# answers for size and are checked like any other export.
 DEFAULT_QUANT = "f16"
 CONVERTER = "llama.cpp's convert_hf_to_gguf.py (https://github.com/ggml-org/llama.cpp)"
 
@@ -93,6 +93,11 @@ def architecture_of(config: dict) -> Architecture:
             f"convert the merged folder (export --to merged) with {CONVERTER}"
         )
     return found
+
+
+def check_model(folder: Path) -> Architecture:
+    """The architecture of the model folder `folder`, if this module writes it (else a UserError)."""
+    return architecture_of(json.loads((Path(folder) / "config.json").read_text()))
 
 
 def permute_qk(weight, heads: int):

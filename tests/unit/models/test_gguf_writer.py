@@ -97,3 +97,33 @@ def test_a_tensor_whose_rows_do_not_split_into_blocks_stays_float16():
     data, kind = gguf_writer._encoded(np.ones((3, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q4_0)
     assert kind == gguf.GGMLQuantizationType.Q4_0 and data.dtype == np.uint8 and data.shape == (3, 2 * 18)
     assert gguf_writer._encoded(np.ones(5, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)[1] == gguf.GGMLQuantizationType.F32
+
+
+def test_a_qwen2_model_is_read_back_by_transformers_with_its_biases(embedded_dir, tmp_path):
+    """Qwen2 (q/k/v biases, no q/k reordering in llama.cpp's layout): the file's logits are the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()  # Qwen2's biases start at zero; a bias lost or misplaced must show
+    folder = tmp_path / "qwen2"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (tmp_path / "file").mkdir()
+    gguf_writer.write_gguf(folder, tmp_path / "file" / "model-f16.gguf", "f16")
+    read = AutoModelForCausalLM.from_pretrained(tmp_path / "file", gguf_file="model-f16.gguf")
+    assert read.config.model_type == "qwen2" and not read.config.tie_word_embeddings
+    ids = tokenizer("What is 2 + 3?", return_tensors="pt").input_ids
+    with torch.no_grad():
+        ours, theirs = read(ids).logits, model(ids).logits
+    assert (ours - theirs).abs().max() < 1e-2 and torch.equal(ours.argmax(-1), theirs.argmax(-1))
