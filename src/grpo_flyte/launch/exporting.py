@@ -1,5 +1,5 @@
 """The `export` and `eval` commands: a finished local run's adapter shipped as a form others load,
-checked on the run's held-out questions before it is called done, and any adapter or model folder
+checked on the run's held-out questions before it is called done, and any adapter or model folder or GGUF file
 evaluated on a run's held-out set.
 
     python -m grpo_flyte export RUN --to adapter|merged|gguf [--quant f16] [--export-adapter final|best] [--max-disagreement 0.2]

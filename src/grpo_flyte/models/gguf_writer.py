@@ -9,7 +9,7 @@ What goes into the file:
   llama.cpp's rotary layout: each head's rows, split into halves [h0 | h1] (HF's rotate_half
   pairs), are interleaved as pairs, W.reshape(heads, 2, d / 2, in).swapaxes(1, 2) with d the
   head dimension (transformers' GGUF loader undoes exactly this, `_reverse_permute_weights`);
-- one- dimensional tensors (norms, biases) in float32, every other tensor in the chosen type
+- one-dimensional tensors (norms, biases) in float32, every other tensor in the chosen type
   (`QUANT_TYPES`), quantized by `gguf.quants.quantize` in numpy; a tensor whose rows do not split
   into the type's blocks stays float16;
 - the hyper-parameters llama.cpp reads (`{arch}.context_length`, `embedding_length`,
@@ -22,8 +22,9 @@ What goes into the file:
   (`gguf.vocab.SpecialVocab`), and the pre-tokenizer's name (`tokenizer.ggml.pre`) where this
   tokenizer's splitting has one (`pre_tokenizer_name`).
 
-Architectures: LLaMA (SmolLM2, Llama 1/2/3 without rope scaling) and Qwen2; any other is refused
-in one line that points at llama.cpp's convert_hf_to_gguf.py.
+Models: the LLaMA and Qwen2 architectures with a byte-level BPE tokenizer (SmolLM2, Llama 3
+without rope scaling, Qwen2 and 2.5); any other (a SentencePiece tokenizer as Llama 2's, another
+architecture, rope scaling) is refused in one line that points at llama.cpp's convert_hf_to_gguf.py.
 """
 
 from __future__ import annotations
@@ -96,8 +97,20 @@ def architecture_of(config: dict) -> Architecture:
 
 
 def check_model(folder: Path) -> Architecture:
-    """The architecture of the model folder `folder`, if this module writes it (else a UserError)."""
-    return architecture_of(json.loads((Path(folder) / "config.json").read_text()))
+    """The architecture of the model folder `folder`, if this module writes it and its tokenizer
+    (else a UserError)."""
+    folder = Path(folder)
+    architecture = architecture_of(json.loads((folder / "config.json").read_text()))
+    check_tokenizer(json.loads((folder / "tokenizer.json").read_text()) if (folder / "tokenizer.json").is_file() else {})
+    return architecture
+
+
+def check_tokenizer(tokenizer_json: dict) -> None:
+    """A UserError unless `tokenizer_json` (a tokenizer.json) is a byte-level BPE (GPT-2's kind)."""
+    model, decoder = tokenizer_json.get("model") or {}, tokenizer_json.get("decoder") or {}
+    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel":
+        kind = f"{model.get('type', 'no tokenizer.json')} with a {decoder.get('type', 'no')} decoder"
+        raise UserError(f"the GGUF export writes byte-level BPE tokenizers (GPT-2's kind), not {kind}; convert with {CONVERTER}")
 
 
 def permute_qk(weight, heads: int):
@@ -129,8 +142,7 @@ def _add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     from transformers import AutoTokenizer
 
     tokenizer_json = json.loads((folder / "tokenizer.json").read_text())
-    if (tokenizer_json.get("model") or {}).get("type") != "BPE" or (tokenizer_json.get("decoder") or {}).get("type") != "ByteLevel":
-        raise UserError(f"the GGUF export writes byte-level BPE tokenizers (GPT-2's kind); convert with {CONVERTER}")
+    check_tokenizer(tokenizer_json)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
@@ -203,7 +215,7 @@ def write_gguf(folder: Path, out: Path, quant: str = DEFAULT_QUANT, *, permute: 
 
     tensor_type, file_type = quant_type(quant)
     config = json.loads((folder / "config.json").read_text())
-    arch = architecture_of(config)
+    arch = check_model(folder)
     model_arch = gguf.MODEL_ARCH[arch.gguf_name]
     names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]

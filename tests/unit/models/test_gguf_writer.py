@@ -38,6 +38,10 @@ def test_unknown_quant_architecture_and_rope_scaling_are_refused_in_one_line():
     with pytest.raises(UserError, match="not rope_type 'llama3'"):
         architecture_of({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "llama3", "factor": 32.0}})
     assert architecture_of({"architectures": ["LlamaForCausalLM"], "rope_scaling": None}).permute_qk
+    sentencepiece = {"model": {"type": "BPE", "byte_fallback": True}, "decoder": {"type": "Sequence"}}  # Llama 2's
+    with pytest.raises(UserError, match=r"writes byte-level BPE tokenizers \(GPT-2's kind\), not BPE with a Sequence decoder; "):
+        gguf_writer.check_tokenizer(sentencepiece)
+    gguf_writer.check_tokenizer({"model": {"type": "BPE"}, "decoder": {"type": "ByteLevel"}})
 
 
 def test_the_pre_tokenizer_is_named_as_llama_cpp_names_it():
