@@ -198,8 +198,6 @@ def test_the_gguf_form_is_read_back_by_transformers_checked_and_evaluated(finish
     folder = run_dir / f"gguf-{quant}"
     assert sorted(p.name for p in folder.iterdir()) == ["export.json", f"model-{quant}.gguf"]  # the merge it came from removed
     check = exporting.read_check(folder)
-    with capsys.disabled():
-        print(f"GGUF {quant}: agreement {check.agreement:.1%} of {check.questions}, difference {check.difference:+.3f}")
     assert check.passed and check.loaded_with.startswith("transformers' GGUF loader") and check.max_disagreement == float(max_disagreement)
     if quant == "f16":  # the merged form answers every question as the adapter does (above): so does its f16 file
         assert check.agreement == 1.0 and check.difference == 0.0
@@ -208,6 +206,11 @@ def test_the_gguf_form_is_read_back_by_transformers_checked_and_evaluated(finish
     out = capsys.readouterr().out
     assert out.startswith(f"held-out accuracy {check.export_accuracy:.1%}") and f"reward {check.export_reward:.3f} " in out
     assert f"GGUF {folder / f'model-{quant}.gguf'}, on the held-out set of {run_dir}" in out
+    if quant == "f16":  # and the merged folder's figure: the same answers, scored alike
+        assert cli_main(["export", str(run_dir), "--to", "merged", "--export-adapter", "final"]) == 0
+        capsys.readouterr()
+        assert cli_main(["eval", str(run_dir / "merged")]) == 0
+        assert capsys.readouterr().out.split(" (n=")[0] == out.split(" (n=")[0]  # accuracy, reward, format
 
 
 def _gguf_without_the_qk_permutation(merged: Path, out: Path, quant: str) -> None:
