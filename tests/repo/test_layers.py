@@ -62,7 +62,7 @@ INSIDE = {
         "table",
         "grid",
     ),
-    "models": ("attention", "loading", "embedded", "folders", "reward_model"),
+    "models": ("attention", "loading", "embedded", "folders", "gguf_writer", "reward_model"),
     "learning": ("distribution", "grpo", "losses", "policy", "update", "data_parallel", "merge"),
     "engine": (
         "sampling",

@@ -16,6 +16,7 @@ from grpo_flyte.engine import mixed_lora
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models.attention import set_attention
+from grpo_flyte.models.gguf_writer import gguf_in
 from grpo_flyte.models.loading import share_frozen_weights
 from grpo_flyte.runtime.device import best_device, torch_dtype
 from grpo_flyte.types import Rollout
@@ -59,8 +60,11 @@ class HFGenerator:
         from grpo_flyte.engine.prefix_cache import PrefixCache
 
         self.device = best_device()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
+        # an exported GGUF form (a folder holding one .gguf): the model, its tokenizer and its chat
+        # template read from the file, by transformers' GGUF loader
+        gguf = {"gguf_file": name} if (name := gguf_in(model_path)) is not None else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype), **gguf)
         set_attention(model, self.device)
         self.base = model.to(self.device).eval()
         share_frozen_weights(self.base, model_path, dtype)  # the trainer's copy in a local run

@@ -1,16 +1,18 @@
 """The `export` and `eval` commands: a finished local run's adapter shipped as a form others load,
-checked on the run's held-out questions before it is called done, and any adapter or model folder
+checked on the run's held-out questions before it is called done, and any adapter or model folder or GGUF file
 evaluated on a run's held-out set.
 
-    python -m grpo_flyte export RUN --to adapter|merged [--export-adapter final|best] [--max-disagreement 0.2]
+    python -m grpo_flyte export RUN --to adapter|merged|gguf [--quant f16] [--export-adapter final|best] [--max-disagreement 0.2]
     python -m grpo_flyte eval PATH [--run RUN]
 
 `export` writes the form into a staging folder beside the run's adapter/ and best/ (`lora/`: the
 PEFT adapter with the base's tokenizer, chat template and generation config; `merged/`: PEFT's
-merge_and_unload saved as one transformers folder, the same), evaluates it with the run's own
+merge_and_unload saved as one transformers folder, the same; `gguf-<quant>/`: the merge written as one
+GGUF file, `models.gguf_writer`), evaluates it with the run's own
 held-out evaluation (`loop.evaluation.run_eval`: the transformers engine, or vLLM on a GPU, loads the
 merged folder as a plain model with its own tokenizer and chat template, and the adapter through
-PEFT on the run's base), evaluates the adapter it came from the same way, compares the two
+PEFT on the run's base; the GGUF through transformers' GGUF loader, its tokenizer and chat template
+read from the file), evaluates the adapter it came from the same way, compares the two
 (`loop.verification`), writes `export.json` into the form and only then renames the staging folder
 to its name. A form that fails the check is removed, and one line says why.
 
@@ -26,6 +28,7 @@ import json
 import logging
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import resolve_metric, untrained_best
 from grpo_flyte.loop.state import LoopState
 from grpo_flyte.loop.verification import DEFAULT_MAX_DISAGREEMENT, EXPORT_FILE, ExportCheck, check_line
+from grpo_flyte.models.gguf_writer import DEFAULT_QUANT, QUANT_TYPES, check_model, check_quant, gguf_in
 from grpo_flyte.records import EvalMetrics
 from grpo_flyte.reporting.figures import accuracy_interval, plus_minus
 from grpo_flyte.runtime.files import build_dir_atomic, write_text_atomic
@@ -60,7 +64,11 @@ logger = logging.getLogger("grpo_flyte")
 COMMANDS = ("export", "eval")
 LORA_DIR = "lora"  # the exported adapter form: PEFT's files and what a server needs beside them
 
-FORMS = {"adapter": LORA_DIR, "merged": MERGED_DIR}
+FORMS = {"adapter": LORA_DIR, "merged": MERGED_DIR, "gguf": "gguf-{quant}"}  # gguf: one folder a quantization type
+GGUF_LOADER = (
+    "transformers' GGUF loader (from_pretrained with gguf_file=, dequantized), its tokenizer and chat template "
+    "read from the file (llama.cpp itself not run)"
+)
 
 
 class ExportFailed(GrpoFlyteError):
@@ -128,10 +136,20 @@ def evaluate(
     return runner.run(run_eval(run.config, Dir(path=str(model)), ref, held_out, run.state.iterations_done))
 
 
-def write_form(form: str, model_path: Path, adapter: Path, out: Path) -> str:
-    """Write `form` of `adapter` into `out`; returns how its users load it (for export.json)."""
+def write_form(form: str, model_path: Path, adapter: Path, out: Path, quant: str = DEFAULT_QUANT) -> str:
+    """Write `form` of `adapter` into `out`; returns how its users load it (for export.json). The
+    GGUF form: the merged folder, written in a folder of its own inside `out` and removed once
+    written, as `out/model-<quant>.gguf`."""
     from grpo_flyte.loop.shipping import LOADED_ADAPTER, LOADED_MERGED
 
+    if form == "gguf":
+        from grpo_flyte.models.gguf_writer import write_gguf
+
+        merged = out / f".{MERGED_DIR}"
+        write_form("merged", model_path, adapter, merged)
+        write_gguf(merged, out / f"model-{quant}.gguf", quant)
+        shutil.rmtree(merged)
+        return GGUF_LOADER
     if form == "merged":
         from grpo_flyte.learning import merge
 
@@ -143,20 +161,26 @@ def write_form(form: str, model_path: Path, adapter: Path, out: Path) -> str:
     return LOADED_ADAPTER
 
 
-def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float) -> ExportCheck:
-    """Export the run's adapter as `form`, check it against the adapter, keep it only if it passes
-    (`ExportFailed` otherwise); the check."""
+def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float, quant: str = DEFAULT_QUANT) -> ExportCheck:
+    """Export the run's adapter as `form` (GGUF: in `quant`), check it against the adapter, keep it
+    only if it passes (`ExportFailed` otherwise); the check."""
     from flyte.io import Dir
 
     from grpo_flyte.loop.shipping import check_form, greedy
     from grpo_flyte.types import AdapterRef
 
     run = FinishedRun(run_dir)
+    if form == "gguf":
+        check_quant(quant)  # an unknown type refused before any work
     run.config = greedy(run.config)  # one completion a question, to compare word for word
+    if form == "gguf":  # transformers reads the GGUF (and then answers for the adapter too, alike)
+        run.config = run.config.model_copy(update={"engine": hf_engine(run.config)})
     which, adapter, iteration = run.chosen(choice)
     held_out, model_path = run.held_out(), run.base_model()
+    if form == "gguf":
+        check_model(model_path)  # an architecture the writer refuses, refused before any work
     metric = resolve_metric(run.config.guard.select_by, held_out)
-    final = run_dir / FORMS[form]
+    final = run_dir / FORMS[form].format(quant=quant)
     with run_dir_lock(run_dir), asyncio.Runner() as runner:
         remove_leftovers(run_dir)
         logger.info("evaluating the %s adapter (iteration %d) on %d held-out questions", which, iteration, len(held_out))
@@ -164,8 +188,8 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
 
         def build(staging: Path) -> ExportCheck:
             logger.info("writing the %s form of the %s adapter", form, which)
-            loaded_with = write_form(form, model_path, adapter, staging)
-            model, answering = (staging, None) if form == "merged" else (model_path, staging)
+            loaded_with = write_form(form, model_path, adapter, staging, quant)
+            model, answering = (model_path, staging) if form == "adapter" else (staging, None)
             names = {"form": form, "path": str(final), "loaded_with": loaded_with, "adapter": which, "adapter_iteration": iteration}
             ref = AdapterRef(version=0, dir=Dir(path=str(answering))) if answering is not None else None
             checking = check_form(
@@ -180,23 +204,45 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
         return build_dir_atomic(final, build)
 
 
-def evaluate_path(path: Path, run_dir: Path | None) -> tuple[EvalMetrics, str]:
-    """Evaluate an adapter folder, a model folder or a run folder (its final adapter) on a run's
-    held-out set: the metrics and what was evaluated, in words."""
-    if not path.is_dir():
-        raise UserError(f"{str(path)!r} is not a folder; expected an adapter folder, a model folder or a run folder")
+def hf_engine(config: RunConfig):
+    """The run's engine settings on the transformers backend (the one that reads a GGUF file)."""
+    return config.engine.model_copy(update={"backend": "hf"})
+
+
+def default_run(path: Path) -> Path:
+    """The run whose held-out set `eval PATH` uses without --run: PATH itself (a run folder), the
+    folder holding PATH, or for a GGUF file the run holding its form folder (RUN/gguf-f16/model-f16.gguf)."""
     if (path / METRICS_FILE).is_file():
-        run_dir, path = run_dir or path, path / ADAPTER_DIR
-    run = FinishedRun(run_dir or path.parent)
+        return path
+    return path.parent.parent if path.suffix == ".gguf" and path.is_file() else path.parent
+
+
+def evaluate_path(path: Path, run_dir: Path | None) -> tuple[EvalMetrics, str]:
+    """Evaluate an adapter folder, a model folder, a GGUF file (or a folder holding one) or a run
+    folder (its final adapter) on a run's held-out set: the metrics and what was evaluated, in words."""
+    if path.suffix == ".gguf" and path.is_file():
+        with tempfile.TemporaryDirectory() as folder:  # the file alone in a folder, as the engine loads a GGUF form
+            (Path(folder) / path.name).symlink_to(path.resolve())
+            metrics, _ = evaluate_path(Path(folder), run_dir or default_run(path))
+        return metrics, f"GGUF {path}"
+    if not path.is_dir():
+        raise UserError(f"{str(path)!r} is neither a folder nor a .gguf file; expected an adapter, model or run folder, or a GGUF file")
+    run = FinishedRun(run_dir or default_run(path))
+    if (path / METRICS_FILE).is_file():
+        path = path / ADAPTER_DIR
     held_out = run.held_out()
     with asyncio.Runner() as runner:
+        if gguf_in(path) is not None:
+            run.config = run.config.model_copy(update={"engine": hf_engine(run.config)})
+            metrics, _ = evaluate(runner, run, path, None, held_out)
+            return metrics, f"GGUF {path / gguf_in(path)}"
         if (path / "adapter_config.json").is_file():
             metrics, _ = evaluate(runner, run, run.base_model(), path, held_out)
             return metrics, f"adapter {path} on {run.config.base.model}"
         if (path / "config.json").is_file():
             metrics, _ = evaluate(runner, run, path, None, held_out)
             return metrics, f"model {path}"
-    raise UserError(f"{str(path)!r} holds neither adapter_config.json (an adapter) nor config.json (a model)")
+    raise UserError(f"{str(path)!r} holds neither adapter_config.json (an adapter), config.json (a model) nor one .gguf file")
 
 
 def eval_line(metrics: EvalMetrics, what: str, run_dir: Path) -> str:
@@ -217,7 +263,21 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     out = commands.add_parser("export", help="export a finished local run's adapter as a form others load, checked")
     out.add_argument("run", type=Path, metavar="RUN", help="the run's folder (its --run-dir)")
-    out.add_argument("--to", choices=sorted(FORMS), required=True, help="adapter: lora/ (PEFT); merged: merged/ (plain transformers)")
+    out.add_argument(
+        "--to",
+        choices=sorted(FORMS),
+        required=True,
+        help="adapter: lora/ (PEFT); merged: merged/ (plain transformers); gguf: gguf-<quant>/model-<quant>.gguf (llama.cpp, Ollama)",
+    )
+    out.add_argument(
+        "--quant",
+        default=None,
+        metavar="TYPE",
+        help=(
+            f"the GGUF form's tensor type, one of {', '.join(QUANT_TYPES)} (default {DEFAULT_QUANT}: a 16-bit model's weights "
+            "as they are, read by every llama.cpp build; the 8-, 5- and 4-bit types are smaller and answer less alike)"
+        ),
+    )
     out.add_argument(
         "--export-adapter",
         choices=("best", "final"),
@@ -230,8 +290,10 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_DISAGREEMENT,
         help=f"the share of held-out answers the export may word unlike the adapter (default {DEFAULT_MAX_DISAGREEMENT})",
     )
-    ev = commands.add_parser("eval", help="evaluate an adapter, model or run folder on a run's held-out set")
-    ev.add_argument("path", type=Path, metavar="PATH", help="an adapter folder, a model folder, or a run folder (its adapter/)")
+    ev = commands.add_parser("eval", help="evaluate an adapter, model or run folder, or a GGUF file, on a run's held-out set")
+    ev.add_argument(
+        "path", type=Path, metavar="PATH", help="an adapter folder, a model folder, a .gguf file, or a run folder (its adapter/)"
+    )
     ev.add_argument(
         "--run", type=Path, default=None, help="the run whose held-out set to use (default: PATH's, or the folder holding PATH)"
     )
@@ -242,6 +304,10 @@ def parse(argv: list[str]) -> dict[str, Any]:
     args = vars(_parser().parse_args(argv))
     if args["command"] == "export" and not 0.0 <= args["max_disagreement"] <= 1.0:
         raise UserError(f"--max-disagreement {args['max_disagreement']} must be a share between 0 and 1")
+    if args["command"] == "export" and args["quant"] is not None and args["to"] != "gguf":
+        raise UserError(f"--quant is the GGUF form's (--to gguf), not --to {args['to']}'s")
+    if args["command"] == "export":
+        args["quant"] = check_quant(args["quant"] or DEFAULT_QUANT)
     return args
 
 
@@ -250,10 +316,10 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     if args["command"] == "eval":
         metrics, what = evaluate_path(args["path"], args["run"])
-        print(eval_line(metrics, what, args["run"] or (args["path"] if (args["path"] / METRICS_FILE).is_file() else args["path"].parent)))
+        print(eval_line(metrics, what, args["run"] or default_run(args["path"])))
         return 0
     try:
-        check = export(args["run"], args["to"], args["export_adapter"], args["max_disagreement"])
+        check = export(args["run"], args["to"], args["export_adapter"], args["max_disagreement"], args["quant"])
     except ExportFailed as exc:
         print(str(exc), file=sys.stderr)
         return 1

@@ -17,8 +17,10 @@ from grpo_flyte.launch.cli import main as cli_main
 from grpo_flyte.learning import merge
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.verification import check_line, compare
+from grpo_flyte.models import gguf_writer
 
 RIGHT_MERGE = merge.merge_into_base  # the damaged merges below replace it
+RIGHT_GGUF = gguf_writer.write_gguf  # and the damaged GGUF writers
 TINY = ["--max-new-tokens", "8", "--prompts-per-iter", "2", "--group-size", "3", "--eval-size", "6", "--min-informative-groups", "0"]
 
 
@@ -172,3 +174,73 @@ def test_a_damaged_export_fails_in_one_line_and_leaves_nothing(finished, tmp_pat
     assert len(err) == 1 and err[0].startswith("export merged failed its check: ") and err[0].endswith("; nothing was written")
     assert "of its answers differ from the adapter's (at most 20%: --max-disagreement)" in err[0]
     assert sorted(p.name for p in run_dir.iterdir()) == before  # no merged/, no staging folder
+
+
+# --------------------------------------------------------------------------- the GGUF form
+
+
+# The loud tiny model is chaotic: 32 wide, its projections 20 times their size, a greedy answer turns
+# on the smallest change (bf16 weights alone change 3 of 8 of its answers; q8_0 all 8, where on the
+# plain tiny model q8_0's logits stay within 0.006 of float32's and every argmax agrees). So f16 is
+# held to the default 20% and q8_0 only to its accuracy (--max-disagreement 1): its round trip and
+# check, not its agreement on a random model. What a real model's q8_0 agrees on is measured by
+# the export itself, in its export.json.
+@pytest.mark.parametrize("quant, max_disagreement", [("f16", "0.2"), ("q8_0", "1.0")])
+def test_the_gguf_form_is_read_back_by_transformers_checked_and_evaluated(finished, tmp_path, capsys, quant, max_disagreement):
+    run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
+    _noisy_adapter(run_dir)
+    args = ["export", str(run_dir), "--to", "gguf", "--quant", quant, "--export-adapter", "final", "--max-disagreement", max_disagreement]
+    assert cli_main(args) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("export gguf verified: ") and line.endswith(
+        f"written to {run_dir / f'gguf-{quant}'}, the check in its export.json"
+    )
+    folder = run_dir / f"gguf-{quant}"
+    assert sorted(p.name for p in folder.iterdir()) == ["export.json", f"model-{quant}.gguf"]  # the merge it came from removed
+    check = exporting.read_check(folder)
+    assert check.passed and check.loaded_with.startswith("transformers' GGUF loader") and check.max_disagreement == float(max_disagreement)
+    if quant == "f16":  # the merged form answers every question as the adapter does (above): so does its f16 file
+        assert check.agreement == 1.0 and check.difference == 0.0
+    # the eval command on the file gives the export's own figure (the same loader and questions)
+    assert cli_main(["eval", str(folder / f"model-{quant}.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"held-out accuracy {check.export_accuracy:.1%}") and f"reward {check.export_reward:.3f} " in out
+    assert f"GGUF {folder / f'model-{quant}.gguf'}, on the held-out set of {run_dir}" in out
+    if quant == "f16":  # and the merged folder's figure: the same answers, scored alike
+        assert cli_main(["export", str(run_dir), "--to", "merged", "--export-adapter", "final"]) == 0
+        capsys.readouterr()
+        assert cli_main(["eval", str(run_dir / "merged")]) == 0
+        assert capsys.readouterr().out.split(" (n=")[0] == out.split(" (n=")[0]  # accuracy, reward, format
+
+
+def _gguf_without_the_qk_permutation(merged: Path, out: Path, quant: str) -> None:
+    """q_proj and k_proj written in HF's row order: llama.cpp's rotary layout missed."""
+    RIGHT_GGUF(merged, out, quant, permute=False)
+
+
+def _gguf_with_a_plain_chat_template(merged: Path, out: Path, quant: str) -> None:
+    """The file's tokenizer.chat_template another model's (roles as plain words)."""
+    (merged / "chat_template.jinja").write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    RIGHT_GGUF(merged, out, quant)
+
+
+@pytest.mark.parametrize("damage", [_gguf_without_the_qk_permutation, _gguf_with_a_plain_chat_template], ids=["qk-layout", "chat-template"])
+def test_a_damaged_gguf_fails_in_one_line_and_leaves_nothing(finished, tmp_path, monkeypatch, capsys, damage):
+    run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
+    _noisy_adapter(run_dir)
+    before = sorted(p.name for p in run_dir.iterdir())
+    monkeypatch.setattr(gguf_writer, "write_gguf", damage)
+    assert cli_main(["export", str(run_dir), "--to", "gguf", "--export-adapter", "final"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export ")]
+    assert len(err) == 1 and err[0].startswith("export gguf failed its check: ") and err[0].endswith("; nothing was written")
+    assert "of its answers differ from the adapter's (at most 20%: --max-disagreement)" in err[0]
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # no gguf-f16/, no staging folder
+
+
+def test_the_gguf_forms_choices_are_refused_clearly(finished, capsys):
+    assert cli_main(["export", str(finished), "--to", "gguf", "--quant", "q4_k_m"]) == 2
+    assert "--quant 'q4_k_m' is not a type the GGUF export writes; choose one of f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0" in (
+        capsys.readouterr().err
+    )
+    assert cli_main(["export", str(finished), "--to", "merged", "--quant", "q8_0"]) == 2
+    assert "--quant is the GGUF form's (--to gguf), not --to merged's" in capsys.readouterr().err
