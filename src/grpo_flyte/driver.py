@@ -302,6 +302,8 @@ async def _train_rl(
         merged=shipped.merged,
         best=state.guard.best.adapter if state.guard.best else None,
         export_check=shipped.check,
+        gguf=shipped.gguf,
+        gguf_check=shipped.gguf_check,
     )
 
 

@@ -1,5 +1,6 @@
-"""This module defines the train tasks `init_adapter`, `train_step` and `merge_adapter`: PEFT LoRA on a
-frozen base, one GRPO iteration per call.
+"""This module defines the train tasks `init_adapter`, `train_step`, `merge_adapter` and `write_gguf`
+(the merged model as one GGUF file, `grpo_flyte.models.gguf_writer`): PEFT LoRA on a frozen base,
+one GRPO iteration per call.
 
 The base model loads once per warm train replica (cached); everything that defines the result,
 the adapter weights and the AdamW state, comes in through the task's inputs and goes out in the
@@ -32,6 +33,7 @@ _warm = policy.WarmOptimizer()
 _model_dirs = replica_cache("train-models", capacity=MAX_BASES)  # one per base a sweep trains (policy.peft_model)
 _payload_dirs = replica_cache("train-payloads", capacity=1)
 _adapter_dirs = replica_cache("train-adapters", capacity=2)
+_export_dirs = replica_cache("train-exports", capacity=1)  # the merged model write_gguf reads
 
 
 @train_env.task(retries=2)
@@ -161,3 +163,17 @@ async def merge_adapter(base_model: Dir, adapter: AdapterRef) -> Dir:
 
     merged, _ = await publish_dir(build, f"merged-v{adapter.version:04d}")
     return merged
+
+
+@train_env.task(retries=2)
+async def write_gguf(merged: Dir, quant: str) -> Dir:
+    """The merged model folder `merged` written as one GGUF file in `quant`
+    (`models.gguf_writer.write_gguf`), alone in a folder: the GGUF form as the engine loads it."""
+    from grpo_flyte.models import gguf_writer
+
+    merged_path = Path(await _export_dirs.get(merged))
+    name = gguf_writer.gguf_name(quant)
+    folder, _ = await publish_dir(
+        lambda out: gguf_writer.write_gguf(merged_path, out / name, quant), f"gguf-{quant}-{Path(merged.path).name}", folder="exports"
+    )
+    return folder

@@ -393,7 +393,11 @@ class RunResult(TaskValue):
 
     `export_check`: the check of the form the run shipped (grpo_flyte.loop.shipping): the merged
     model's with `export_merged`, else, with `push_to_hub`, the pushed adapter's; its `failure`
-    says why nothing was kept or pushed. None: nothing was exported."""
+    says why nothing was kept or pushed. None: nothing was exported.
+
+    `gguf`, with `export_gguf`: the folder holding the GGUF file (`model-<quant>.gguf`) and its
+    export.json, only when it passed its check; `gguf_check`: that check (None: not asked for, or
+    the merged model it is written from failed its own)."""
 
     adapter: AdapterRef
     history: list[MetricsRow]
@@ -401,3 +405,5 @@ class RunResult(TaskValue):
     merged: Dir | None = None
     best: AdapterRef | None = None
     export_check: ExportCheck | None = None
+    gguf: Dir | None = None
+    gguf_check: ExportCheck | None = None

@@ -7,6 +7,8 @@ command line, the data, the engines, the trainer and a sweep's grid use the same
 
 from __future__ import annotations
 
+from typing import Literal
+
 PROG = "python -m grpo_flyte.driver"  # the command line, as messages name it
 EMBEDDED_MODEL = "embedded"
 ARITHMETIC_DATASET = "arithmetic"
@@ -36,6 +38,8 @@ VLLM_MEMORY_BUDGET = 0.9
 LOCAL_VLLM_SHARE = 0.5
 # The experiment trackers --report-to names (TRL's report_to), each an optional extra of its own.
 TRACKERS = ("wandb", "trackio", "mlflow", "tensorboard")
+# The GGUF tensor types --export-gguf and the export command's --quant take (models.gguf_writer's QUANT_TYPES).
+GGUFQuant = Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"]
 # Dollars per hour of one accelerator by type (the GPU name of GRPO_FLYTE_*_GPU): the defaults of
 # --prices. AWS EC2 on-demand Linux, us-east-1, an instance's price over its GPUs (L4 g6.xlarge,
 # A100 p4d.24xlarge after AWS's June 2025 cut, H100 p5.48xlarge, H200 p5en.48xlarge), as public

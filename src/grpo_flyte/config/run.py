@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from grpo_flyte.config.constants import LIST_PRICES, MAX_STALENESS, TRACKERS
+from grpo_flyte.config.constants import LIST_PRICES, MAX_STALENESS, TRACKERS, GGUFQuant
 from grpo_flyte.config.defaults import env_defaults, staleness_defaults
 from grpo_flyte.config.episode import EpisodeConfig
 from grpo_flyte.config.generation import DataConfig, EngineConfig, JudgeConfig, ModelConfig, PromptConfig, RewardConfig, SamplingConfig
@@ -64,6 +64,15 @@ class RunConfig(Part):
             "After the last iteration, merge the adapter export_adapter names (the best one by default) into the base "
             "and save a full model folder (a local run: <run-dir>/merged) that transformers and vLLM load without PEFT, "
             "kept only if its greedy held-out answers agree with the adapter's (its export.json: docs/exporting.md)."
+        ),
+    )
+    export_gguf: GGUFQuant | None = Field(
+        None,
+        description=(
+            "After the last iteration, also write the merged adapter (export_adapter's) as one GGUF file in this tensor "
+            "type (llama.cpp, Ollama; a local run: <run-dir>/gguf-<type>/model-<type>.gguf), kept only if transformers' "
+            "GGUF loader reading it answers the held-out questions as the adapter does (its export.json: docs/exporting.md). "
+            "LLaMA and Qwen2 models with a byte-level BPE tokenizer."
         ),
     )
     push_to_hub: str | None = Field(
@@ -258,7 +267,7 @@ class RunConfig(Part):
 
     @model_validator(mode="after")
     def _exports_need_a_held_out_set(self) -> RunConfig:
-        asked = [name for name in ("export_merged", "push_to_hub") if getattr(self, name)]
+        asked = [name for name in ("export_merged", "export_gguf", "push_to_hub") if getattr(self, name)]
         if asked and not self.evaluation.eval_size:
             raise ValueError(
                 f"{given(asked[0], getattr(self, asked[0]))} with {given('eval_size', 0)}: an export is checked on the held-out "

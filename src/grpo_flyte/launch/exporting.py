@@ -43,6 +43,7 @@ from grpo_flyte.launch.run_folder import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
     FLYTE_DATA,
+    GGUF_DIR,
     MERGED_DIR,
     METRICS_FILE,
     remove_leftovers,
@@ -64,11 +65,7 @@ logger = logging.getLogger("grpo_flyte")
 COMMANDS = ("export", "eval")
 LORA_DIR = "lora"  # the exported adapter form: PEFT's files and what a server needs beside them
 
-FORMS = {"adapter": LORA_DIR, "merged": MERGED_DIR, "gguf": "gguf-{quant}"}  # gguf: one folder a quantization type
-GGUF_LOADER = (
-    "transformers' GGUF loader (from_pretrained with gguf_file=, dequantized), its tokenizer and chat template "
-    "read from the file (llama.cpp itself not run)"
-)
+FORMS = {"adapter": LORA_DIR, "merged": MERGED_DIR, "gguf": GGUF_DIR}  # gguf: one folder a quantization type
 
 
 class ExportFailed(GrpoFlyteError):
@@ -140,16 +137,16 @@ def write_form(form: str, model_path: Path, adapter: Path, out: Path, quant: str
     """Write `form` of `adapter` into `out`; returns how its users load it (for export.json). The
     GGUF form: the merged folder, written in a folder of its own inside `out` and removed once
     written, as `out/model-<quant>.gguf`."""
-    from grpo_flyte.loop.shipping import LOADED_ADAPTER, LOADED_MERGED
+    from grpo_flyte.loop.shipping import LOADED_ADAPTER, LOADED_GGUF, LOADED_MERGED
 
     if form == "gguf":
-        from grpo_flyte.models.gguf_writer import write_gguf
+        from grpo_flyte.models.gguf_writer import gguf_name, write_gguf
 
         merged = out / f".{MERGED_DIR}"
         write_form("merged", model_path, adapter, merged)
-        write_gguf(merged, out / f"model-{quant}.gguf", quant)
+        write_gguf(merged, out / gguf_name(quant), quant)
         shutil.rmtree(merged)
-        return GGUF_LOADER
+        return LOADED_GGUF
     if form == "merged":
         from grpo_flyte.learning import merge
 
@@ -166,7 +163,7 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
     only if it passes (`ExportFailed` otherwise); the check."""
     from flyte.io import Dir
 
-    from grpo_flyte.loop.shipping import check_form, greedy
+    from grpo_flyte.loop.shipping import check_form, greedy, hf_engine
     from grpo_flyte.types import AdapterRef
 
     run = FinishedRun(run_dir)
@@ -204,11 +201,6 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
         return build_dir_atomic(final, build)
 
 
-def hf_engine(config: RunConfig):
-    """The run's engine settings on the transformers backend (the one that reads a GGUF file)."""
-    return config.engine.model_copy(update={"backend": "hf"})
-
-
 def default_run(path: Path) -> Path:
     """The run whose held-out set `eval PATH` uses without --run: PATH itself (a run folder), the
     folder holding PATH, or for a GGUF file the run holding its form folder (RUN/gguf-f16/model-f16.gguf)."""
@@ -233,6 +225,8 @@ def evaluate_path(path: Path, run_dir: Path | None) -> tuple[EvalMetrics, str]:
     held_out = run.held_out()
     with asyncio.Runner() as runner:
         if gguf_in(path) is not None:
+            from grpo_flyte.loop.shipping import hf_engine
+
             run.config = run.config.model_copy(update={"engine": hf_engine(run.config)})
             metrics, _ = evaluate(runner, run, path, None, held_out)
             return metrics, f"GGUF {path / gguf_in(path)}"

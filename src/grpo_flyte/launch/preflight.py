@@ -149,7 +149,8 @@ def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Examp
     a tokenizer that loads), the LoRA target layers, a context (`context_length`: the prompt and a completion,
     or a whole episode) within the model's window (`context_window`, as vLLM reads it; the
     transformers engine would run past it) and, when the rows are known here, every prompt's
-    length in the model's tokens. Errors name a Hub model by its id."""
+    length in the model's tokens; with export_gguf, a local model's architecture and tokenizer the
+    GGUF writer takes (`gguf_writer.check_model`). Errors name a Hub model by its id."""
     from grpo_flyte.models.folders import check_model_folder, context_problem, is_repo_id, lora_target_problem
 
     tokenizer = check_model_folder(model_dir, field="model", weights=weights)
@@ -170,6 +171,13 @@ def check_model_fits(config: RunConfig, model_dir: Path, split: tuple[list[Examp
         prompt = tool_prompt_config(tokenizer, config.prompt, config.episode.tools)
     if split is not None:
         check_prompt_lengths(config, tokenizer, [*split[0], *split[1]], prompt)
+    if config.export_gguf and weights:  # a local model: what the GGUF writer refuses, refused before the run
+        from grpo_flyte.models.gguf_writer import check_model
+
+        try:
+            check_model(model_dir)
+        except UserError as exc:
+            raise ConfigError(f"{given('export_gguf', config.export_gguf)}: {exc}", field=None) from None
 
 
 def check_judge_fits(config: RunConfig, judge_dir: Path, split: tuple[list[Example], list[Example]] | None, weights: bool = True) -> None:

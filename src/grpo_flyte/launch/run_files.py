@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from grpo_flyte.config.run import RunConfig
-from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR, EVAL_DIR, FLYTE_DATA, MERGED_DIR, METRICS_FILE
+from grpo_flyte.launch.run_folder import ADAPTER_DIR, BEST_DIR, COMPLETIONS_DIR, EVAL_DIR, FLYTE_DATA, GGUF_DIR, MERGED_DIR, METRICS_FILE
 from grpo_flyte.loop.answers import EvalAnswer
 from grpo_flyte.loop.guard import best_summary
 from grpo_flyte.loop.publishing import unchosen_start
@@ -79,9 +79,10 @@ class LocalRunFiles:
         build_dir_atomic(self.root / name, copy)
         return self.root / name
 
-    def export_merged(self, merged_path: str) -> Path:
-        """Move the (complete) merged model folder into the run folder: a rename, so never half there."""
-        target = self.root / MERGED_DIR
+    def export_merged(self, merged_path: str, name: str = MERGED_DIR) -> Path:
+        """Move the (complete) merged model folder (or the GGUF form's) into the run folder as `name`:
+        a rename, so never half there."""
+        target = self.root / name
         shutil.rmtree(target, ignore_errors=True)
         os.replace(merged_path, target)
         return target
@@ -105,7 +106,7 @@ def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult,
     """A finished run's folder completed: the adapter (and best adapter, merged model) exported,
     and the lines that say where they are, the run's peak memory (`peak`: this process's tree over
     the run; a sweep's configs share the process, so the sweep says it once) and which adapter was
-    best. Its exit status: 1 when the run's export failed its check (that line last), else 0."""
+    best. Its exit status: 1 when the run's export or GGUF form failed its check (those lines last), else 0."""
     run_dir = files.root
     files.export_adapter(result.adapter)
     best = f", best adapter {files.export_adapter(result.best, BEST_DIR)}" if result.best is not None else ""
@@ -127,13 +128,17 @@ def finish_local_run(files: LocalRunFiles, config: RunConfig, result: RunResult,
             check = result.export_check.model_copy(update={"path": str(where)})
             write_text_atomic(where / EXPORT_FILE, check.model_dump_json(indent=2) + "\n")
             logger.info("%s", check_line(check))
+    if result.gguf is not None and result.gguf_check is not None:  # as `export RUN --to gguf` names it
+        where = files.export_merged(result.gguf.path, GGUF_DIR.format(quant=config.export_gguf))
+        check = result.gguf_check.model_copy(update={"path": str(where)})
+        write_text_atomic(where / EXPORT_FILE, check.model_dump_json(indent=2) + "\n")
+        logger.info("%s", check_line(check))
     stopped = next((r.guard.guard_reason for r in result.history if r.guard and r.guard.guard_event in ("stop", "early_stop")), None)
     summary = "; ".join(line for line in (best_summary(result.history), unchosen_start(config, result.history)) if line)
     for line in (stopped, summary):
         if line:
             logger.info("%s", line)  # the last line: which adapter was best, and by how much
-    check = result.export_check
-    if check is not None and not check.passed:
+    failed = [c for c in (result.export_check, result.gguf_check) if c is not None and not c.passed]
+    for check in failed:
         logger.error("%s", check_line(check, RUN_FAILED_TAIL))
-        return 1
-    return 0
+    return 1 if failed else 0

@@ -39,6 +39,7 @@ COMPLETIONS_DIR = "completions"  # --log-completions: each iteration's sample
 ADAPTER_DIR = "adapter"
 BEST_DIR = "best"  # the best adapter by the held-out evaluations (grpo_flyte.loop.guard)
 MERGED_DIR = "merged"
+GGUF_DIR = "gguf-{quant}"  # the GGUF form of one quantization type (--export-gguf, export --to gguf)
 DATA_FILE = "data.json"  # the data the run started with (a fingerprint), checked on --resume
 CHECKPOINT_FILE = "checkpoint"  # the driver's saved loop state, under FLYTE_DATA
 LOCK_FILE = ".lock"  # held by the run writing the folder; holds its process id

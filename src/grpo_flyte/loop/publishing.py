@@ -74,10 +74,18 @@ def exported(config: RunConfig, state: LoopState) -> tuple[AdapterRef, int]:
 
 def unchosen_start(config: RunConfig, history: list[MetricsRow]) -> str | None:
     """Why the run's merge and push are skipped, when they are: no trained adapter beat the start
-    (`guard.untrained_best`), --export-adapter was left unset, and --export-merged or --push-to-hub
-    asked for one. The untrained adapter is the base model itself; shipping it in silence would
+    (`guard.untrained_best`), --export-adapter was left unset, and --export-merged, --export-gguf or
+    --push-to-hub asked for one. The untrained adapter is the base model itself; shipping it in silence would
     look like a fine-tune. None: nothing is skipped."""
-    asked = [f for f, on in (("--export-merged", config.export_merged), ("--push-to-hub", config.push_to_hub)) if on]
+    asked = [
+        f
+        for f, on in (
+            ("--export-merged", config.export_merged),
+            ("--export-gguf", config.export_gguf),
+            ("--push-to-hub", config.push_to_hub),
+        )
+        if on
+    ]
     if not asked or config.guard.export_adapter is not None or not untrained_best(history):
         return None
     return (

@@ -1,5 +1,5 @@
-"""This module checks what a finished run ships before it leaves: --export-merged's merged model and
---push-to-hub's upload, each evaluated on the run's held-out questions and paired against the
+"""This module checks what a finished run ships before it leaves: --export-merged's merged model,
+--export-gguf's GGUF file and --push-to-hub's upload, each evaluated on the run's held-out questions and paired against the
 adapter it came from, as the export command checks its forms (the same functions: `greedy`,
 `check_form`).
 
@@ -9,6 +9,13 @@ adapter it came from, as the export command checks its forms (the same functions
   adapter's. Passed: `export.json` is written into the folder and the folder is the run's `merged`.
   Failed: the folder is removed (a local one; on a cluster it stays in the run's raw data, never
   returned) and the run keeps its adapters and report.
+- The GGUF file: `write_gguf` (a task on the train pool) writes the merged model (merged here when
+  --export-merged was not given, and that merge then removed; a merge that failed its own check
+  writes none) as one file in --export-gguf's type, alone in a folder; the held-out evaluation
+  reads it on the transformers engine (`hf_engine`: transformers' GGUF loader), and the adapter's
+  answers it is paired with are the transformers engine's too (evaluated again unless the run's
+  --backend is hf), as the export command checks the form. Passed: export.json, the run's `gguf`;
+  failed: removed. The push never takes it.
 - The upload: the merged model when --export-merged (only if it passed), else the adapter's files as
   they are uploaded (without the optimizer state), staged as a folder of their own and evaluated
   through PEFT on the run's base. A failed check pushes nothing.
@@ -38,22 +45,35 @@ from grpo_flyte.loop.verification import DEFAULT_MAX_DISAGREEMENT, EXPORT_FILE, 
 from grpo_flyte.reporting.hub import NOT_SHARED
 from grpo_flyte.runtime.files import write_text_atomic
 from grpo_flyte.runtime.storage import LocalDirCache, is_remote, publish_dir
-from grpo_flyte.trainer import merge_adapter
+from grpo_flyte.trainer import merge_adapter, write_gguf
 from grpo_flyte.types import AdapterRef, Example, ExportCheck
 
 logger = logging.getLogger("grpo_flyte")
 
 LOADED_MERGED = "transformers AutoModelForCausalLM (no PEFT) with its own tokenizer and chat template"
 LOADED_ADAPTER = "PEFT PeftModel.from_pretrained on the run's base"
+LOADED_GGUF = (
+    "transformers' GGUF loader (from_pretrained with gguf_file=, dequantized), its tokenizer and chat template "
+    "read from the file (llama.cpp itself not run)"
+)
 
 
 class Shipped(NamedTuple):
     """What the run shipped: the merged model (None unless asked for and passed), the check of the
-    form it shipped or tried to (None: nothing was asked for), the Hub repo's URL (None: no push)."""
+    form it shipped or tried to (None: nothing was asked for), the Hub repo's URL (None: no push),
+    the GGUF form's folder (None unless asked for and passed) and its check (None: not asked for,
+    or no passed merge to write it from)."""
 
     merged: Dir | None
     check: ExportCheck | None
     url: str | None
+    gguf: Dir | None = None
+    gguf_check: ExportCheck | None = None
+
+
+def hf_engine(config: RunConfig):
+    """The run's engine settings on the transformers backend (the one that reads a GGUF file)."""
+    return config.engine.model_copy(update={"backend": "hf"})
 
 
 def greedy(config: RunConfig) -> RunConfig:
@@ -122,6 +142,32 @@ async def staged_adapter(adapter: AdapterRef, folders: LocalDirCache) -> Adapter
     return AdapterRef(version=adapter.version, dir=folder)
 
 
+async def gguf_form(
+    config: RunConfig,
+    merged: Dir,
+    base_model: Dir,
+    adapter: AdapterRef,
+    held_out: list[Example],
+    reference: list[EvalAnswer],
+    metric: Metric,
+    names: dict[str, object],
+    iteration: int,
+) -> tuple[Dir | None, ExportCheck]:
+    """The merged model `merged` written as --export-gguf's GGUF file and checked on the transformers
+    engine against the adapter's answers there (`reference` when the run's engine is transformers,
+    else the adapter evaluated again on it): (the sealed folder, or None when it failed, and the check)."""
+    folder = await write_gguf(merged, config.export_gguf)
+    on_hf = config.model_copy(update={"engine": hf_engine(config)})
+    if config.engine.backend != "hf":  # both sides read by one engine, as the export command compares them
+        _, reference = await run_eval(greedy(on_hf), base_model, adapter, held_out, iteration)
+    form = {"form": "gguf", "path": folder.path, "loaded_with": LOADED_GGUF, **names}
+    check = await check_form(on_hf, folder, None, held_out, reference, metric, form, iteration=iteration)
+    if check.passed:
+        return await sealed(folder, check), check
+    discarded(folder)
+    return None, check
+
+
 async def ship(
     config: RunConfig,
     state: LoopState,
@@ -130,8 +176,8 @@ async def ship(
     kept: dict[int, list[EvalAnswer]],
     folders: LocalDirCache,
 ) -> Shipped:
-    """--export-merged and --push-to-hub, each form checked first (module docstring)."""
-    if not (config.export_merged or config.push_to_hub):
+    """--export-merged, --export-gguf and --push-to-hub, each form checked first (module docstring)."""
+    if not (config.export_merged or config.export_gguf or config.push_to_hub):
         return Shipped(None, None, None)
     adapter, iteration = exported(config, state)
     which = "final" if config.guard.export_adapter == "final" or state.guard.best is None else "best"  # as `exported` chose
@@ -141,34 +187,42 @@ async def ship(
     with flyte.group("export-check"):
         reference = await adapter_answers(config, base_model, adapter, held_out, kept, state.iterations_done)
     names = {"adapter": which, "adapter_iteration": iteration}
-    merged = check = None
-    if config.export_merged:
+    merged = check = gguf = gguf_check = None
+    if config.export_merged or config.export_gguf:
         with flyte.group("export"):
             staged = await merge_adapter(base_model, adapter)
-            form = {"form": "merged", "path": staged.path, "loaded_with": LOADED_MERGED, **names}
-            check = await check_form(config, staged, None, held_out, reference, metric, form, iteration=state.iterations_done)
-            if check.passed:
-                merged = await sealed(staged, check)
-            else:
-                discarded(staged)
-        logger.log(logging.INFO if check.passed else logging.ERROR, "%s", check_line(check, RUN_FAILED_TAIL))
+            if config.export_merged:
+                form = {"form": "merged", "path": staged.path, "loaded_with": LOADED_MERGED, **names}
+                check = await check_form(config, staged, None, held_out, reference, metric, form, iteration=state.iterations_done)
+                if check.passed:
+                    merged = await sealed(staged, check)
+                else:
+                    discarded(staged)
+                logger.log(logging.INFO if check.passed else logging.ERROR, "%s", check_line(check, RUN_FAILED_TAIL))
+            if config.export_gguf and (check is None or check.passed):
+                done = state.iterations_done
+                gguf, gguf_check = await gguf_form(config, staged, base_model, adapter, held_out, reference, metric, names, done)
+                logger.log(logging.INFO if gguf_check.passed else logging.ERROR, "%s", check_line(gguf_check, RUN_FAILED_TAIL))
+            if not config.export_merged:
+                discarded(staged)  # the merge the GGUF was written from, not asked for
     if not config.push_to_hub or (check is not None and not check.passed):
-        return Shipped(merged, check, None)
+        return Shipped(merged, check, None, gguf, gguf_check)
     with flyte.group("push"):
         if merged is not None:
-            return Shipped(merged, check, await push_to_hub(config, state.history, merged, check, iteration, folders))
+            return Shipped(merged, check, await push_to_hub(config, state.history, merged, check, iteration, folders), gguf, gguf_check)
         upload = await staged_adapter(adapter, folders)
         form = {"form": "adapter", "path": upload.dir.path, "loaded_with": LOADED_ADAPTER, **names}
         check = await check_form(config, base_model, upload, held_out, reference, metric, form, iteration=state.iterations_done)
         if not check.passed:
             discarded(upload.dir)
             logger.error("%s", check_line(check, RUN_FAILED_TAIL))
-            return Shipped(None, check, None)
-        return Shipped(None, check, await push_to_hub(config, state.history, await sealed(upload.dir, check), check, iteration, folders))
+            return Shipped(None, check, None, gguf, gguf_check)
+        url = await push_to_hub(config, state.history, await sealed(upload.dir, check), check, iteration, folders)
+        return Shipped(None, check, url, gguf, gguf_check)
 
 
 def shipped_line(shipped: Shipped) -> str | None:
-    """The export's or push's failure in one line, for the report's closing message (None: it passed or nothing was asked)."""
-    if shipped.check is None or shipped.check.passed:
-        return None
-    return check_line(shipped.check, RUN_FAILED_TAIL)
+    """The export's, GGUF form's or push's failures, one line each, for the report's closing message
+    (None: they passed or nothing was asked)."""
+    failed = [c for c in (shipped.check, shipped.gguf_check) if c is not None and not c.passed]
+    return "\n".join(check_line(c, RUN_FAILED_TAIL) for c in failed) or None

@@ -33,7 +33,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
+from grpo_flyte.config.constants import GGUFQuant
 from grpo_flyte.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 # The types `--quant` takes: those the gguf package writes from numpy (f32 and f16 by dtype, the
 # rest by gguf.quants.quantize). The k-quants (Q4_K_M, ...) and i-quants need llama.cpp's
 # llama-quantize (the package can only read them).
-QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+QUANT_TYPES: tuple[str, ...] = get_args(GGUFQuant)
 # f16 by default: the weights of a 16-bit base as they are (a bf16 value within f16's range is
 # exact in f16), read by every llama.cpp build and by transformers; the quantized types trade
 # answers for size and are checked like any other export.
@@ -59,6 +61,11 @@ ARCHITECTURES = {
     "LlamaForCausalLM": Architecture("LLAMA", permute_qk=True),
     "Qwen2ForCausalLM": Architecture("QWEN2", permute_qk=False),
 }
+
+
+def gguf_name(quant: str) -> str:
+    """The GGUF form's file name for `quant` (in its folder gguf-<quant>/)."""
+    return f"model-{quant}.gguf"
 
 
 def check_quant(quant: str) -> str:

@@ -264,6 +264,7 @@ CUSTOM_CHECKS = {
     "report_to": ["comet", "all", "wandb,nope", "none,wandb"],
     "tools": ["no_colon", "a:b:c", "tests.support.tool_fns:add,nope"],
     "export_adapter": ["latest", "BEST"],
+    "export_gguf": ["q4_k_m", "F16"],
 }
 
 

@@ -244,3 +244,39 @@ def test_the_gguf_forms_choices_are_refused_clearly(finished, capsys):
     )
     assert cli_main(["export", str(finished), "--to", "merged", "--quant", "q8_0"]) == 2
     assert "--quant is the GGUF form's (--to gguf), not --to merged's" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a run's own --export-gguf
+
+
+def test_a_run_with_export_gguf_leaves_its_checked_gguf_form_where_the_export_command_would(tmp_path, tiny_model_dir, caplog):
+    run_dir = tmp_path / "run"
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--iterations", "1", "--backend", "hf"]
+    with caplog.at_level("INFO", logger="grpo_flyte"):
+        assert cli_main([*args, "--export-gguf", "f16", "--export-adapter", "final", "--run-dir", str(run_dir)]) == 0
+    folder = run_dir / "gguf-f16"
+    assert sorted(p.name for p in folder.iterdir()) == ["export.json", "model-f16.gguf"]
+    assert not (run_dir / "merged").exists()  # the merge it was written from was not asked for
+    check = exporting.read_check(folder)
+    assert (check.form, check.path, check.adapter, check.adapter_iteration, check.questions) == ("gguf", str(folder), "final", 1, 6)
+    assert check.passed and check.loaded_with.startswith("transformers' GGUF loader")
+    # the tiny model's f16 weights are its own: the file answers every question as the adapter does
+    assert check.agreement == 1.0 and check.difference == 0.0
+    assert any(r.getMessage() == check_line(check) for r in caplog.records)
+
+
+def test_a_run_with_export_gguf_refuses_a_model_the_writer_cannot_write_before_it_starts(tmp_path, tiny_model_dir):
+    from grpo_flyte.config.run import RunConfig
+    from grpo_flyte.errors import ConfigError
+    from grpo_flyte.launch.preflight import check_model_fits
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "mistral"))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
+    check_model_fits(RunConfig(model=str(model)), model, None)  # without --export-gguf: any architecture
+    with pytest.raises(ConfigError) as info:
+        check_model_fits(RunConfig(model=str(model), export_gguf="q8_0"), model, None)
+    assert str(info.value).startswith(
+        "--export-gguf='q8_0': the GGUF export writes LlamaForCausalLM, Qwen2ForCausalLM, not MistralForCausalLM"
+    )
+    check_model_fits(RunConfig(model=str(model), export_gguf="q8_0"), model, None, weights=False)  # a Hub model's files: not checked

@@ -49,11 +49,19 @@ class StandInHub:
 
 
 class Shipping:
-    """The stand-ins: `merged` (the merged model's answers) and `uploaded` (the staged adapter
-    files' answers); `evaluated` records each evaluation's (model, adapter) paths."""
+    """The stand-ins: `merged` (the merged model's answers), `uploaded` (the staged adapter
+    files' answers) and `gguf` (the GGUF file's); `evaluated` records each evaluation's (model,
+    adapter) paths, `backends` its engine backend, `written` each GGUF written (merged folder, quant)."""
 
-    def __init__(self, tmp: Path, monkeypatch: pytest.MonkeyPatch, merged: list[EvalAnswer], uploaded: list[EvalAnswer]):
-        self.tmp, self.evaluated = tmp, []
+    def __init__(
+        self,
+        tmp: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        merged: list[EvalAnswer],
+        uploaded: list[EvalAnswer],
+        gguf: list[EvalAnswer] = ADAPTER,
+    ):
+        self.tmp, self.evaluated, self.backends, self.written = tmp, [], [], []
         adapter_dir = tmp / "adapters" / "v0003"
         adapter_dir.mkdir(parents=True)
         for name in ("adapter_config.json", "adapter_model.safetensors", OPTIMIZER_FILE):
@@ -64,8 +72,9 @@ class Shipping:
         async def run_eval(config, model, adapter, questions, iteration):
             assert config.evaluation.num_generations_eval is None  # greedy, whatever the run's setting
             self.evaluated.append((model.path, adapter.dir.path if adapter else None))
+            self.backends.append(config.engine.backend)
             if adapter is None:
-                return None, merged
+                return None, gguf if Path(model.path).name.startswith("gguf-") else merged
             return None, uploaded if Path(adapter.dir.path).name.startswith("upload-") else ADAPTER
 
         async def merge_adapter(base_model, adapter):
@@ -80,7 +89,16 @@ class Shipping:
             return Dir(path=str(out)), build(out)
 
         monkeypatch.setattr(shipping, "run_eval", run_eval)
+
+        async def write_gguf(merged_dir, quant):
+            self.written.append((merged_dir.path, quant))
+            out = tmp / "exports" / f"gguf-{quant}-{Path(merged_dir.path).name}"
+            out.mkdir(parents=True)
+            (out / f"model-{quant}.gguf").write_text("gguf")
+            return Dir(path=str(out))
+
         monkeypatch.setattr(shipping, "merge_adapter", merge_adapter)
+        monkeypatch.setattr(shipping, "write_gguf", write_gguf)
         monkeypatch.setattr(shipping, "publish_dir", publish_dir)
         monkeypatch.setattr(StandInHub, "root", tmp / "hub", raising=False)
         monkeypatch.setattr(huggingface_hub, "HfApi", StandInHub)
@@ -155,11 +173,62 @@ def test_an_adapter_upload_that_fails_its_check_pushes_nothing(tmp_path, monkeyp
     assert not (tmp_path / "hub").exists() and not (tmp_path / "exports" / "upload-v0003").exists()
 
 
+def test_a_gguf_is_written_from_a_passed_merge_and_read_on_the_transformers_engine(tmp_path, monkeypatch):
+    stand_in = Shipping(tmp_path, monkeypatch, merged=ADAPTER, uploaded=ADAPTER)
+    config = RunConfig(export_merged=True, export_gguf="q8_0", eval_size=5, export_adapter="best", backend="hf")
+    shipped = stand_in.ship(config, kept={3: ADAPTER})
+    merged, gguf = tmp_path / "adapters" / "merged-v0003", tmp_path / "exports" / "gguf-q8_0-merged-v0003"
+    assert shipped.check.passed and shipped.merged.path == str(merged) and (merged / "export.json").is_file()
+    assert stand_in.written == [(str(merged), "q8_0")]
+    assert shipped.gguf.path == str(gguf) and sorted(p.name for p in gguf.iterdir()) == ["export.json", "model-q8_0.gguf"]
+    written = json.loads((gguf / "export.json").read_text())
+    assert (written["form"], written["adapter"], written["agreement"]) == ("gguf", "best", 1.0)
+    assert written["loaded_with"].startswith("transformers' GGUF loader")
+    # the run's own answers (its engine is transformers) reused: the merged model, then the file
+    assert stand_in.evaluated == [(str(merged), None), (str(gguf), None)] and stand_in.backends == ["hf", "hf"]
+    assert shipping.shipped_line(shipped) is None
+
+
+def test_a_gguf_alone_merges_without_keeping_the_merge_and_pairs_answers_on_one_engine(tmp_path, monkeypatch):
+    stand_in = Shipping(tmp_path, monkeypatch, merged=[], uploaded=ADAPTER)
+    shipped = stand_in.ship(RunConfig(export_gguf="f16", eval_size=5, export_adapter="final"), kept={3: ADAPTER})
+    assert shipped.merged is None and shipped.check is None and shipped.gguf_check.passed
+    assert not (tmp_path / "adapters" / "merged-v0003").exists()  # the merge it was written from, not asked for, removed
+    gguf = tmp_path / "exports" / "gguf-f16-merged-v0003"
+    # --backend auto: the adapter evaluated again on transformers, beside the file
+    assert stand_in.evaluated == [(stand_in.base.path, stand_in.adapter.dir.path), (str(gguf), None)]
+    assert stand_in.backends == ["hf", "hf"]
+
+
+def test_a_gguf_that_fails_its_check_is_removed_and_the_rest_is_kept(tmp_path, monkeypatch):
+    lost = _answers(["a", "b", "x", "y", "z"], [False] * 5)
+    stand_in = Shipping(tmp_path, monkeypatch, merged=ADAPTER, uploaded=ADAPTER, gguf=lost)
+    config = RunConfig(export_merged=True, export_gguf="q4_0", push_to_hub="me/tiny", eval_size=5, export_adapter="best", backend="hf")
+    shipped = stand_in.ship(config, kept={3: ADAPTER})
+    assert shipped.gguf is None and not shipped.gguf_check.passed and shipped.gguf_check.agreement == pytest.approx(0.4)
+    assert not (tmp_path / "exports" / "gguf-q4_0-merged-v0003").exists()
+    # the merged model passed: kept and pushed (the push never takes the GGUF)
+    assert shipped.check.passed and shipped.merged is not None and shipped.url == "https://huggingface.co/me/tiny"
+    assert "model.safetensors" in {p.name for p in stand_in.repo.iterdir()}
+    line = shipping.shipped_line(shipped)
+    assert line.startswith("export gguf failed its check: ") and line.endswith("; nothing was kept or pushed") and "\n" not in line
+
+
+def test_a_merge_that_fails_its_check_writes_no_gguf(tmp_path, monkeypatch):
+    lost = _answers(["a", "b", "x", "y", "z"], [False] * 5)
+    stand_in = Shipping(tmp_path, monkeypatch, merged=lost, uploaded=ADAPTER)
+    shipped = stand_in.ship(RunConfig(export_merged=True, export_gguf="f16", eval_size=5, export_adapter="best"), kept={3: ADAPTER})
+    assert stand_in.written == [] and shipped.gguf is None and shipped.gguf_check is None and not shipped.check.passed
+    assert not (tmp_path / "adapters" / "merged-v0003").exists()
+
+
 def test_exports_need_a_held_out_set():
     with pytest.raises(ValueError, match="--export-merged=True with --eval-size=0: an export is checked on the held-out set"):
         RunConfig(export_merged=True, eval_size=0)
     with pytest.raises(ValueError, match="--push-to-hub='me/tiny' with --eval-size=0"):
         RunConfig(push_to_hub="me/tiny", eval_size=0)
+    with pytest.raises(ValueError, match="--export-gguf='f16' with --eval-size=0: an export is checked on the held-out set"):
+        RunConfig(export_gguf="f16", eval_size=0)
 
 
 def test_a_local_run_whose_export_failed_keeps_its_adapter_and_exits_1_with_the_line_last(tmp_path, caplog):
