@@ -294,6 +294,7 @@ TASK_NAMES = {
     "grpo_flyte-train.init_adapter",
     "grpo_flyte-train.merge_adapter",
     "grpo_flyte-train.train_step",
+    "grpo_flyte-train.write_gguf",
 }
 
 
