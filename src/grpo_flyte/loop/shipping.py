@@ -1,7 +1,7 @@
 """This module checks what a finished run ships before it leaves: --export-merged's merged model,
---export-gguf's GGUF file and --push-to-hub's upload, each evaluated on the run's held-out questions and paired against the
-adapter it came from, as the export command checks its forms (the same functions: `greedy`,
-`check_form`).
+--export-gguf's GGUF file and --push-to-hub's upload, each evaluated on the run's held-out
+questions and paired against the adapter it came from, as the export command checks its forms
+(the same functions: `greedy`, `check_form`).
 
 - The merged model: `merge_adapter` (a task on the train pool) writes it; the run's held-out
   evaluation (`loop.evaluation.run_eval`, the generate pool) answers with it loaded as a plain model
