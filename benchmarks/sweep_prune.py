@@ -15,7 +15,7 @@ held-out accuracy): the pruned sweep passes when its winner is the full sweep's,
 winner's paired interval (the winners' best evaluations, paired over the same questions, 95%).
 
     python benchmarks/sweep_prune.py            # 8 configs x 20 iterations, twice: hours on 2 cores
-    python benchmarks/sweep_prune.py --small    # 4 configs x 6 small iterations, twice: about an hour on the loaded 2-core machine
+    python benchmarks/sweep_prune.py --small    # 6 configs x 6 small iterations, twice: about an hour on the 2-core machine
     python benchmarks/sweep_prune.py --quick    # 2 configs (2e-4 and an absurd 1.0) x 2 tiny iterations of the tests' tiny
                                                 # random model: the plumbing
 
@@ -48,7 +48,7 @@ SMALL = {"iterations": 6, "eval_every": 2, "eval_size": 50, "prompts_per_iter": 
 QUICK = {"iterations": 2, "eval_every": 1, "eval_size": 4, "prompts_per_iter": 2, "group_size": 2, "max_new_tokens": 8,
          "min_informative_groups": 0}  # fmt: skip
 LEARNING_RATES = ("1e-4", "2e-4", "5e-4", "5e-3")
-SMALL_LEARNING_RATES = ("2e-4", "5e-3")  # the default and a clearly bad one
+SMALL_LEARNING_RATES = ("2e-4", "5e-3", "5e-2")  # the default, a bad one (25x) and a broken one (250x)
 SEEDS = ("0", "1")
 
 
@@ -113,7 +113,7 @@ def _within(full_dir: Path, full: dict, pruned: dict) -> tuple[bool, float | Non
 
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "sweep_prune.json")
-    p.add_argument("--small", action="store_true", help="4 configs x 6 small iterations (the setting measured on 2 cores; see above)")
+    p.add_argument("--small", action="store_true", help="6 configs x 6 small iterations (the setting measured on 2 cores; see above)")
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else SMALL if args.small else FULL
     rates = SMALL_LEARNING_RATES if args.small else LEARNING_RATES
