@@ -165,15 +165,21 @@ def _with_a_plain_chat_template(model_path: str, adapter_path: str, out: Path) -
 
 @pytest.mark.parametrize("damage", [_merged_without_the_lora_scale, _with_a_plain_chat_template], ids=["lora-scale", "chat-template"])
 def test_a_damaged_export_fails_in_one_line_and_leaves_nothing(finished, tmp_path, monkeypatch, capsys, damage):
+    monkeypatch.setattr(merge, "merge_into_base", damage)
+    _fails_in_one_line_leaving_nothing(finished, tmp_path, capsys, "merged")
+
+
+def _fails_in_one_line_leaving_nothing(finished: Path, tmp_path: Path, capsys, form: str) -> None:
+    """`export --to form` of a copy of the finished run (a damaging writer patched in) fails with one
+    line naming the disagreement and leaves the run folder as it was (no form's folder, no staging)."""
     run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
     _noisy_adapter(run_dir)
     before = sorted(p.name for p in run_dir.iterdir())
-    monkeypatch.setattr(merge, "merge_into_base", damage)
-    assert cli_main(["export", str(run_dir), "--to", "merged", "--export-adapter", "final"]) == 1
+    assert cli_main(["export", str(run_dir), "--to", form, "--export-adapter", "final"]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export ")]
-    assert len(err) == 1 and err[0].startswith("export merged failed its check: ") and err[0].endswith("; nothing was written")
+    assert len(err) == 1 and err[0].startswith(f"export {form} failed its check: ") and err[0].endswith("; nothing was written")
     assert "of its answers differ from the adapter's (at most 20%: --max-disagreement)" in err[0]
-    assert sorted(p.name for p in run_dir.iterdir()) == before  # no merged/, no staging folder
+    assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
 # --------------------------------------------------------------------------- the GGUF form
@@ -226,15 +232,8 @@ def _gguf_with_a_plain_chat_template(merged: Path, out: Path, quant: str) -> Non
 
 @pytest.mark.parametrize("damage", [_gguf_without_the_qk_permutation, _gguf_with_a_plain_chat_template], ids=["qk-layout", "chat-template"])
 def test_a_damaged_gguf_fails_in_one_line_and_leaves_nothing(finished, tmp_path, monkeypatch, capsys, damage):
-    run_dir = Path(shutil.copytree(finished, tmp_path / "run"))
-    _noisy_adapter(run_dir)
-    before = sorted(p.name for p in run_dir.iterdir())
     monkeypatch.setattr(gguf_writer, "write_gguf", damage)
-    assert cli_main(["export", str(run_dir), "--to", "gguf", "--export-adapter", "final"]) == 1
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("export ")]
-    assert len(err) == 1 and err[0].startswith("export gguf failed its check: ") and err[0].endswith("; nothing was written")
-    assert "of its answers differ from the adapter's (at most 20%: --max-disagreement)" in err[0]
-    assert sorted(p.name for p in run_dir.iterdir()) == before  # no gguf-f16/, no staging folder
+    _fails_in_one_line_leaving_nothing(finished, tmp_path, capsys, "gguf")
 
 
 def test_the_gguf_forms_choices_are_refused_clearly(finished, capsys):
