@@ -21,12 +21,13 @@ winner's paired interval (the winners' best evaluations, paired over the same qu
 
 `--small` is the setting measured on the project's 2-core machine (docs/measurements.md), where the
 full grid would take hours: it trains about 50 times the tokens of `--small`, whose full sweep took
-665 CPU-seconds and 32 minutes there on 2026-11-27 (float32, one thread, a shared machine). It keeps what the question needs, a learning-rate
-x seed grid with one clearly bad learning rate and evaluations after training has begun at which
-pruning can act, and shrinks the rest: the default learning rate 2e-4 and a bad 5e-3 (25x) x seeds
-0 and 1; 6 iterations of 4 prompts x 4 completions of at most 32 new tokens (the default recipe's
-8 x 8 x 64, an eighth of its tokens), a top-up to 2 informative groups (the default's half of the
-prompts); a held-out evaluation of 50 questions before training and every 2 iterations (0, 2, 4, 6).
+2094 CPU-seconds and 80 minutes there on 2026-11-28 (float32, one thread, a loaded machine). It keeps
+what the question needs, a learning-rate x seed grid with clearly worse learning rates and
+evaluations after training has begun at which pruning can act, and shrinks the rest: the default
+learning rate 2e-4, a bad 5e-3 (25x) and a broken 5e-2 (250x) x seeds 0 and 1; 6 iterations of 4
+prompts x 4 completions of at most 32 new tokens (the default recipe's 8 x 8 x 64, an eighth of its
+tokens), a top-up to 2 informative groups (the default's half of the prompts); a held-out
+evaluation of 50 questions before training and every 2 iterations (0, 2, 4, 6).
 """
 
 from __future__ import annotations
