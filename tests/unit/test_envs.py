@@ -63,6 +63,7 @@ def test_every_expected_task_is_declared(specs):
         "grpo_flyte-train.init_adapter",
         "grpo_flyte-train.train_step",
         "grpo_flyte-train.merge_adapter",
+        "grpo_flyte-train.write_gguf",  # --export-gguf's file, written from the merged model
         "grpo_flyte-driver.train_rl",
         "grpo_flyte-driver.train_sweep",  # a sweep's parent task (grpo_flyte.sweep)
     }
@@ -313,7 +314,7 @@ def _serialize_in(env: dict[str, str]) -> dict:
     )
     assert proc.returncode == 0, proc.stderr
     specs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(specs) == 11, sorted(specs)  # every task test_every_expected_task_is_declared names
+    assert len(specs) == 12, sorted(specs)  # every task test_every_expected_task_is_declared names
     return specs
 
 
@@ -356,8 +357,8 @@ def test_each_submission_gets_warm_pools_of_its_own():
     first, second = _serialize_in(clean), _serialize_in(clean)
     pools = [name for name, spec in first.items() if spec["custom"].get("type") == "actor"]
     # generate, generate_eval, score_group(s), start_reward_workers, judge_group, reward_model_group, init_adapter, train_step,
-    # merge_adapter
-    assert len(pools) == 10
+    # merge_adapter, write_gguf
+    assert len(pools) == 11
     for name in pools:
         assert first[name]["custom"]["version"] != second[name]["custom"]["version"], name
         assert first[name]["custom"]["spec"] == second[name]["custom"]["spec"]  # the same pool otherwise
