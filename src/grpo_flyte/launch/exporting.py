@@ -167,10 +167,10 @@ def export(run_dir: Path, form: str, choice: str | None, max_disagreement: float
     from grpo_flyte.types import AdapterRef
 
     run = FinishedRun(run_dir)
+    run.config = greedy(run.config)  # one completion a question, to compare word for word
     if form == "gguf":
         check_quant(quant)  # an unknown type refused before any work
-    run.config = greedy(run.config)  # one completion a question, to compare word for word
-    if form == "gguf":  # transformers reads the GGUF (and then answers for the adapter too, alike)
+        # transformers reads the GGUF (and then answers for the adapter too, alike)
         run.config = run.config.model_copy(update={"engine": hf_engine(run.config)})
     which, adapter, iteration = run.chosen(choice)
     held_out, model_path = run.held_out(), run.base_model()
@@ -224,12 +224,12 @@ def evaluate_path(path: Path, run_dir: Path | None) -> tuple[EvalMetrics, str]:
         path = path / ADAPTER_DIR
     held_out = run.held_out()
     with asyncio.Runner() as runner:
-        if gguf_in(path) is not None:
+        if (gguf := gguf_in(path)) is not None:
             from grpo_flyte.loop.shipping import hf_engine
 
             run.config = run.config.model_copy(update={"engine": hf_engine(run.config)})
             metrics, _ = evaluate(runner, run, path, None, held_out)
-            return metrics, f"GGUF {path / gguf_in(path)}"
+            return metrics, f"GGUF {path / gguf}"
         if (path / "adapter_config.json").is_file():
             metrics, _ = evaluate(runner, run, run.base_model(), path, held_out)
             return metrics, f"adapter {path} on {run.config.base.model}"
