@@ -12,11 +12,17 @@ unpacked with `git archive` into a temporary folder) and this checkout:
   gradients and AdamW state); after each, the heap glibc keeps free. "before" in this process is
   the old configuration of the same code: `--micro-batch-tokens 4096` and the trainer's own copy of
   the weights (`GRPO_FLYTE_SHARE_WEIGHTS=0`).
-- **demo** (a subprocess a side: `python -m grpo_flyte.driver --local --iterations 2` at the demo's
-  settings; --eval-size as given): the peak RSS of its whole process tree (the reward workers
-  included), polled every 0.5 s from outside, and the seconds per iteration from its metrics.jsonl.
+- **runs** (a subprocess a side: `python -m grpo_flyte.driver --local --iterations 2` at the demo's
+  settings, --eval-size as given, plus each run's own flags, `RUNS`): the peak RSS of its whole
+  process tree (the reward workers included), polled every 0.5 s from outside, and the seconds per
+  iteration from its metrics.jsonl. The issue's targets: `demo` (2.5 GB), `sweep4` (a 4-config
+  sweep, 3.5 GB), `gate` (the learning gate's 5 seeds as one sweep, 4.0 GB), `4bit` (below the
+  16-bit demo), `multiturn` (an environment answering 8,000 characters of prose three times an
+  episode, 2 prompts x 2 completions, every episode trained on: tests/support/chatty_env.py's
+  Prose; 3.0 GB).
 
-    OMP_NUM_THREADS=1 python benchmarks/memory.py            # the figures in docs/measurements.md (~40 min on 2 loaded cores)
+    OMP_NUM_THREADS=1 python benchmarks/memory.py            # breakdown and the demo (~40 min on 2 loaded cores)
+    OMP_NUM_THREADS=1 python benchmarks/memory.py --part multiturn sweep4 --merge benchmarks/memory.json
     python benchmarks/memory.py --quick                      # seconds: the plumbing only (CI)
 """
 
@@ -39,6 +45,17 @@ import _common
 REPO = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "6d218cd"
 GB = 1e9
+SUPPORT = REPO / "tests" / "support"  # the multi-turn run's environment (the user's code: the same on both sides)
+# Each run's flags beyond the demo's settings, and the issue's target for its tree's peak (GB; None: below the demo's).
+RUNS: dict[str, tuple[list[str], float | None]] = {
+    "demo": ([], 2.5),
+    "sweep4": (["--sweep", "seed=0,1,2,3"], 3.5),
+    "gate": (["--sweep", "seed=0,1,2,3,4"], 4.0),
+    "4bit": (["--load-in-4bit"], None),
+    "multiturn": (["--env", "chatty_env:Prose", "--max-turns", "4", "--max-new-tokens", "8", "--max-episode-tokens", "7600",
+                   "--prompts-per-iter", "2", "--group-size", "2", "--min-informative-groups", "0", "--eval-size", "0",
+                   "--beta", "0.04"], 3.0),  # beta > 0: every episode trained on, even in a group of equal rewards
+}  # fmt: skip
 
 
 class _MallInfo2(ctypes.Structure):
@@ -97,23 +114,28 @@ def before_checkout(commit: str, into: Path) -> Path:
     return into / "src"
 
 
-def demo_run(src: Path, run_dir: Path, iterations: int, eval_size: int, extra_env: dict[str, str]) -> dict:
-    """One local run of the driver from `src` at the demo's settings: its process tree's peak RSS
-    (polled every 0.5 s), its wall time, and the seconds of each iteration (metrics.jsonl)."""
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **extra_env}
+def demo_run(src: Path, run_dir: Path, iterations: int, eval_size: int, flags: list[str]) -> dict:
+    """One local run of the driver from `src` at the demo's settings and `flags` (a later flag wins):
+    its process tree's peak RSS (polled every 0.5 s), its wall time, and the seconds of each
+    iteration (metrics.jsonl; a sweep's: its first config's)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(SUPPORT)]), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [sys.executable, "-m", "grpo_flyte.driver", "--local", "--iterations", str(iterations)]
-    command += ["--eval-size", str(eval_size), "--run-dir", str(run_dir)]
+    command += ["--eval-size", str(eval_size), "--run-dir", str(run_dir), *flags]
     started = time.perf_counter()
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         with TreePeak(process.pid, interval_s=0.5) as tree:
             code = process.wait()
     wall = time.perf_counter() - started
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if code != 0:  # the run's own words on why (its folder goes with the temporary one)
+        print((run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:], file=sys.stderr, flush=True)
+    metrics = sorted(run_dir.glob("**/metrics.jsonl"))
+    rows = [json.loads(line) for line in metrics[0].read_text().splitlines() if line.strip()] if metrics else []
     trained = [r for r in rows if r.get("iteration", 0) >= 1 and r.get("num_tokens")]
     return {
         "exit_code": code,
         "peak_rss_gb": tree.peak / GB,
+        "episode_tokens_mean": [r.get("completion_len_mean") for r in trained],
         "wall_s": wall,
         "iteration_wall_s": [r.get("wall_s") for r in trained],
         "train_s": [r.get("busy_train_s") for r in trained],
@@ -211,7 +233,13 @@ def _print_breakdown(side: str, found: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = _common.parser(__doc__, "memory.json")
-    p.add_argument("--part", choices=("breakdown", "demo", "all"), default="all")
+    p.add_argument(
+        "--part",
+        nargs="+",
+        choices=("breakdown", *RUNS, "all"),
+        default=["breakdown", "demo"],
+        help="what to measure (all: the breakdown and every run)",
+    )
     p.add_argument("--sides", nargs="+", choices=("before", "after"), default=["before", "after"])
     p.add_argument("--before", default=BEFORE_COMMIT, help="the commit of the code before (default %(default)s)")
     p.add_argument("--iterations", type=int, default=2)
@@ -230,24 +258,27 @@ def main(argv: list[str] | None = None) -> int:
         sources = {"after": REPO / "src"}
         if "before" in args.sides:
             sources["before"] = before_checkout(args.before, Path(tmp))
-        if args.part in ("breakdown", "all"):
+        parts = ["breakdown", *RUNS] if "all" in args.part else args.part
+        if "breakdown" in parts:
             for side in args.sides:
                 result["breakdown"][side] = _breakdown_process(sources[side], side, args.quick)
                 _print_breakdown(side, result["breakdown"][side])
-        if args.part in ("demo", "all") and not args.quick:
+        for name in [part for part in parts if part in RUNS and not args.quick]:
+            flags, target = RUNS[name]
             for side in args.sides:
-                run_dir = Path(tmp) / f"demo-{side}"
-                result["demo"][side] = out = demo_run(sources[side], run_dir, args.iterations, args.eval_size, {})
+                run_dir = Path(tmp) / f"{name}-{side}"
+                out = demo_run(sources[side], run_dir, args.iterations, args.eval_size, flags)
+                result.setdefault(name, {})[side] = {**out, "target_gb": target}
                 print(
-                    f"demo {side}: peak {out['peak_rss_gb']:.2f} GB over the tree, wall {out['wall_s']:.0f} s, "
-                    f"train {out['train_s']} s, exit {out['exit_code']}",
+                    f"{name} {side}: peak {out['peak_rss_gb']:.2f} GB over the tree (target {target or 'below the demo'}), "
+                    f"wall {out['wall_s']:.0f} s, train {out['train_s']} s, exit {out['exit_code']}",
                     flush=True,
                 )
     if args.merge:
         earlier = json.loads(args.merge.read_text())
-        for part in ("breakdown", "demo"):
+        for part in ("breakdown", *RUNS):
             for side, found in earlier.get(part, {}).items():
-                result[part].setdefault(side, {**found, "machine": earlier["machine"]})
+                result.setdefault(part, {}).setdefault(side, {**found, "machine": earlier["machine"]})
     _common.write_result(_common.out_file(args), result)
     return 0
 

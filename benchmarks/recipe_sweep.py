@@ -67,6 +67,11 @@ CELLS: dict[str, dict[str, str]] = {
     "loss bnpo": {"--loss-type": "bnpo"},
     "loss luspo, sequence": {"--loss-type": "luspo", "--importance-sampling-level": "sequence"},
     "loss vespo": {"--loss-type": "vespo"},
+    # Off-policy (mu = 2: the second pass's ratios differ from 1), where the objectives can part from grpo's;
+    # compare with "num_iterations=2" (grpo at mu = 2), not with the center.
+    "GSPO, num_iterations=2": {"--importance-sampling-level": "sequence", "--num-iterations": "2"},
+    "loss cispo, num_iterations=2": {"--loss-type": "cispo", "--epsilon-high": "5.0", "--num-iterations": "2"},
+    "loss sapo, num_iterations=2": {"--loss-type": "sapo", "--num-iterations": "2"},
     "old recipe (lr=5e-4, format=0.2, temperature=0.7)": {
         "--learning-rate": "5e-4",
         "--rewards": "correct=1.0,format=0.2",

@@ -11,11 +11,15 @@ iteration, and the seconds per iteration; writes them to benchmarks/tool_learnin
     python benchmarks/tool_learning.py --iterations 3   # a quicker look
     python benchmarks/tool_learning.py --quick          # seconds: the plumbing only, on the tests' tiny model (CI)
     python benchmarks/tool_learning.py --function-tools # the calculator as a Python function (--tools)
+    python benchmarks/tool_learning.py --agent          # examples/agent_openai.py's agent loop (--agent)
 
 `--function-tools` runs the same questions and held-out split with the calculator of
 examples/tools_calculator.py as a `--tools` function (the embedded model's template has no tools:
 the fallback `<tool_call>` format) instead of the `<calc>` environment; it writes
-benchmarks/tool_learning_functions.json.
+benchmarks/tool_learning_functions.json. `--agent` trains examples/agent_openai.py's own agent loop
+(an `openai` client, a `calculate` tool through the chat template's `tools=`) on the same questions,
+with the same turn budget and 384 tokens an episode (its tool schema and worked example are longer
+than the fallback's); it writes benchmarks/tool_learning_agent.json.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ SETTINGS = ["--env", "calculator", "--max-new-tokens", "48", "--max-turns", "3",
 FUNCTION_TOOLS = ["--tools", "examples.tools_calculator:calculator", "--dataset", "calculator_tools", "--rewards", "correct=1.0,format=0.2",
                   "--max-new-tokens", "48", "--max-turns", "3", "--max-episode-tokens", "160",
                   "--prompts-per-iter", "8", "--group-size", "6", "--min-informative-groups", "0"]  # fmt: skip
+# examples/agent_openai.py as its docstring runs it, at this benchmark's batch and turn budgets.
+AGENT = ["--agent", "examples.agent_openai:rollout", "--dataset", "calculator", "--rewards", "correct=1.0,format=0.2",
+         "--max-new-tokens", "48", "--max-turns", "3", "--max-episode-tokens", "384",
+         "--prompts-per-iter", "8", "--group-size", "6", "--min-informative-groups", "0"]  # fmt: skip
 QUICK = ["--max-new-tokens", "6", "--prompts-per-iter", "2", "--group-size", "2"]
 QUICK_FUNCTION_TOOLS = [
     "--max-new-tokens",
@@ -108,17 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     parser.add_argument("--quick", action="store_true", help="2 iterations of tiny batches: the plumbing, not the learning")
-    parser.add_argument("--function-tools", action="store_true", help="the calculator as a --tools Python function, not --env calculator")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--function-tools", action="store_true", help="the calculator as a --tools Python function, not --env calculator")
+    mode.add_argument("--agent", action="store_true", help="examples/agent_openai.py's agent loop (--agent), not --env calculator")
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a new temporary folder")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/tool_learning.json (--quick: only with --out)")
     args, driver_flags = parser.parse_known_args(argv)
     if args.quick:
         args.iterations, args.eval_every, args.eval_size = 2, 1, 4
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="grpo_flyte-tools-"))
-    settings = FUNCTION_TOOLS if args.function_tools else SETTINGS
-    if args.function_tools and str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # examples.tools_calculator (the run's processes inherit the path)
-    quick = [*(QUICK_FUNCTION_TOOLS if args.function_tools else QUICK), *model_flags(driver_flags)] if args.quick else []
+    settings = FUNCTION_TOOLS if args.function_tools else AGENT if args.agent else SETTINGS
+    if (args.function_tools or args.agent) and str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # examples.* (the run's processes inherit the path)
+    quick = [*(QUICK_FUNCTION_TOOLS if args.function_tools or args.agent else QUICK), *model_flags(driver_flags)] if args.quick else []
     started = time.perf_counter()
     code = cli_main([
         "--local", "--run-dir", str(run_dir), "--iterations", str(args.iterations), "--eval-every", str(args.eval_every),
@@ -127,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     result = {**summarize(run_dir, time.perf_counter() - started), **tool_summary(run_dir)}
-    name = "tool_learning_functions.json" if args.function_tools else "tool_learning.json"
+    name = "tool_learning_functions.json" if args.function_tools else "tool_learning_agent.json" if args.agent else "tool_learning.json"
     out = args.out or (None if args.quick else Path(__file__).with_name(name))
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")

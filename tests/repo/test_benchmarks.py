@@ -72,6 +72,21 @@ def test_every_benchmark_runs_in_its_quick_mode(script, tmp_path):
     assert isinstance(json.loads(out.read_text()), dict)
 
 
+@pytest.mark.parametrize("mode", ["--function-tools", "--agent"])
+def test_tool_learning_trains_the_examples_tool_and_agent_in_its_quick_mode(mode, tmp_path):
+    """tool_learning.py's other two modes (the quick test above runs the `<calc>` environment): the
+    calculator of examples/tools_calculator.py as a --tools function, and examples/agent_openai.py's
+    own agent loop, each through the real CLI to the end, tool use read per iteration and held out."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "tool_learning.py"
+    out = tmp_path / "tools.json"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = warm_python.run([script, "--quick", mode, "--out", out], cwd=script.parent, env=env, timeout=900)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, (done.stdout + done.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert [r["iteration"] for r in result["eval_tool_curve"]] == [0, 1, 2] and len(result["train_tool_call_rate"]) == 2
+    assert all(0 <= r["eval_tool_call_rate"] <= 1 for r in result["eval_tool_curve"])
+
+
 def seed_summary(
     start: float, accuracy: float, reward: float | None = None, ess: float = 1.0, lowest: float | None = None, floor_run: int = 0
 ) -> dict:

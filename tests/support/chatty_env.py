@@ -51,3 +51,14 @@ class Pages(Chatty):
     def step(self, text):
         reply = super().step(text)
         return reply if reply.done else Reply(PAGE, role="user")
+
+
+class Prose(Chatty):
+    """Three replies of 8,000 characters of prose an episode, the fourth turn ends it (`--max-turns 4`):
+    issue 55's multi-turn memory case (benchmarks/memory.py's `multiturn` run)."""
+
+    def step(self, text):
+        self.turns += 1
+        if self.turns == 4:
+            return Reply(done=True, reward=len(text) % 3 / 2)
+        return Reply(PAGE[:8_000], role="user")
