@@ -6,13 +6,14 @@ from grpo_flyte import MultiTurnEnv, Reply
 
 class Chatty(MultiTurnEnv):
     stop = tuple(" etaoinsr")  # the random tiny model's turns end within a token or two
+    last_turn = 3  # the model turn whose step ends the episode
 
     def reset(self, example):
         self.turns = 0
 
     def step(self, text):
         self.turns += 1
-        if self.turns == 3:
+        if self.turns == self.last_turn:
             return Reply(done=True, reward=len(text) % 3 / 2)  # rewards that differ within a group
         return Reply(f"turn {self.turns}: go on", role="user")
 
@@ -48,17 +49,16 @@ PAGE = ("The quick brown fox jumps over the lazy dog while the river runs past t
 class Pages(Chatty):
     """Every reply is a 20,000-character page: each turn adds thousands of tokens to the context."""
 
+    page = PAGE
+
     def step(self, text):
         reply = super().step(text)
-        return reply if reply.done else Reply(PAGE, role="user")
+        return reply if reply.done else Reply(self.page, role="user")
 
 
-class Prose(Chatty):
+class Prose(Pages):
     """Three replies of 8,000 characters of prose an episode, the fourth turn ends it (`--max-turns 4`):
     issue 55's multi-turn memory case (benchmarks/memory.py's `multiturn` run)."""
 
-    def step(self, text):
-        self.turns += 1
-        if self.turns == 4:
-            return Reply(done=True, reward=len(text) % 3 / 2)
-        return Reply(PAGE[:8_000], role="user")
+    last_turn = 4
+    page = PAGE[:8_000]
