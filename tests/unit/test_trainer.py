@@ -324,6 +324,21 @@ def test_a_sequence_longer_than_the_micro_batch_budget_trains_with_checkpointed_
     assert torch.allclose(auto_weights, kept_weights, atol=1e-7)
 
 
+def test_only_a_step_with_a_sequence_longer_than_the_micro_batch_hands_its_memory_back(fresh, monkeypatch):
+    """The long step runs inside `allocator.handing_back(True)` (its memory goes back to the kernel
+    when it ends); a step of short sequences keeps its pages for the next step (False)."""
+    from grpo_flyte.runtime import allocator
+
+    seen = []
+    real = allocator.handing_back
+    monkeypatch.setattr(allocator, "handing_back", lambda oversized, **kw: seen.append(oversized) or real(oversized, **kw))
+    long = TrainSequence(prompt_ids=[1, *range(3, 60), *range(3, 20)], completion_ids=[11, 12, 13, 2], advantage=1.0)  # 79 tokens
+    model, optimizer, config = fresh(micro_batch_tokens=64)
+    policy_update.grpo_step(model, optimizer, [A, B], config.train, config.sampling)
+    policy_update.grpo_step(model, optimizer, [A, long, B], config.train, config.sampling)
+    assert seen == [False, True]
+
+
 def test_with_beta_0_the_kl_is_measured_every_n_iterations_only(fresh):
     """beta 0: the KL is only a metric, so its reference pass runs on iterations N, 2N, ... (the
     others report none); with beta > 0 it is in the loss and runs every time."""

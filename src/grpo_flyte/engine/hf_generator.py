@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from grpo_flyte.config.training import CPU_MICRO_BATCH_TOKENS
 from grpo_flyte.engine import mixed_lora
 from grpo_flyte.engine.interface import SamplingRequest
 from grpo_flyte.errors import AdapterError
 from grpo_flyte.models.attention import set_attention
 from grpo_flyte.models.gguf_writer import gguf_in
 from grpo_flyte.models.loading import share_frozen_weights
+from grpo_flyte.runtime import allocator
 from grpo_flyte.runtime.device import best_device, torch_dtype
 from grpo_flyte.types import Rollout
 
@@ -184,7 +186,9 @@ class HFGenerator:
         rows: list = [None] * len(prompts)
         token_bytes = kv_bytes_per_token(self.base)
         lengths = [len(p) + sampling.max_new_tokens for p in prompts]
-        with torch.inference_mode(), base_only:
+        # a context longer than a train micro-batch (a long observation's) keeps none of its memory after
+        long = allocator.handing_back(max(lengths, default=0) > CPU_MICRO_BATCH_TOKENS, mmap_large_blocks=False)
+        with long, torch.inference_mode(), base_only:
             # within the cache bound, in batches of similar lengths (the trainer's micro-batch plan)
             for part in plan_micro_batches(lengths, max(1, self.batch_kv_bytes // token_bytes)):
                 part.sort()

@@ -16,6 +16,7 @@ from grpo_flyte.config.generation import SamplingConfig
 from grpo_flyte.config.training import TrainConfig
 from grpo_flyte.learning import distribution, grpo, losses
 from grpo_flyte.learning.policy import trainable
+from grpo_flyte.runtime import allocator
 from grpo_flyte.types import ScoredGroup, StepStats
 
 
@@ -418,7 +419,28 @@ def grpo_step(
     minibatch loss (`losses.aggregate_loss`). A minibatch with none is no optimizer step. The
     reference log-probs, and the old ones of every minibatch but the first pass's first, are
     computed once before the first step; that one's old policy is the current one, detached.
+
+    A step with a sequence longer than the micro-batch budget (trained alone, checkpointed) keeps
+    none of its memory once it ends (`allocator.handing_back`); the default steps keep theirs for
+    the next step to reuse.
     """
+    budget = train.token_budget(next(model.parameters()).device.type)
+    with allocator.handing_back(any(s.length > budget for s in sequences)):
+        return _grpo_step(model, optimizer, sequences, train, sampling, steps, rank, world_size, control)
+
+
+def _grpo_step(
+    model,
+    optimizer,
+    sequences: list[grpo.TrainSequence],
+    train: TrainConfig,
+    sampling: SamplingConfig,
+    steps: tuple[int, int] = (0, 0),
+    rank: int = 0,
+    world_size: int = 1,
+    control: losses.EntropyControl | None = None,
+) -> StepStats:
+    """`grpo_step`'s passes."""
     import torch
 
     control = control or losses.EntropyControl(train.entropy_coef)

@@ -19,6 +19,13 @@ large share of its CPU time (docs/measurements.md#iteration-overhead-issue-41-20
   and fixes the mmap and trim thresholds where glibc's dynamic rule ends up (setting any of them
   turns that rule off).
 
+What is kept is bounded by what is worth keeping: work on a sequence longer than a train
+micro-batch (a long observation's step, checkpointed; its generation) runs inside `handing_back`,
+which maps that work's large blocks on their own while it runs and hands every freed page back to
+the kernel when it ends, so a long step's memory is not carried into the next generation, nor a long
+generation's into the step (docs/measurements.md#where-a-local-runs-memory-goes-issue-55-2026-11-27). The default steps,
+whose pages the next step reuses, never trim.
+
 Both run once, when the torch thread starts (`grpo_flyte.runtime.torch_thread`); they do nothing on other
 C libraries or platforms, and `keep_freed_memory` leaves alone a process whose allocator the user
 tuned through the environment. `GRPO_FLYTE_LEAVE_MALLOC=1` turns both off (the C library's allocator
@@ -30,12 +37,14 @@ happened to sit at the top of the arena.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,10 @@ M_MMAP_THRESHOLD = -3
 HEAP_BYTES = 64 * 2**20
 MMAP_THRESHOLD_BYTES = HEAP_BYTES // 2
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+# While oversized work runs (`handing_back`), blocks of this size or more are mapped on their own: a
+# checkpointed 6,000-token step then peaked 0.43 GB above the model instead of 2.3 GB
+# (docs/measurements.md#long-observations-issue-40-2026-11-26).
+OVERSIZED_MMAP_THRESHOLD_BYTES = 64 * 2**10
 # The user's own malloc settings, which win.
 MALLOC_ENVIRONMENT = ("MALLOC_TOP_PAD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX")
 
@@ -60,6 +73,7 @@ TRIM_SYMBOL = "malloc_trim"
 
 _lock = threading.Lock()
 _done = False
+_tuned: ctypes.CDLL | None = None  # glibc, once keep_freed_memory made its settings in this process
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -75,7 +89,7 @@ def _libc() -> ctypes.CDLL | None:
 
 def keep_memory() -> None:
     """`keep_freed_memory` and `stop_protobuf_trims`, once per process."""
-    global _done
+    global _done, _tuned
     with _lock:
         if _done:
             return
@@ -86,7 +100,8 @@ def keep_memory() -> None:
         try:
             libc = _libc()
             if libc is not None:
-                keep_freed_memory(libc)
+                if keep_freed_memory(libc):
+                    _tuned = libc
                 stop_protobuf_trims(libc)
         except Exception as exc:  # noqa: BLE001 -- a speed-up only: the torch thread must start regardless
             logger.warning("malloc left as it is (%s: %s)", type(exc).__name__, exc)
@@ -104,6 +119,29 @@ def keep_freed_memory(libc: ctypes.CDLL) -> bool:
             logger.debug("mallopt(%d, %d) was refused", param, value)
             return False
     return True
+
+
+@contextlib.contextmanager
+def handing_back(oversized: bool, mmap_large_blocks: bool = True) -> Iterator[None]:
+    """Run oversized work without keeping its memory: while it runs, blocks of
+    OVERSIZED_MMAP_THRESHOLD_BYTES or more are mapped on their own (`mmap_large_blocks`; off for a
+    decode, whose key/value cache grows by a copy every token), and when it ends every free page of
+    the process's heaps goes back to the kernel (glibc's `malloc_trim`, not protobuf's redirected
+    one). Nothing happens for other work, or where `keep_freed_memory` made no settings (another C
+    library, malloc tuned by the user, GRPO_FLYTE_LEAVE_MALLOC): those processes keep what glibc keeps.
+    """
+    libc = _tuned
+    if not oversized or libc is None:
+        yield
+        return
+    if mmap_large_blocks:
+        libc.mallopt(M_MMAP_THRESHOLD, OVERSIZED_MMAP_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        if mmap_large_blocks:
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.malloc_trim(0)
 
 
 def stop_protobuf_trims(libc: ctypes.CDLL) -> int:

@@ -388,3 +388,23 @@ def test_a_regex_the_matcher_cannot_use_is_a_clear_error(tiny):
     grammar = grammar_tokenizer(tokenizer, model.get_output_embeddings().weight.shape[0], {tokenizer.eos_token_id})
     with pytest.raises(ValueError, match=r"regex '\(' cannot constrain decoding"):
         regex_matcher(grammar, "(")
+
+
+def test_a_generation_longer_than_a_train_micro_batch_hands_its_memory_back(tiny_model_dir, monkeypatch):
+    """A context past CPU_MICRO_BATCH_TOKENS (a long observation) decodes inside
+    `allocator.handing_back(True)` without mapping the decode's blocks on their own (its cache grows
+    by a copy every token); a short one keeps its pages (False)."""
+    from grpo_flyte.config.training import CPU_MICRO_BATCH_TOKENS
+    from grpo_flyte.engine.hf_generator import HFGenerator
+    from grpo_flyte.engine.interface import SamplingRequest
+    from grpo_flyte.runtime import allocator
+
+    seen = []
+    real = allocator.handing_back
+    monkeypatch.setattr(allocator, "handing_back", lambda oversized, **kw: seen.append((oversized, kw)) or real(oversized, **kw))
+    engine = HFGenerator(str(tiny_model_dir), "float32", 1)
+    for length in (8, CPU_MICRO_BATCH_TOKENS):  # with 4 new tokens: within the budget, past it
+        request = SamplingRequest(prompt_ids=[5] * length, group_size=1, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)
+        (rollouts,) = engine.generate_many([request], None)
+        assert len(rollouts[0].completion_ids) >= 1
+    assert seen == [(False, {"mmap_large_blocks": False}), (True, {"mmap_large_blocks": False})]
