@@ -167,3 +167,15 @@ def test_two_slow_groups_on_one_replica_score_at_once(tmp_path, monkeypatch):
     scored = asyncio.run(both())
     assert [p.scores["meet_reward:meets"] for sg in scored for p in sg.rewards] == [1.0] * 4
     assert sorted(p.name for p in (tmp_path / "met").iterdir()) == ["a", "b"]
+
+
+def test_reward_workers_are_one_a_cpu_at_least_two_and_at_most_eight():
+    """Each worker is a Python process with math-verify loaded: no more of them than the CPUs can run
+    (the demo on 2 cores held 8, 0.49 GB), never fewer than 2 (a stuck reward holds up no other group)."""
+    import os
+
+    from grpo_flyte.scoring import workers
+
+    assert [workers.worker_count(n) for n in (1, 2, 3, 8, 64)] == [2, 2, 3, 8, 8]
+    assert workers.MAX_WORKERS == workers.worker_count(len(os.sched_getaffinity(0)))
+    assert workers._workers.idle.qsize() <= workers.MAX_WORKERS

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,9 +20,24 @@ from grpo_flyte.errors import RewardTimeout
 from grpo_flyte.reward_fns import MARKER, REWARD_FUNCTIONS, RewardFn, gold_is_usable, is_correct, is_integer, resolve_reward
 from grpo_flyte.runtime.sandbox import WorkerPool
 
-# Groups one process scores at once, each in a worker of its own (grpo_flyte.runtime.sandbox); workers
-# start as needed, and math-verify loads before a worker's first timed call.
-MAX_WORKERS = 8
+
+def worker_count(cpus: int) -> int:
+    """How many groups one process scores at once, each in a worker of its own
+    (grpo_flyte.runtime.sandbox): one a CPU it may run on, at least 2 (a stuck reward holds up no
+    other group) and at most 8. A worker is a Python process with math-verify loaded, ~60 MB
+    resident: on a 2-core laptop 8 of them held 0.49 GB of the demo's peak for no speed, the
+    built-in rewards being CPU work (docs/measurements.md#where-a-local-runs-memory-goes-issue-55-2026-11-27).
+    Further groups wait for a free worker; their time limits start when they get one."""
+    return max(2, min(8, cpus))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Workers start as needed, and math-verify loads before a worker's first timed call.
+MAX_WORKERS = worker_count(_cpus())
 _workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
 
 

@@ -389,3 +389,43 @@ def test_adaptive_entropy_control_steps_within_bounds_and_gates_on_the_last_entr
     assert (high.coef, high.applied(train)) == (pytest.approx(0.007), 0.0)
     assert EntropyControl(0.003).updated(2.0, train).coef == 0.0  # floored at entropy_coef_min
     assert EntropyControl(0.3).applied(TrainConfig(entropy_coef=0.3)) == 0.3  # static: always applied
+
+
+# --------------------------------------------------------------------------- on the first pass
+
+
+def _first_pass_gradient(logp: torch.Tensor, second_pass: bool, **settings) -> torch.Tensor:
+    """The gradient of one minibatch's loss (`token_loss` then `aggregate_loss`) with respect to
+    the log-probs, on the first pass (old = the current policy, detached: every ratio 1) or, with
+    `second_pass`, against an old policy the update has moved from."""
+    train = TrainConfig(**settings)
+    rows, lengths = torch.tensor([0, 0, 0, 1, 1, 2]), torch.tensor([3, 2, 1])
+    advantages = torch.tensor([1.2, -0.7, 0.4])[rows]
+    x = logp.clone().requires_grad_(True)
+    old = x.detach() - (torch.tensor([0.3, -0.2, 0.5, -0.4, 0.1, 0.25]) if second_pass else 0.0)
+    out = losses.token_loss(x, old, advantages, rows, lengths, train)
+    norm = LossNormalizer(num_sequences=3, num_tokens=6, max_completion_tokens=4)
+    aggregate_loss(out.loss, rows, lengths, train.loss_type, norm).backward()
+    return x.grad
+
+
+@pytest.mark.parametrize(
+    ("variant", "same_as", "parts_later"),
+    [
+        ({"loss_type": "sapo"}, {"loss_type": "grpo"}, True),  # the gate's slope at r = 1 is 1
+        ({"importance_sampling_level": "sequence"}, {}, True),  # GSPO: the sequence ratio's slope is 1/|o_i| a token
+        ({"loss_type": "vespo"}, {"loss_type": "dapo"}, True),  # phi(1) = 1
+        ({"loss_type": "cispo", "epsilon_high": 5.0}, {"loss_type": "dapo"}, True),  # sg(min(1, 5)) A logp
+        ({"loss_type": "bnpo"}, {"loss_type": "dapo"}, False),  # one process: the same aggregation, at every pass
+    ],
+)
+def test_on_the_first_pass_these_objectives_give_the_same_update(variant, same_as, parts_later):
+    """With num_iterations 1 and one update an iteration (the default), every ratio is 1 and these
+    objectives take the same gradient as the one beside them, so a recipe-sweep cell of one
+    measures the other (docs/measurements.md, issue 51). From the second pass on (mu = 2) all but
+    bnpo part from it."""
+    logp = torch.tensor([-0.5, -1.5, -0.9, -2.0, -0.3, -1.1])
+    first = _first_pass_gradient(logp, False, **variant), _first_pass_gradient(logp, False, **same_as)
+    assert torch.allclose(*first, atol=1e-6) and first[0].abs().sum() > 0
+    later = _first_pass_gradient(logp, True, **variant), _first_pass_gradient(logp, True, **same_as)
+    assert torch.allclose(*later, atol=1e-4) != parts_later
