@@ -141,6 +141,9 @@ def demo_run(src: Path, run_dir: Path, iterations: int, eval_size: int, flags: l
         "train_s": [r.get("busy_train_s") for r in trained],
         "generate_s": [r.get("busy_generate_s") for r in trained],
         "reported_peak_rss_gb": [r.get("peak_rss_gb") for r in rows],
+        # each stage's own (the rows' fields; the code before issue 55 has none): which stage set the peak
+        "generate_peak_rss_gb": [r.get("generate_peak_rss_gb") for r in trained],
+        "train_peak_rss_gb": [r.get("train_peak_rss_gb") for r in trained],
         "command": " ".join(command[1:]),
     }
 
