@@ -429,18 +429,8 @@ def grpo_step(
         return _grpo_step(model, optimizer, sequences, train, sampling, steps, rank, world_size, control)
 
 
-def _grpo_step(
-    model,
-    optimizer,
-    sequences: list[grpo.TrainSequence],
-    train: TrainConfig,
-    sampling: SamplingConfig,
-    steps: tuple[int, int] = (0, 0),
-    rank: int = 0,
-    world_size: int = 1,
-    control: losses.EntropyControl | None = None,
-) -> StepStats:
-    """`grpo_step`'s passes."""
+def _grpo_step(model, optimizer, sequences, train: TrainConfig, sampling, steps, rank, world_size, control) -> StepStats:
+    """`grpo_step`'s passes, with its arguments."""
     import torch
 
     control = control or losses.EntropyControl(train.entropy_coef)
