@@ -222,22 +222,8 @@ class _Totals:
         import torch
         import torch.distributed as dist
 
-        names = (
-            "loss",
-            "kl",
-            "entropy",
-            "is_sum",
-            "weight_sum",
-            "weight_square_sum",
-            "phi_sum",
-            "tokens",
-            "clipped",
-            "kl_tokens",
-            "is_tokens",
-            "is_cut",
-            "off_masked",
-            "phi_tokens",
-        )
+        names = ("loss", "kl", "entropy", "is_sum", "weight_sum", "weight_square_sum", "phi_sum",
+                 "tokens", "clipped", "kl_tokens", "is_tokens", "is_cut", "off_masked", "phi_tokens")  # fmt: skip
         sums = torch.tensor([float(getattr(self, n)) for n in names], dtype=torch.float64, device=device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         for n, value in zip(names, sums.tolist(), strict=True):
