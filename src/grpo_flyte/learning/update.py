@@ -412,11 +412,11 @@ def grpo_step(
     """
     budget = train.token_budget(next(model.parameters()).device.type)
     with allocator.handing_back(any(s.length > budget for s in sequences)):
-        return _grpo_step(model, optimizer, sequences, train, sampling, steps, rank, world_size, control)
+        return _grpo_step(model, optimizer, sequences, train, sampling, steps, rank, world_size, control, budget)
 
 
-def _grpo_step(model, optimizer, sequences, train: TrainConfig, sampling, steps, rank, world_size, control) -> StepStats:
-    """`grpo_step`'s passes, with its arguments."""
+def _grpo_step(model, optimizer, sequences, train: TrainConfig, sampling, steps, rank, world_size, control, budget: int) -> StepStats:
+    """`grpo_step`'s passes, with its arguments and its micro-batch token budget."""
     import torch
 
     control = control or losses.EntropyControl(train.entropy_coef)
@@ -432,7 +432,6 @@ def _grpo_step(model, optimizer, sequences, train: TrainConfig, sampling, steps,
     model.train()
     totals = _Totals()
     device = next(model.parameters()).device
-    budget = train.token_budget(device.type)
     for p in range(train.num_iterations):
         for k, (minibatch, forward, share) in enumerate(zip(minibatches, trained, shares, strict=True)):
             if not forward:  # the same in every process

@@ -154,7 +154,7 @@ def test_freed_memory_of_oversized_work_goes_back_to_the_kernel(tmp_path, mode):
     script.write_text(
         textwrap.dedent(
             f"""
-            import contextlib, ctypes
+            import ctypes
             from grpo_flyte.runtime import allocator
             from grpo_flyte.runtime.torch_thread import on_torch_thread
 
