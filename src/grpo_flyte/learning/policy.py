@@ -52,8 +52,8 @@ def _peft_model(
     # is meant to save) and turn on reentrant gradient checkpointing, which --gradient-checkpointing
     # already controls (non-reentrant: frozen inputs need no gradient).
     base = load_base(model_path, dtype, load_in_4bit, embeddings_in_4bit)
-    if not load_in_4bit:  # the generator's copy in a local run (a 4-bit base is not the same weights)
-        share_frozen_weights(base, model_path, dtype)
+    # the generator's copy in a local run (a 4-bit base: its 16-bit embeddings, norms and output layer)
+    share_frozen_weights(base, model_path, dtype)
     modules = ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)
     lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)

@@ -13,6 +13,7 @@ import threading
 import weakref
 
 from grpo_flyte.models.attention import set_attention
+from grpo_flyte.runtime import allocator
 from grpo_flyte.runtime.device import best_device, load_device, torch_dtype
 
 
@@ -93,14 +94,29 @@ def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
     )
     # A 4-bit model cannot be moved after loading: it is placed as it loads (on this process's GPU).
     device = load_device()
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
-    )
-    if embeddings_in_4bit:
-        nf4_embeddings(model, torch_dtype(dtype))
-    if device == "cpu":
-        _keep_nf4_differentiable(model)
+    # Quantizing on a CPU leaves the 16-bit layers it read in the heap: handed back when it ends.
+    with allocator.handing_back(oversized=device == "cpu"):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch_dtype(dtype), quantization_config=quantization, device_map={"": device}
+        )
+        if embeddings_in_4bit:
+            nf4_embeddings(model, torch_dtype(dtype))
+        if device == "cpu":
+            _off_the_checkpoint(model)
+            _keep_nf4_differentiable(model)
     return model
+
+
+def _off_the_checkpoint(model) -> None:
+    """Give the 16-bit weights of a 4-bit model loaded on a CPU (the embeddings, norms and output
+    layer) memory of their own. As loaded they are views of the checkpoint file's memory map, and a
+    view keeps every page of the file that quantizing read resident: the embedded model's 0.54 GB
+    for its 0.11 GB of such weights."""
+    import bitsandbytes as bnb
+
+    for param in model.parameters():
+        if not isinstance(param, bnb.nn.Params4bit):
+            param.data = param.data.clone()
 
 
 def nf4_embeddings(model, compute_dtype) -> None:

@@ -86,3 +86,35 @@ def test_only_the_same_folder_dtype_and_device_share_and_the_weights_outlive_the
     assert all(torch.equal(p, expected[n]) for n, p in second.named_parameters())  # still held by the second
     third = load("float32")
     assert loading.share_frozen_weights(third, path, "float32") == 0  # the first is gone: the third starts anew
+
+
+def test_a_4bit_base_on_a_cpu_holds_no_view_of_its_checkpoint_and_shares_its_16bit_weights_with_the_engine(
+    tmp_path, embedded_dir, isolated
+):
+    import bitsandbytes as bnb
+    import transformers
+
+    # a model of its own folder: no other test's model maps its file
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(tmp_path)
+    path, checkpoint = str(tmp_path), str(next(tmp_path.glob("*.safetensors")))
+
+    def mapped() -> bool:
+        gc.collect()
+        with open("/proc/self/maps") as maps:
+            return any(checkpoint in line for line in maps)
+
+    alone = loading.load_base(path, "float32", load_in_4bit=True)
+    assert not mapped()  # quantized on a CPU, its 16-bit weights hold memory of their own
+    del alone
+
+    engine = HFGenerator(path, "float32", max_adapters=2)  # a local run builds the engine first
+    run = RunConfig(model=path, dtype="float32", max_new_tokens=4, load_in_4bit=True)
+    model = policy.peft_model(run.base, run.lora, path)
+    frozen = [p for n, p in model.get_base_model().named_parameters() if "lora_" not in n]
+    sixteen = [p for p in frozen if not isinstance(p, bnb.nn.Params4bit)]
+    assert sixteen and len(sixteen) < len(frozen)  # embeddings and norms in 16 bits, the linear layers in NF4
+    assert {p.untyped_storage().data_ptr() for p in sixteen} <= _storages(engine.base)  # one copy: the engine's
