@@ -109,9 +109,9 @@ def _load_4bit(model_path: str, dtype: str, embeddings_in_4bit: bool):
 
 def _off_the_checkpoint(model) -> None:
     """Give the 16-bit weights of a 4-bit model loaded on a CPU (the embeddings, norms and output
-    layer) memory of their own. As loaded they are views of the checkpoint file's memory map, and a
-    view keeps every page of the file that quantizing read resident: the embedded model's 0.54 GB
-    for its 0.11 GB of such weights."""
+    layer) memory of their own. As loaded they are views of the checkpoint file's memory map, which
+    keeps the pages of the file that quantizing read resident: 0.31 GB of the embedded model's
+    0.54 GB file, for its 0.11 GB of such weights."""
     import bitsandbytes as bnb
 
     for param in model.parameters():
