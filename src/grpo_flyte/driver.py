@@ -156,7 +156,7 @@ async def _train_rl(
     # The reward workers the run will score with start now, beside the first task (a worker's
     # import of math-verify is slow: docs/measurements.md#iteration-overhead-issue-41-2026-11-26),
     # instead of inside its first iteration.
-    workers = asyncio.create_task(start_reward_workers(groups_scored_at_once(config)))
+    workers = asyncio.create_task(start_reward_workers(groups_scored_at_once(config), config.scoring.reward_workers))
     try:
         dataset, held_out = train_eval_split(config, examples)
         checkpoint, state = await restore_state(resume_from)

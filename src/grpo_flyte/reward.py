@@ -17,12 +17,13 @@ from grpo_flyte.errors import input_errors_not_retried
 from grpo_flyte.runtime import memory
 from grpo_flyte.runtime.storage import fetch_group
 from grpo_flyte.scoring.compose import Group, score_completions
-from grpo_flyte.scoring.workers import start_workers
+from grpo_flyte.scoring.workers import start_workers, use_workers
 from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 
 def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     assert group.stowed is None, "a stowed group is read back (runtime.storage.fetch_group) before it is scored"
+    use_workers(scoring.reward_workers)
     started = time.perf_counter()
     example = group.example
     episodes = all(r.episode is not None for r in group.rollouts)
@@ -73,8 +74,8 @@ async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: 
 
 
 @reward_env.task(retries=2)
-async def start_reward_workers(count: int) -> int:
-    """Start this replica's reward workers for `count` groups at once (at most its pool's size),
-    side by side, so that a run's first groups do not wait while each worker imports math-verify;
-    how many started now."""
-    return await asyncio.to_thread(start_workers, count)
+async def start_reward_workers(count: int, size: int | None = None) -> int:
+    """Start this replica's reward workers for `count` groups at once (at most its pool's `size`: the
+    run's --reward-workers, None one a CPU), side by side, so that a run's first groups do not wait
+    while each worker imports math-verify; how many started now."""
+    return await asyncio.to_thread(start_workers, count, size)

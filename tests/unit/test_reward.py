@@ -169,6 +169,34 @@ def test_two_slow_groups_on_one_replica_score_at_once(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "met").iterdir()) == ["a", "b"]
 
 
+def test_reward_workers_let_more_groups_score_at_once_than_the_cpus(tmp_path, monkeypatch):
+    """--reward-workers past the default (one a CPU): a reward that waits on the network gets that
+    many groups scoring at once. Each group's reward here waits until every group's has started:
+    they finish only if all score at once, one more than the default pool holds."""
+    from grpo_flyte.scoring import workers
+
+    count = workers.MAX_WORKERS + 1
+    (tmp_path / "meet_all.py").write_text(_MEETS_THE_OTHER.replace("< 2", f"< {count}"))
+    (tmp_path / "met").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = RunConfig(rewards={"meet_all:meets": 1.0}, reward_timeout_s=120, reward_workers=count)
+
+    def group(question: str) -> RolloutGroup:
+        example = Example(question=question, answer="1")
+        return RolloutGroup(index=0, example=example, adapter_version=0, prompt_ids=[1], rollouts=[_rollout("#### 1")], generate_s=0.0)
+
+    async def together():
+        return await asyncio.gather(*(score_group(*_parts(config), group(str(i))) for i in range(count)))
+
+    try:
+        scored = asyncio.run(together())
+        assert [p.scores["meet_all:meets"] for sg in scored for p in sg.rewards] == [1.0] * count
+        assert workers._workers.size == count
+    finally:
+        workers.use_workers(None)  # the process's default again (the extra workers stopped)
+    assert workers._workers.size == workers.MAX_WORKERS and workers._workers.held == workers.MAX_WORKERS
+
+
 def test_reward_workers_are_one_a_cpu_at_least_two_and_at_most_eight():
     """Each worker is a Python process with math-verify loaded: no more of them than the CPUs can run
     (the demo on 2 cores held 8, 0.49 GB), never fewer than 2 (a stuck reward holds up no other group)."""

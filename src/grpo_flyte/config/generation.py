@@ -356,6 +356,16 @@ class RewardConfig(Part):
             "and counts as that reward's error (see on_reward_error). Gold answers are read within the same limit."
         ),
     )
+    reward_workers: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            "Groups one process scores at once, each in a sandboxed worker process (~60 MB with math-verify). "
+            "Unset: one a CPU the process may use, 2 to 8, as the built-in rewards are CPU work; raise it for "
+            "your own rewards that wait on the network (an API call)."
+        ),
+    )
 
     @field_validator("rewards")
     @classmethod

@@ -52,6 +52,7 @@ POOL_KEYS = {
     "embeddings_in_4bit": "the train pool's loaded base",
     "train_processes": "the train pool's processes",
     "judge_model": "the judge's engine",
+    "reward_workers": "the reward pool's workers",
 }
 # Keys that choose the base model: each value its own engine and loaded base per replica.
 BASE_KEYS = ("model", "dtype")

@@ -249,8 +249,29 @@ class WorkerPool:
 
     def __init__(self, size: int, preload: tuple[str, ...] = ()) -> None:
         self.idle: queue.LifoQueue[Worker] = queue.LifoQueue()  # the last used first: it is started
-        for _ in range(size):
-            self.idle.put(Worker(preload))
+        self.preload = preload
+        self.size = 0  # the workers the pool is to hold
+        self.held = 0  # the workers it holds, idle or busy (above `size` after a shrink, until the busy ones end)
+        self._sizing = threading.Lock()
+        self.resize(size)
+
+    def resize(self, size: int) -> None:
+        """Hold `size` workers from now on: more are added (started when calls need them); past it,
+        idle workers are stopped now and busy ones when their call ends."""
+        retired = []
+        with self._sizing:
+            self.size = size
+            for _ in range(size - self.held):
+                self.idle.put(Worker(self.preload))
+                self.held += 1
+            while self.held > size:
+                try:
+                    retired.append(self.idle.get_nowait())
+                except queue.Empty:
+                    break
+                self.held -= 1
+        for worker in retired:
+            worker.stop()
 
     def start(self, count: int) -> int:
         """Have `count` of the idle workers running (at most `size`): the missing ones start side by
@@ -285,4 +306,10 @@ class WorkerPool:
         try:
             return worker.call(fn, args, timeout_s, what)
         finally:
-            self.idle.put(worker)
+            with self._sizing:
+                retire = self.held > self.size
+                self.held -= retire
+            if retire:
+                worker.stop()
+            else:
+                self.idle.put(worker)

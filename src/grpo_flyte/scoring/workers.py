@@ -41,9 +41,16 @@ MAX_WORKERS = worker_count(_cpus())
 _workers = WorkerPool(MAX_WORKERS, preload=("math_verify", __name__))
 
 
-def start_workers(count: int) -> int:
-    """Start `count` workers (the pool holds at most MAX_WORKERS) side by side ahead of the groups
+def use_workers(size: int | None) -> None:
+    """Score `size` groups at once from now on, each in a worker of its own (None: MAX_WORKERS, one a
+    CPU): a run's --reward-workers, which every score call of a replica brings."""
+    _workers.resize(size or MAX_WORKERS)
+
+
+def start_workers(count: int, size: int | None = None) -> int:
+    """Start `count` workers (the pool holds `size`, `use_workers`') side by side ahead of the groups
     that will need them, so that no group waits for a worker to import math-verify; how many started now."""
+    use_workers(size)
     return _workers.start(count)
 
 

@@ -50,6 +50,7 @@ def test_values_with_commas_are_split_on_semicolons():
         ),
         (["model=a,b", "dtype=bfloat16,float32"], "--sweep model=a,b dtype=bfloat16,float32: 4 base models"),
         (["lora_rank=8,16"], "--sweep lora_rank=8,16: changes the train pool's loaded base (its LoRA layers)"),
+        (["reward_workers=2,8"], "--sweep reward_workers=2,8: changes the reward pool's workers, which every config of a sweep shares"),
         (["rewards=correct"], "--sweep rewards=correct: expected NAME=WEIGHT"),
     ],
 )

@@ -193,3 +193,29 @@ def test_a_launched_workers_ready_frame_is_never_taken_for_a_reply(noisy):
     with noisy.lock:
         assert noisy._launch()
     assert noisy.call("noisy_rewards:fd_write", (1,), 30, "fd_write") == 3
+
+
+def test_a_pool_resized_down_stops_idle_workers_now_and_busy_ones_as_their_calls_end(tmp_path, monkeypatch):
+    """`WorkerPool.resize`: a run's --reward-workers. Shrinking stops the idle workers at once and
+    a busy one when its call ends (its reply still arrives); growing adds workers."""
+    (tmp_path / "slow_add.py").write_text("import time\n\ndef add(x):\n    time.sleep(1.0)\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = WorkerPool(3)
+    try:
+        assert pool.start(3) == 3
+        processes = [w.proc for w in pool.idle.queue]
+        with ThreadPoolExecutor(2) as calls:
+            busy = [calls.submit(pool.call, "slow_add:add", (x,), 30, "slow_add") for x in (1, 2)]
+            deadline = time.monotonic() + 30
+            while pool.idle.qsize() > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            pool.resize(1)  # one idle (stopped now), two busy: one of them goes when its call ends
+            assert pool.idle.qsize() == 0 and pool.held == 2
+            assert [f.result() for f in busy] == [2, 3]
+        assert pool.idle.qsize() == 1 and pool.held == 1 and pool.size == 1
+        assert sum(p.poll() is None for p in processes) == 1  # the two others were stopped, not left running
+        assert pool.call("slow_add:add", (5,), 30, "slow_add") == 6
+        pool.resize(4)
+        assert pool.idle.qsize() == 4 and pool.held == 4
+    finally:
+        pool.stop()
