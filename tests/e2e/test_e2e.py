@@ -655,7 +655,7 @@ def test_the_reward_workers_start_together_before_the_first_group_is_scored(tmp_
     """The workers a run scores with (one per group scored at once: here a round's 3 prompts) all
     start as the run starts, side by side, and none inside an iteration: a worker imports
     math-verify (about a second) before its first call, which made the first iteration's scoring
-    slow. (A pool of 3 here: the process's own holds one worker a CPU, 2 to 8.)"""
+    slow. (A pool of its own, no worker of an earlier test in it, of 3: `--reward-workers 3`.)"""
     pool = sandbox.WorkerPool(3, preload=("math_verify", reward_workers.__name__))
     monkeypatch.setattr(reward_workers, "_workers", pool)
     events = []
@@ -673,7 +673,7 @@ def test_the_reward_workers_start_together_before_the_first_group_is_scored(tmp_
 
     monkeypatch.setattr(sandbox.Worker, "_launch", launch)
     monkeypatch.setattr(reward, "score", score)
-    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--prompts-per-iter", "3", "--iterations", "2"]
+    args = ["--local", "--model", str(tiny_model_dir), *TINY, "--prompts-per-iter", "3", "--iterations", "2", "--reward-workers", "3"]
     assert cli_main([*args, "--run-dir", str(tmp_path / "run")]) == 0
     pool.stop()
     assert events[:3] == ["worker started"] * 3
