@@ -23,7 +23,6 @@ from grpo_flyte.types import RolloutGroup, ScoredGroup
 
 def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     assert group.stowed is None, "a stowed group is read back (runtime.storage.fetch_group) before it is scored"
-    use_workers(scoring.reward_workers)
     started = time.perf_counter()
     example = group.example
     episodes = all(r.episode is not None for r in group.rollouts)
@@ -50,6 +49,12 @@ def score(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) 
     return ScoredGroup(group=group, rewards=rewards, score_s=time.perf_counter() - started)
 
 
+def _score_all(scoring: RewardConfig, sampling: SamplingConfig, groups: list[RolloutGroup]) -> list[ScoredGroup]:
+    """`score` on each group, in a pool of the run's --reward-workers (set once a task)."""
+    use_workers(scoring.reward_workers)
+    return [score(scoring, sampling, g) for g in groups]
+
+
 @reward_env.task(retries=2)
 async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: RolloutGroup) -> ScoredGroup:
     """Score every completion of one prompt group with the configured weighted rewards.
@@ -59,7 +64,7 @@ async def score_group(scoring: RewardConfig, sampling: SamplingConfig, group: Ro
     with input_errors_not_retried("score_group"), memory.span() as measured:
         whole = await fetch_group(group)
         # off the event loop: the replica's other groups score meanwhile (each in a sandbox worker)
-        scored = await asyncio.to_thread(score, scoring, sampling, whole)
+        (scored,) = await asyncio.to_thread(_score_all, scoring, sampling, [whole])
     return scored.model_copy(update={"group": group, "memory": measured.peak})
 
 
@@ -69,7 +74,7 @@ async def score_groups(scoring: RewardConfig, sampling: SamplingConfig, groups: 
     stowed groups as score_group takes them."""
     with input_errors_not_retried("score_groups"):
         whole = [await fetch_group(g) for g in groups]
-        scored = await asyncio.to_thread(lambda: [score(scoring, sampling, g) for g in whole])
+        scored = await asyncio.to_thread(_score_all, scoring, sampling, whole)
     return [s.model_copy(update={"group": g}) for s, g in zip(scored, groups, strict=True)]
 
 
