@@ -41,6 +41,22 @@ def tiny_model_dir(tmp_path_factory, embedded_dir) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), embedded_dir)
 
 
+@pytest.fixture(scope="module")
+def llama32_dir(tmp_path_factory, embedded_dir):
+    """A one-layer random Llama whose linear layers all have a multiple of 32 output features, as
+    bitsandbytes' CPU kernel packs them (released models all do; see models._not_4bit): the 4-bit tests'."""
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("llama32")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(path)  # a merged model is saved with one
+    return path
+
+
 @pytest.fixture
 def jsonl_dataset(tmp_path) -> Path:
     rows = [{"question": f"What is {a} + {b}?", "answer": a + b} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 7)]]

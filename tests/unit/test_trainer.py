@@ -425,21 +425,6 @@ def test_a_two_process_step_equals_the_one_process_step(tmp_path, llama_dir):
 # --------------------------------------------------------------------------- QLoRA (--load-in-4bit)
 
 
-@pytest.fixture(scope="module")
-def llama32_dir(tmp_path_factory, embedded_dir):
-    """A one-layer random Llama whose linear layers all have a multiple of 32 output features, as
-    bitsandbytes' CPU kernel packs them (released models all do; see models._not_4bit)."""
-    import transformers
-
-    path = tmp_path_factory.mktemp("llama32")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    transformers.AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(path)  # a merged model is saved with one
-    return path
-
-
 def _four_bit(llama_dir, **settings):
     config = RunConfig(model=str(llama_dir), dtype="float32", max_new_tokens=8, load_in_4bit=True, **settings)
     model = policy.peft_model(config.base, config.lora, str(llama_dir))

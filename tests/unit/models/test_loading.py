@@ -88,19 +88,13 @@ def test_only_the_same_folder_dtype_and_device_share_and_the_weights_outlive_the
     assert loading.share_frozen_weights(third, path, "float32") == 0  # the first is gone: the third starts anew
 
 
-def test_a_4bit_base_on_a_cpu_holds_no_view_of_its_checkpoint_and_shares_its_16bit_weights_with_the_engine(
-    tmp_path, embedded_dir, isolated
-):
-    import bitsandbytes as bnb
-    import transformers
+def test_a_4bit_base_on_a_cpu_holds_no_view_of_its_checkpoint_and_shares_its_16bit_weights_with_the_engine(tmp_path, llama32_dir, isolated):
+    import shutil
 
-    # a model of its own folder: no other test's model maps its file
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    transformers.AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(tmp_path)
-    path, checkpoint = str(tmp_path), str(next(tmp_path.glob("*.safetensors")))
+    import bitsandbytes as bnb
+
+    model_dir = shutil.copytree(llama32_dir, tmp_path / "model")  # a folder of its own: no other test's model maps its file
+    path, checkpoint = str(model_dir), str(next(model_dir.glob("*.safetensors")))
 
     def mapped() -> bool:
         gc.collect()
